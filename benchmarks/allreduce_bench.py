@@ -1,0 +1,500 @@
+#!/usr/bin/env python3
+"""All-reduce microbenchmark on 2 GPUs: YALI against NCCL, vLLM's custom
+all-reduce and pynccl (when vLLM is importable) and torch symmetric memory, in the
+same process pair on the same machine.
+
+For every backend x dtype x size it records
+  * graph: per-op time inside a CUDA graph of many back-to-back ops; one sample
+    per replay (graph time / ops), median and p99 over the replays;
+  * eager: per-op device time of individually launched ops, bracketed by CUDA
+    events, queued behind a GPU sleep so host launch gaps are not counted;
+    p50/p95/p99 over >= --samples ops;
+and busBW in NCCL's convention (bytes / time for 2 ranks), with the peer-copy
+bandwidth GPU0->GPU1 measured in the same run as the link ceiling. Every backend's
+output is checked against a reference once per size before it is timed.
+
+Writes benchmarks/results/<name>.json (kind allreduce-microbench), a markdown
+table and PNG plots.
+
+  python benchmarks/allreduce_bench.py                 # full run
+  python benchmarks/allreduce_bench.py --quick         # a few sizes, bf16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _results import MULTICAST_OFF_ENV  # noqa: E402
+
+os.environ.update(MULTICAST_OFF_ENV)
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+ALL_BACKENDS = ["yali", "yali-flash", "yali-stream", "nccl", "vllm-custom", "vllm-pynccl", "symm-one-shot",
+                "symm-two-shot"]
+DEFAULT_SIZES = "2K,16K,64K,256K,1M,4M,16M,64M,256M,1G"
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper()
+    mul = {"K": KiB, "M": MiB, "G": GiB}.get(s[-1], 1)
+    return int(float(s[:-1] if mul > 1 else s) * mul)
+
+
+def fmt_size(n: int) -> str:
+    for unit, v in (("G", GiB), ("M", MiB), ("K", KiB)):
+        if n >= v and n % v == 0:
+            return f"{n // v}{unit}"
+    return str(n)
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+# ----------------------------------------------------------------------------- backends
+class Backends:
+    """Creates each backend once per rank; .ops[name](x) launches one all-reduce
+    of x on the current stream and returns the output tensor."""
+
+    def __init__(self, rank, dev, gloo, names, max_bytes):
+        import torch
+        import torch.distributed as dist
+
+        self.ops, self.capture_ctx, self.skipped = {}, {}, {}
+        self.max_bytes = {}
+        for name in names:
+            try:
+                self._make(name, rank, dev, gloo, max_bytes, torch, dist)
+            except Exception as e:  # record why a comparison backend is missing
+                self.skipped[name] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                if os.environ.get("YALI_BENCH_DEBUG"):
+                    traceback.print_exc()
+
+    def _make(self, name, rank, dev, gloo, max_bytes, torch, dist):
+        import contextlib
+
+        if name.startswith("yali"):
+            from yali_vllm.communicator import YaliCommunicator
+
+            if not hasattr(self, "_yali"):
+                self._yali = YaliCommunicator(gloo, dev)
+            comm = self._yali
+            mode = {"yali": "config", "yali-flash": "flash", "yali-stream": "stream"}[name]
+            outs = {}
+
+            def op(x, comm=comm, mode=mode, outs=outs):
+                o = outs.get((x.data_ptr(), x.numel(), x.dtype))
+                if o is None:
+                    o = outs[(x.data_ptr(), x.numel(), x.dtype)] = torch.empty_like(x)
+                return comm.all_reduce(x, out=o, mode=mode)
+
+            self.ops[name] = op
+            self.max_bytes[name] = comm.config["flash_bytes"] if name == "yali-flash" else comm.max_bytes
+        elif name == "nccl":
+            def op(x):
+                dist.all_reduce(x)  # default group: NCCL, in place
+                return x
+
+            self.ops[name] = op
+            self.max_bytes[name] = 1 << 62
+        elif name == "vllm-custom":
+            from vllm.distributed.device_communicators.custom_all_reduce import CustomAllreduce
+
+            ca = CustomAllreduce(group=gloo, device=dev)
+            if ca.disabled:
+                raise RuntimeError("vLLM CustomAllreduce disabled itself (see its log)")
+            self._ca = ca
+            self.ops[name] = lambda x: ca.custom_all_reduce(x)
+            self.capture_ctx[name] = ca.capture
+            self.max_bytes[name] = ca.max_size - 16  # it serves inputs strictly below max_size
+        elif name == "vllm-pynccl":
+            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+
+            pn = PyNcclCommunicator(group=gloo, device=dev)
+            self.ops[name] = lambda x: pn.all_reduce(x)
+            self.max_bytes[name] = 1 << 62
+        elif name.startswith("symm-"):
+            import torch.distributed._symmetric_memory as symm_mem
+
+            gname = dist.group.WORLD.group_name
+            bufs = {}
+
+            def buf_for(x):
+                b = bufs.get(x.dtype)
+                if b is None:
+                    b = symm_mem.empty(max_bytes // x.element_size(), dtype=x.dtype, device=dev)
+                    symm_mem.rendezvous(b, gname)
+                    bufs[x.dtype] = b
+                return b[: x.numel()]
+
+            if name == "symm-one-shot":
+                def op(x):
+                    b = buf_for(x)
+                    b.copy_(x)
+                    return torch.ops.symm_mem.one_shot_all_reduce(b, "sum", gname)
+            else:
+                def op(x):
+                    b = buf_for(x)
+                    b.copy_(x)
+                    torch.ops.symm_mem.two_shot_all_reduce_(b, "sum", gname)
+                    return b
+            self.ops[name] = op
+            self.max_bytes[name] = max_bytes
+            self.capture_ctx[name] = contextlib.nullcontext
+        else:
+            raise ValueError(f"unknown backend {name}")
+
+
+# ----------------------------------------------------------------------------- timing
+def sleep_cycles_per_us(torch):
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)
+    s.record()
+    torch.cuda._sleep(20_000_000)
+    e.record()
+    e.synchronize()
+    return 20_000_000 / (s.elapsed_time(e) * 1000.0)
+
+
+def time_graph(torch, op, x, n_ops, replays, capture_ctx):
+    import contextlib
+
+    cur = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            op(x)
+    cur.wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with (capture_ctx or contextlib.nullcontext)():
+        with torch.cuda.graph(g):
+            for _ in range(n_ops):
+                op(x)
+    torch.cuda.synchronize()
+    g.replay()
+    torch.cuda.synchronize()
+    evs = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 2)]
+    evs[0].record()
+    for i in range(replays + 1):  # back-to-back replays keep both GPUs in step
+        g.replay()
+        evs[i + 1].record()
+    evs[-1].synchronize()
+    per_op = [evs[i].elapsed_time(evs[i + 1]) * 1000.0 / n_ops for i in range(1, replays + 1)]  # drop the first
+    del g
+    return per_op
+
+
+def time_eager(torch, op, x, samples, cyc_per_us, host_us_per_op):
+    # Queue the samples behind a GPU sleep long enough for the host to enqueue them all,
+    # so each sample is the device time of one op, not host launch gaps.
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(samples + 1)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(samples + 1)]
+    torch.cuda._sleep(int(cyc_per_us * host_us_per_op * (samples + 1) * 1.5 + 2000 * cyc_per_us))
+    for s, e in zip(starts, ends):
+        s.record()
+        op(x)
+        e.record()
+    ends[-1].synchronize()
+    return [s.elapsed_time(e) * 1000.0 for s, e in zip(starts[1:], ends[1:])]
+
+
+def host_cost_us(torch, op, x):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        op(x)
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / 20 * 1e6
+
+
+def link_bandwidth_gbps(torch):
+    """Copy-engine bandwidth GPU0 -> GPU1 (1 GiB, median of 5): the link ceiling."""
+    a = torch.empty(GiB, dtype=torch.uint8, device="cuda:0")
+    b = torch.empty(GiB, dtype=torch.uint8, device="cuda:1")
+    b.copy_(a)
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    ts = []
+    for _ in range(5):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a, non_blocking=True)
+        e.record()
+        e.synchronize()
+        torch.cuda.synchronize(1)
+        ts.append(s.elapsed_time(e) / 1000.0)
+    del a, b
+    torch.cuda.empty_cache()
+    return GiB / statistics.median(ts) / 1e9
+
+
+# ----------------------------------------------------------------------------- worker
+def worker(rank, port, args, q):
+    os.environ.update(MULTICAST_OFF_ENV)
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            device_id=dev)
+    gloo = dist.new_group(backend="gloo")
+    link = link_bandwidth_gbps(torch) if rank == 0 else None
+    dist.barrier(group=gloo)
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    max_bytes = max(sizes)
+    be = Backends(rank, dev, gloo, args.backends.split(","), max_bytes)
+    cyc = sleep_cycles_per_us(torch)
+    rows, t_start = [], time.time()
+    plan_total = len(args.dtypes.split(",")) * len(sizes) * len(be.ops)
+    done = 0
+    for dname in args.dtypes.split(","):
+        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dname]
+        esize = torch.empty(0, dtype=dtype).element_size()
+        for nbytes in sizes:
+            n = nbytes // esize
+            g = torch.Generator(device=dev).manual_seed(1000 + rank)
+            base = torch.randn(n, generator=g, device=dev, dtype=torch.float32).to(dtype)
+            peer = torch.randn(n, generator=torch.Generator(device=dev).manual_seed(1000 + 1 - rank), device=dev,
+                               dtype=torch.float32).to(dtype)
+            ref = (base.float() + peer.float()).to(dtype)
+            del peer
+            for name, op in be.ops.items():
+                done += 1
+                if nbytes > be.max_bytes[name]:
+                    continue
+                x = base.clone()
+                ok = True
+                try:
+                    out = op(x)
+                    torch.cuda.synchronize()
+                    err = float((out.float() - ref.float()).abs().max())
+                    ok = err <= (0 if name.startswith("yali") else (1e-5 if dtype == torch.float32 else 0.07))
+                    x.copy_(base)
+                    n_ops = max(2, min(args.graph_ops, int(64 * MiB // nbytes)))
+                    graph = time_graph(torch, op, x, n_ops, args.replays, be.capture_ctx.get(name))
+                    samples = args.samples if nbytes <= 256 * MiB else max(100, args.samples // 5)
+                    hcost = host_cost_us(torch, op, x)
+                    eager = time_eager(torch, op, x, samples, cyc, hcost)
+                except Exception as e:
+                    if rank == 0:
+                        print(f"[bench] {name} {dname} {fmt_size(nbytes)} failed: {e}", flush=True)
+                    ok, graph, eager = False, [], []
+                dist.barrier(group=gloo)
+                if not graph:
+                    continue
+                for timing, xs in (("graph", graph), ("eager", eager)):
+                    p50 = statistics.median(xs)
+                    rows.append({
+                        "backend": name, "dtype": dname, "bytes": nbytes, "timing": timing,
+                        "us_p50": round(p50, 3), "us_p95": round(pct(xs, 95), 3), "us_p99": round(pct(xs, 99), 3),
+                        "samples": len(xs), "busbw_gbps": round(nbytes / p50 / 1e3, 2), "correct": ok,
+                    })
+                if rank == 0:
+                    el = time.time() - t_start
+                    print(f"[bench {done}/{plan_total} {el:5.0f}s] {name:14s} {dname} {fmt_size(nbytes):>5s}: "
+                          f"graph {statistics.median(graph):9.2f} us  eager p50 {statistics.median(eager):9.2f} "
+                          f"p99 {pct(eager, 99):9.2f} us  {nbytes / statistics.median(graph) / 1e3:7.1f} GB/s"
+                          f"{'' if ok else '  WRONG RESULT'}", flush=True)
+                del x
+            del base, ref
+            torch.cuda.empty_cache()
+    q.put((rank, {"rows": rows, "link_gbps": link, "skipped": be.skipped}))
+    if hasattr(be, "_yali"):
+        be._yali.close()
+    dist.barrier(group=gloo)
+    dist.destroy_process_group()
+
+
+def run(args):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=worker, args=(r, port, args, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {}
+    deadline = time.time() + args.timeout
+    import queue
+
+    while len(results) < 2 and time.time() < deadline:
+        try:
+            r, v = q.get(timeout=5)
+            results[r] = v
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    if 0 not in results:
+        raise SystemExit("benchmark failed or timed out (see worker output above)")
+    return results[0]
+
+
+def write_outputs(args, res):
+    from _results import results_header, write_results
+
+    import torch
+
+    hdr = results_header("allreduce-microbench", {
+        "link_gbps": round(res["link_gbps"], 1) if res["link_gbps"] else None,
+        "skipped_backends": res["skipped"],
+        "method": "graph: per-op = graph replay time / ops per graph, p50/p99 over replays; eager: per-op "
+                  "device time between CUDA events, ops queued behind a GPU sleep; busbw = bytes / us_p50",
+        "yali_config": _yali_config(),
+    })
+    hdr["records"] = res["rows"]
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{args.name}.json")
+    write_results(path, hdr)
+    md = markdown_table(hdr)
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
+        f.write(md)
+    plot(hdr, args.out, args.name)
+    print(md)
+    print(f"wrote {path}")
+    del torch
+
+
+def _yali_config():
+    try:
+        from yali_vllm import config
+
+        return config.kernel_config()
+    except Exception as e:
+        return str(e)
+
+
+def markdown_table(res, dtype="bf16"):
+    rows = [r for r in res["records"] if r["dtype"] == dtype]
+    backends = [b for b in ALL_BACKENDS if any(r["backend"] == b for r in rows)]
+    sizes = sorted({r["bytes"] for r in rows})
+    get = {(r["backend"], r["bytes"], r["timing"]): r for r in rows}
+    out = [f"# All-reduce microbenchmark ({dtype}, {res['host']}, link {res.get('link_gbps')} GB/s GPU0->GPU1)\n",
+           f"{res['date']} · `{res['command']}`\n",
+           "\n## Per-op time inside CUDA graphs, µs (p50 over replays)\n",
+           "| size | " + " | ".join(backends) + " | yali vs best other |", "|---:|" + "---:|" * (len(backends) + 1)]
+    for s in sizes:
+        cells, others = [], []
+        for b in backends:
+            r = get.get((b, s, "graph"))
+            cells.append(f"{r['us_p50']:.2f}" if r else "–")
+            if r and not b.startswith("yali"):
+                others.append(r["us_p50"])
+        y = get.get(("yali", s, "graph"))
+        cells.append(f"{min(others) / y['us_p50']:.2f}×" if y and others else "–")
+        out.append(f"| {fmt_size(s)} | " + " | ".join(cells) + " |")
+    out += ["\n## busBW (GB/s, graph p50)\n", "| size | " + " | ".join(backends) + " |",
+            "|---:|" + "---:|" * len(backends)]
+    for s in sizes:
+        out.append(f"| {fmt_size(s)} | " + " | ".join(
+            f"{get[(b, s, 'graph')]['busbw_gbps']:.0f}" if (b, s, "graph") in get else "–" for b in backends) + " |")
+    out += ["\n## Eager per-op device time, µs: p50 / p99 (p99/p50)\n", "| size | " + " | ".join(backends) + " |",
+            "|---:|" + "---:|" * len(backends)]
+    for s in sizes:
+        cells = []
+        for b in backends:
+            r = get.get((b, s, "eager"))
+            cells.append(f"{r['us_p50']:.1f} / {r['us_p99']:.1f} ({r['us_p99'] / r['us_p50']:.2f})" if r else "–")
+        out.append(f"| {fmt_size(s)} | " + " | ".join(cells) + " |")
+    if res.get("skipped_backends"):
+        out.append("\nSkipped backends: " + "; ".join(f"{k}: {v}" for k, v in res["skipped_backends"].items()))
+    return "\n".join(out) + "\n"
+
+
+def plot(res, out_dir, name, dtype="bf16"):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plots")
+        return
+    rows = [r for r in res["records"] if r["dtype"] == dtype]
+    backends = [b for b in ALL_BACKENDS if any(r["backend"] == b for r in rows)]
+    get = {(r["backend"], r["bytes"], r["timing"]): r for r in rows}
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5))
+    for b in backends:
+        pts = sorted((s, r) for (bb, s, t), r in get.items() if bb == b and t == "graph")
+        if not pts:
+            continue
+        xs = [p[0] for p in pts]
+        axes[0].plot(xs, [p[1]["busbw_gbps"] for p in pts], marker="o", label=b)
+        if ("nccl", xs[0], "graph") in get:
+            sp = [(s, get[("nccl", s, "graph")]["us_p50"] / r["us_p50"]) for s, r in pts if ("nccl", s, "graph") in get]
+            axes[1].plot([p[0] for p in sp], [p[1] for p in sp], marker="o", label=b)
+        ep = sorted((s, r) for (bb, s, t), r in get.items() if bb == b and t == "eager")
+        axes[2].plot([p[0] for p in ep], [p[1]["us_p99"] / p[1]["us_p50"] for p in ep], marker="o", label=b)
+    if res.get("link_gbps"):
+        axes[0].axhline(res["link_gbps"], color="k", ls="--", lw=1, label="peer copy GPU0→GPU1")
+    axes[0].set(title=f"busBW vs size ({dtype}, CUDA graph)", ylabel="GB/s")
+    axes[1].set(title="speedup over NCCL (graph per-op time)", ylabel="× NCCL")
+    axes[1].axhline(1.0, color="k", lw=0.8)
+    axes[2].set(title="eager per-op latency p99 / p50", ylabel="p99/p50")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bytes")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{name}.png")
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default=DEFAULT_SIZES, help="comma list, K/M/G suffixes (default %(default)s)")
+    ap.add_argument("--dtypes", default="bf16,fp16,fp32")
+    ap.add_argument("--backends", default=",".join(ALL_BACKENDS))
+    ap.add_argument("--graph-ops", type=int, default=50, help="ops per CUDA graph (fewer for large sizes)")
+    ap.add_argument("--replays", type=int, default=20, help="timed graph replays")
+    ap.add_argument("--samples", type=int, default=1000, help="eager samples per size")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--name", default=None, help="result file stem (default allreduce-<date>)")
+    ap.add_argument("--timeout", type=float, default=1500, help="give up after this many seconds")
+    ap.add_argument("--quick", action="store_true", help="bf16, 5 sizes, fewer samples")
+    ap.add_argument("--report-only", metavar="JSON", help="rebuild table and plots from a result file")
+    args = ap.parse_args(argv)
+    if args.report_only:
+        with open(args.report_only) as f:
+            res = json.load(f)
+        out = os.path.dirname(os.path.abspath(args.report_only))
+        stem = os.path.splitext(os.path.basename(args.report_only))[0]
+        with open(os.path.join(out, stem + ".md"), "w") as f:
+            f.write(markdown_table(res))
+        plot(res, out, stem)
+        return
+    if args.quick:
+        args.sizes, args.dtypes, args.samples, args.replays = "2K,64K,1M,4M,64M", "bf16", 300, 10
+    args.name = args.name or "allreduce-" + time.strftime("%Y%m%d-%H%M%S")
+    res = run(args)
+    write_outputs(args, res)
+
+
+if __name__ == "__main__":
+    main()

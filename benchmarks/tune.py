@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Measures YALI kernel configurations side by side (one process pair, one
+communicator per variant) to choose the size -> kernel table in
+csrc/core/yali/config.cpp. Per-op time inside CUDA graphs, median of replays.
+
+  python benchmarks/tune.py --out benchmarks/results --name tune-<date>
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _results import MULTICAST_OFF_ENV, results_header, write_results  # noqa: E402
+from allreduce_bench import fmt_size, parse_size, time_graph  # noqa: E402
+
+os.environ.update(MULTICAST_OFF_ENV)
+
+SMALL = "2K,8K,32K,64K,128K,256K,512K"
+MID = "256K,512K,1M,2M,4M,8M,16M"
+LARGE = "16M,32M,64M,256M,1G"
+# label -> (env, mode, sizes)
+VARIANTS = {
+    "ll-cta512": ({"YALI_DEV_LL_MAX": "256K", "YALI_DEV_LL_CTA_BYTES": "512", "YALI_DEV_FLASH_CTAS": "128"}, "flash",
+                  "2K,16K,32K,64K,128K,256K"),
+    "ll-cta1K": ({"YALI_DEV_LL_MAX": "256K", "YALI_DEV_LL_CTA_BYTES": "1K", "YALI_DEV_FLASH_CTAS": "128"}, "flash",
+                 "2K,16K,32K,64K,128K,256K"),
+    "ll-cta2K": ({"YALI_DEV_LL_MAX": "256K", "YALI_DEV_LL_CTA_BYTES": "2K", "YALI_DEV_FLASH_CTAS": "128"}, "flash",
+                 "2K,16K,32K,64K,128K,256K"),
+    "oneshot-c128-16K": ({"YALI_DEV_LL_MAX": "0", "YALI_DEV_FLASH_CTAS": "128"}, "flash", MID),
+    "oneshot-c128-8K": ({"YALI_DEV_LL_MAX": "0", "YALI_DEV_FLASH_CTAS": "128", "YALI_DEV_FLASH_CTA_BYTES": "8K"},
+                        "flash", MID),
+    "stream-l128-s8-64K": ({"YALI_DEV_LANES": "128", "YALI_DEV_SLOTS": "8", "YALI_DEV_SLOT_BYTES": "64K"},
+                           "stream", MID + "," + LARGE),
+    "stream-l128-s8-32K": ({"YALI_DEV_LANES": "128", "YALI_DEV_SLOTS": "8", "YALI_DEV_SLOT_BYTES": "32K"},
+                           "stream", MID + "," + LARGE),
+    "stream-l128-s16-32K": ({"YALI_DEV_LANES": "128", "YALI_DEV_SLOTS": "16", "YALI_DEV_SLOT_BYTES": "32K"},
+                            "stream", MID + "," + LARGE),
+    "stream-l128-s4-128K": ({"YALI_DEV_LANES": "128", "YALI_DEV_SLOTS": "4", "YALI_DEV_SLOT_BYTES": "128K"},
+                            "stream", MID + "," + LARGE),
+    "stream-l64-s8-64K": ({"YALI_DEV_LANES": "64", "YALI_DEV_SLOTS": "8", "YALI_DEV_SLOT_BYTES": "64K"},
+                          "stream", MID + "," + LARGE),
+    "stream-l128-s8-16K": ({"YALI_DEV_LANES": "128", "YALI_DEV_SLOTS": "8", "YALI_DEV_SLOT_BYTES": "16K"},
+                           "stream", MID),
+}
+
+
+def worker(rank, port, args, q):
+    os.environ.update(MULTICAST_OFF_ENV)
+    import torch
+    import torch.distributed as dist
+
+    from yali_vllm.communicator import YaliCommunicator
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    rows = []
+    names = args.variants.split(",") if args.variants else list(VARIANTS)
+    base_env = {k: v for k, v in os.environ.items() if k.startswith("YALI_")}
+    for vi, label in enumerate(names):
+        env, mode, sizes = VARIANTS[label]
+        for k in [k for k in os.environ if k.startswith("YALI_")]:
+            del os.environ[k]
+        os.environ.update(base_env)
+        os.environ.update(env)
+        comm = YaliCommunicator(dist.group.WORLD, dev)
+        for s in sizes.split(","):
+            nbytes = parse_size(s)
+            x = torch.randn(nbytes // 2, device=dev).to(torch.bfloat16)
+            out = torch.empty_like(x)
+            ref = None
+            try:
+                comm.all_reduce(x, out=out, mode=mode)
+                times = time_graph(torch, lambda t: comm.all_reduce(t, out=out, mode=mode), x,
+                                   max(2, min(50, int((64 << 20) // nbytes))), args.replays, None)
+                rows.append({"variant": label, "env": env, "mode": mode, "bytes": nbytes, "dtype": "bf16",
+                             "us_p50": round(statistics.median(times), 3), "us_min": round(min(times), 3),
+                             "busbw_gbps": round(nbytes / statistics.median(times) / 1e3, 1)})
+            except Exception as e:
+                rows.append({"variant": label, "bytes": nbytes, "error": str(e)[:200]})
+            del x, out, ref
+        comm.close()
+        torch.cuda.empty_cache()
+        dist.barrier()
+        if rank == 0:
+            got = [r for r in rows if r["variant"] == label]
+            print(f"[tune {vi + 1}/{len(names)}] {label:22s} " + "  ".join(
+                f"{fmt_size(r['bytes'])}:{r.get('us_p50', 'ERR')}" for r in got), flush=True)
+    q.put((rank, rows))
+    dist.destroy_process_group()
+
+
+def table(rows):
+    sizes = sorted({r["bytes"] for r in rows})
+    labels = list(dict.fromkeys(r["variant"] for r in rows))
+    get = {(r["variant"], r["bytes"]): r for r in rows}
+    out = ["| variant | " + " | ".join(fmt_size(s) for s in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+    for lab in labels:
+        cells = []
+        for s in sizes:
+            r = get.get((lab, s))
+            cells.append("–" if r is None else ("err" if "error" in r else f"{r['us_p50']:.2f}"))
+        out.append(f"| {lab} | " + " | ".join(cells) + " |")
+    best = []
+    for s in sizes:
+        cand = [(r["us_p50"], r["variant"]) for r in rows if r["bytes"] == s and "us_p50" in r]
+        if cand:
+            best.append(f"{fmt_size(s)}: {min(cand)[1]} ({min(cand)[0]:.2f} us)")
+    return "\n".join(out) + "\n\nBest per size: " + "; ".join(best) + "\n"
+
+
+def main():
+    import multiprocessing as mp
+    import queue
+    import socket
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--variants", default="", help="comma list of variant labels (default: all)")
+    ap.add_argument("--replays", type=int, default=15)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--name", default="tune-" + time.strftime("%Y%m%d-%H%M%S"))
+    args = ap.parse_args()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=worker, args=(r, port, args, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    res = {}
+    deadline = time.time() + 900
+    while len(res) < 2 and time.time() < deadline:
+        try:
+            r, v = q.get(timeout=5)
+            res[r] = v
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
+    for p in procs:
+        p.join(timeout=20)
+        if p.is_alive():
+            p.kill()
+    if 0 not in res:
+        raise SystemExit("tuning failed")
+    hdr = results_header("allreduce-tuning", {"method": "bf16, per-op time in CUDA graphs, p50 of replays"})
+    hdr["records"] = res[0]
+    os.makedirs(args.out, exist_ok=True)
+    write_results(os.path.join(args.out, args.name + ".json"), hdr)
+    md = table(res[0])
+    with open(os.path.join(args.out, args.name + ".md"), "w") as f:
+        f.write(f"# YALI tuning ({hdr['host']})\n\n{hdr['date']} · `{hdr['command']}`\n\n" + md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+#include "config.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <sstream>
+#include <stdexcept>
+
+#include "layout.h"
+
+namespace yali {
+
+const char* kernel_name(Kernel k) {
+  switch (k) {
+    case Kernel::FlashOneShot: return "flash-oneshot";
+    case Kernel::FlashTwoShot: return "flash-twoshot";
+    case Kernel::Stream: return "stream";
+    case Kernel::FlashLL: return "flash-ll";
+    default: return "none";
+  }
+}
+
+size_t dtype_size(DType t) { return t == DType::F32 ? 4 : 2; }
+
+namespace {
+
+[[noreturn]] void bad(const char* var, const std::string& value, const std::string& accepted) {
+  throw std::invalid_argument(std::string(var) + "=" + value + " is invalid: expected " + accepted);
+}
+
+// Parses "123", "64K", "16M", "2G" (binary units). Returns false if unset or empty.
+bool env_bytes(const char* var, size_t lo, size_t hi, size_t multiple, size_t* out) {
+  const char* s = std::getenv(var);
+  if (!s || !*s) return false;
+  const std::string v(s);
+  const std::string accepted = "a byte count in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                               "]" + (multiple > 1 ? " and a multiple of " + std::to_string(multiple) : "") +
+                               " (suffixes K, M, G allowed)";
+  char* end = nullptr;
+  errno = 0;
+  unsigned long long n = std::strtoull(s, &end, 10);
+  if (end == s || errno != 0 || v[0] == '-') bad(var, v, accepted);
+  unsigned long long mul = 1;
+  if (*end == 'K' || *end == 'k') mul = 1ull << 10, ++end;
+  else if (*end == 'M' || *end == 'm') mul = 1ull << 20, ++end;
+  else if (*end == 'G' || *end == 'g') mul = 1ull << 30, ++end;
+  if (*end != '\0' || n > (~0ull) / mul) bad(var, v, accepted);
+  n *= mul;
+  if (n < lo || n > hi || (multiple > 1 && n % multiple != 0)) bad(var, v, accepted);
+  *out = size_t(n);
+  return true;
+}
+
+bool env_int(const char* var, int lo, int hi, int* out) {
+  const char* s = std::getenv(var);
+  if (!s || !*s) return false;
+  char* end = nullptr;
+  errno = 0;
+  long n = std::strtol(s, &end, 10);
+  if (end == s || *end != '\0' || errno != 0 || n < lo || n > hi)
+    bad(var, s, "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  *out = int(n);
+  return true;
+}
+
+void check_range(const char* var, size_t v, size_t lo, size_t hi, size_t multiple) {
+  if (v < lo || v > hi || (multiple > 1 && v % multiple))
+    bad(var, std::to_string(v),
+        "a byte count in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]" +
+            (multiple > 1 ? " and a multiple of " + std::to_string(multiple) : ""));
+}
+
+void check_int(const char* var, int v, int lo, int hi) {
+  if (v < lo || v > hi)
+    bad(var, std::to_string(v), "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+}
+
+size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+Config Config::from_env() {
+  Config c;
+  if (const char* m = std::getenv("YALI_KERNEL_MODE"); m && *m) {
+    const std::string v(m);
+    if (v == "auto") c.mode = KernelMode::Auto;
+    else if (v == "flash") c.mode = KernelMode::Flash;
+    else if (v == "stream") c.mode = KernelMode::Stream;
+    else bad("YALI_KERNEL_MODE", v, "one of auto, flash, stream");
+  }
+  env_bytes("YALI_MAX_BYTES", 16, size_t(1) << 40, 1, &c.max_bytes);
+  env_bytes("YALI_DEV_FLASH_BYTES", 4096, size_t(1) << 30, 4096, &c.flash_bytes);
+  env_bytes("YALI_DEV_LL_MAX", 0, size_t(16) << 20, 16, &c.ll_max);
+  env_bytes("YALI_DEV_LL_CTA_BYTES", 512, size_t(16) << 20, 16, &c.ll_cta_bytes);
+  env_bytes("YALI_DEV_ONESHOT_MAX", 0, size_t(1) << 30, 1, &c.oneshot_max);
+  env_bytes("YALI_DEV_STREAM_MIN", 0, size_t(1) << 40, 1, &c.stream_min);
+  env_int("YALI_DEV_FLASH_CTAS", 1, kMaxFlashCtas, &c.flash_ctas);
+  env_bytes("YALI_DEV_FLASH_CTA_BYTES", 512, size_t(64) << 20, 16, &c.flash_cta_bytes);
+  env_int("YALI_DEV_LANES", 1, kMaxLanes, &c.lanes);
+  env_int("YALI_DEV_SLOTS", 2, kMaxSlots, &c.slots);
+  env_bytes("YALI_DEV_SLOT_BYTES", 4096, size_t(16) << 20, 4096, &c.slot_bytes);
+  if (const char* t = std::getenv("YALI_TIMEOUT_S"); t && *t) {
+    char* end = nullptr;
+    double v = std::strtod(t, &end);
+    if (end == t || *end != '\0' || !(v >= 0.0) || v > 86400.0)
+      bad("YALI_TIMEOUT_S", t, "seconds in [0, 86400] (0 disables the watchdog)");
+    c.timeout_s = v;
+  }
+  c.validate();
+  return c;
+}
+
+void Config::validate() const {
+  check_range("YALI_MAX_BYTES", max_bytes, 16, size_t(1) << 40, 1);
+  check_range("YALI_DEV_FLASH_BYTES", flash_bytes, 4096, size_t(1) << 30, 4096);
+  check_range("YALI_DEV_LL_MAX", ll_max, 0, std::min(flash_bytes, size_t(16) << 20), 16);
+  check_range("YALI_DEV_LL_CTA_BYTES", ll_cta_bytes, 512, size_t(16) << 20, 16);
+  check_int("YALI_DEV_FLASH_CTAS", flash_ctas, 1, kMaxFlashCtas);
+  check_range("YALI_DEV_FLASH_CTA_BYTES", flash_cta_bytes, 512, size_t(64) << 20, 16);
+  check_int("YALI_DEV_LANES", lanes, 1, kMaxLanes);
+  check_int("YALI_DEV_SLOTS", slots, 2, kMaxSlots);
+  check_range("YALI_DEV_SLOT_BYTES", slot_bytes, 4096, size_t(16) << 20, 4096);
+  if (!(timeout_s >= 0.0 && timeout_s <= 86400.0))
+    bad("YALI_TIMEOUT_S", std::to_string(timeout_s), "seconds in [0, 86400]");
+}
+
+std::string Config::to_string() const {
+  std::ostringstream o;
+  o << "mode=" << (mode == KernelMode::Auto ? "auto" : mode == KernelMode::Flash ? "flash" : "stream")
+    << " max_bytes=" << max_bytes << " flash_bytes=" << flash_bytes << " ll_max=" << ll_max
+    << " ll_cta_bytes=" << ll_cta_bytes << " oneshot_max=" << oneshot_max
+    << " stream_min=" << stream_min << " flash_ctas=" << flash_ctas << " flash_cta_bytes=" << flash_cta_bytes
+    << " lanes=" << lanes << " slots=" << slots << " slot_bytes=" << slot_bytes << " timeout_s=" << timeout_s;
+  return o.str();
+}
+
+Plan plan_for(const Config& c, size_t nbytes) {
+  Plan p;
+  if (nbytes == 0 || nbytes > c.max_bytes) return p;
+  const bool flash_fits = nbytes <= c.flash_bytes;
+  bool use_stream;
+  switch (c.mode) {
+    case KernelMode::Flash:
+      if (!flash_fits) return p;  // forced flash cannot take it: the caller falls back
+      use_stream = false;
+      break;
+    case KernelMode::Stream: use_stream = true; break;
+    default: use_stream = !flash_fits || nbytes > c.stream_min; break;
+  }
+  if (use_stream) {
+    p.kernel = Kernel::Stream;
+    // Chunks of at most one ring slot, spread round-robin over the lanes; a lane
+    // with several chunks cycles through its ring, overlapping send and receive.
+    const size_t per_lane = ceil_div(nbytes, size_t(c.lanes));
+    p.chunk_bytes = std::min(c.slot_bytes, ceil_div(per_lane, 16) * 16);
+    p.blocks = int(std::min<size_t>(c.lanes, ceil_div(nbytes, p.chunk_bytes)));
+    return p;
+  }
+  if (nbytes <= c.ll_max) {
+    p.kernel = Kernel::FlashLL;
+    p.blocks = int(std::min<size_t>(c.flash_ctas, ceil_div(nbytes, c.ll_cta_bytes)));
+    return p;
+  }
+  p.kernel = nbytes <= c.oneshot_max ? Kernel::FlashOneShot : Kernel::FlashTwoShot;
+  p.blocks = int(std::min<size_t>(c.flash_ctas, ceil_div(nbytes, c.flash_cta_bytes)));
+  return p;
+}
+
+size_t shared_buffer_bytes(const Config& c) { return SharedLayout(c).total; }
+
+}  // namespace yali

@@ -1,0 +1,63 @@
+// Run-time configuration and the one size -> kernel table.
+//
+// Everything a user or tuner can change is read here, once, from environment
+// variables, and validated: a bad value throws std::invalid_argument whose
+// message names the variable and the accepted range. Both ranks must resolve
+// the same Config (the communicator checks), because the kernels' lock-step
+// protocols assume both GPUs launch the same kernel with the same shape.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace yali {
+
+enum class KernelMode : int { Auto = 0, Flash = 1, Stream = 2 };
+enum class Kernel : int { None = 0, FlashOneShot = 1, FlashTwoShot = 2, Stream = 3, FlashLL = 4 };
+enum class DType : int { F32 = 0, F16 = 1, BF16 = 2 };
+
+const char* kernel_name(Kernel k);
+size_t dtype_size(DType t);
+
+// Hard limits of the kernels (array sizes in the shared flag region).
+constexpr int kMaxFlashCtas = 128;
+constexpr int kMaxLanes = 128;
+constexpr int kMaxSlots = 16;
+constexpr int kFlashThreads = 512;
+constexpr int kStreamThreads = 512;  // half senders, half receivers
+
+struct Config {
+  KernelMode mode = KernelMode::Auto;  // YALI_KERNEL_MODE
+  size_t max_bytes = size_t(2) << 30;  // YALI_MAX_BYTES: largest message served
+  size_t flash_bytes = 8u << 20;       // YALI_DEV_FLASH_BYTES: largest message flash can take
+  size_t ll_max = 128u << 10;          // YALI_DEV_LL_MAX: flash-ll (flag-in-data) up to here
+  size_t ll_cta_bytes = 1u << 10;      // YALI_DEV_LL_CTA_BYTES: bytes per active flash-ll CTA
+  size_t oneshot_max = 8u << 20;       // YALI_DEV_ONESHOT_MAX: one-shot up to here, then two-shot
+  size_t stream_min = 8u << 20;        // YALI_DEV_STREAM_MIN: auto picks stream above this
+  int flash_ctas = 128;                // YALI_DEV_FLASH_CTAS: most CTAs of a flash launch
+  size_t flash_cta_bytes = 16u << 10;  // YALI_DEV_FLASH_CTA_BYTES: bytes per active flash CTA
+  int lanes = 128;                     // YALI_DEV_LANES: stream lanes (one CTA each)
+  int slots = 8;                       // YALI_DEV_SLOTS: ring slots per lane
+  size_t slot_bytes = 64u << 10;       // YALI_DEV_SLOT_BYTES
+  double timeout_s = 300.0;            // YALI_TIMEOUT_S: a kernel waiting longer aborts (0 = never)
+
+  static Config from_env();  // throws std::invalid_argument naming the bad variable
+  void validate() const;     // same checks, for configs built in code
+  std::string to_string() const;
+  bool operator==(const Config& o) const { return to_string() == o.to_string(); }
+};
+
+// What one all-reduce launches.
+struct Plan {
+  Kernel kernel = Kernel::None;  // None: YALI does not serve this message
+  int blocks = 0;                // active flash CTAs, or stream lanes
+  size_t chunk_bytes = 0;        // stream only: bytes per ring slot use
+};
+
+// The size -> kernel table. `nbytes` is the message size in bytes.
+Plan plan_for(const Config& c, size_t nbytes);
+
+// Bytes of the IPC-shared buffer one rank allocates for this config.
+size_t shared_buffer_bytes(const Config& c);
+
+}  // namespace yali

@@ -1,0 +1,66 @@
+// Byte layout of the buffer each rank allocates once and shares with its peer
+// by CUDA IPC. The peer writes the flag words and the stream slots (remote
+// stores over NVLink) and reads the flash stage/gather areas (remote loads).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "config.h"
+
+namespace yali {
+
+struct SharedLayout {
+  // Flag words, 8 bytes each, written only by the peer, polled only locally.
+  size_t flash_arrive;   // [kMaxFlashCtas]  "my flash CTA b staged its data for epoch e"
+  size_t flash_gather;   // [kMaxFlashCtas]  "my two-shot CTA b published its reduced half"
+  size_t stream_ready;   // [kMaxLanes * kMaxSlots]  "slot holds my chunk with sequence g"
+  size_t stream_credit;  // [kMaxLanes * kMaxSlots]  "I consumed your chunk with sequence g"
+  // Data areas.
+  size_t flash_stage;    // 2 parities x flash_bytes: my input, staged for the peer to read
+  size_t flash_reduced;  // 2 parities x flash_bytes: two-shot, my reduced half for the peer
+  size_t flash_ll;       // 2 parities x 2*ll_max: flash-ll words {data, flag}, written by the peer
+  size_t stream_slots;   // lanes x slots x slot_bytes: the peer's chunks land here
+  size_t total;
+
+  explicit SharedLayout(const Config& c) {
+    size_t off = 0;
+    auto take = [&off](size_t bytes) {
+      size_t at = off;
+      off = (off + bytes + 255) / 256 * 256;  // keep every area 256-byte aligned
+      return at;
+    };
+    flash_arrive = take(sizeof(uint64_t) * kMaxFlashCtas);
+    flash_gather = take(sizeof(uint64_t) * kMaxFlashCtas);
+    stream_ready = take(sizeof(uint64_t) * kMaxLanes * kMaxSlots);
+    stream_credit = take(sizeof(uint64_t) * kMaxLanes * kMaxSlots);
+    flash_ll = take(2 * 2 * c.ll_max);
+    flags_end = off;  // the LL words are flags too: they must start zeroed
+    flash_stage = take(2 * c.flash_bytes);
+    flash_reduced = take(2 * c.flash_bytes);
+    stream_slots = take(size_t(c.lanes) * c.slots * c.slot_bytes);
+    total = off;
+  }
+  size_t flags_end;  // [0, flags_end) must be zeroed before the peer may write
+};
+
+// State only the owning GPU touches; it persists across calls and is advanced
+// by the kernels themselves, which is what makes every call CUDA-graph safe.
+struct LocalState {
+  uint64_t flash_epoch[kMaxFlashCtas];  // per flash CTA; all advance together every flash call
+  uint64_t lane_seq[kMaxLanes];         // chunks each stream lane has sent (= received)
+  uint64_t calls;                       // YALI kernel launches that ran (graph replays included)
+};
+
+// Written by a kernel that gave up waiting for its peer, read by the host after
+// the launch failed (host-mapped, so it survives the aborted context).
+struct AbortInfo {
+  uint32_t magic;  // kAbortMagic once filled
+  int32_t kernel;  // Kernel enum
+  int32_t block;
+  int32_t what;    // 1 = flash arrive, 2 = flash gather, 3 = stream credit, 4 = stream ready, 5 = flash-ll
+  uint64_t expected;
+  uint64_t seen;
+};
+constexpr uint32_t kAbortMagic = 0x59414c49;  // "YALI"
+
+}  // namespace yali

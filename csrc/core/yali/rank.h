@@ -1,0 +1,61 @@
+// One GPU's side of a 2-GPU YALI communicator: the buffers it owns, the
+// peer's buffer it has mapped, and the launch of one all-reduce. No torch here:
+// the torch op layer (csrc/bindings) and the C++ API (yali.h) both sit on this.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cstdint>
+#include <string>
+
+#include "config.h"
+#include "layout.h"
+
+namespace yali {
+
+using IpcHandleBytes = std::array<uint8_t, sizeof(cudaIpcMemHandle_t)>;
+
+class Rank {
+ public:
+  // Allocates and zeroes this rank's buffers on `device`. Throws std::runtime_error.
+  Rank(int device, int rank, const Config& config);
+  ~Rank();
+  Rank(const Rank&) = delete;
+  Rank& operator=(const Rank&) = delete;
+
+  // Multi-process: export my shared buffer, then map the peer's.
+  IpcHandleBytes ipc_handle() const;
+  void open_peer(const IpcHandleBytes& peer);
+  // Single process driving both GPUs: use the other Rank's buffer directly (P2P).
+  void attach_peer(Rank& peer);
+
+  // Launches one all-reduce of `nbytes` bytes of `dtype` on `stream`.
+  // `mode` overrides Config::mode for this call (benchmarks force a kernel).
+  // Returns cudaErrorInvalidValue for inputs this rank cannot serve (check
+  // plan() and alignment first), or the launch error.
+  cudaError_t all_reduce(const void* in, void* out, size_t nbytes, DType dtype, cudaStream_t stream,
+                         KernelMode mode) const;
+  Plan plan(size_t nbytes, KernelMode mode) const;
+
+  uint64_t device_calls() const;      // synchronising read of LocalState::calls
+  std::string abort_message() const;  // "" unless a kernel gave up waiting
+  const Config& config() const { return config_; }
+  size_t buffer_bytes() const { return layout_.total; }
+  int device() const { return device_; }
+  int rank() const { return rank_; }
+  bool connected() const { return peer_shared_ != nullptr; }
+
+ private:
+  int device_;
+  int rank_;
+  Config config_;
+  SharedLayout layout_;
+  char* shared_ = nullptr;       // mine, IPC-exported
+  char* peer_shared_ = nullptr;  // the peer's, mapped
+  bool peer_is_ipc_ = false;
+  LocalState* state_ = nullptr;
+  AbortInfo* abort_host_ = nullptr;
+  AbortInfo* abort_dev_ = nullptr;
+};
+
+}  // namespace yali

@@ -1,0 +1,68 @@
+"""Runs one function in two processes (rank 0 on GPU 0, rank 1 on GPU 1) joined
+by a gloo group, with a hard time bound, and returns both results."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, port, fn, args, env, q):
+    os.environ.update(env)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.cuda.set_device(rank)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        try:
+            q.put((rank, "ok", fn(rank, dist.group.WORLD, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def run_pair(fn, *args, timeout: float = 300.0, env: dict | None = None):
+    """fn(rank, group, *args) runs in both ranks; returns [result0, result1].
+
+    Raises AssertionError with the worker's traceback if either rank fails, and
+    kills both if they are not done within `timeout` seconds (a hang is a failure).
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    env = dict(env or {})
+    procs = [ctx.Process(target=_entry, args=(r, port, fn, args, env, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results, errors = [None, None], []
+    try:
+        import queue
+
+        for _ in range(2):
+            try:
+                rank, status, value = q.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"{fn.__name__}: no result within {timeout}s (hang?)")
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=10 if not errors else 2)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return results

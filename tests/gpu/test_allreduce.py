@@ -1,0 +1,91 @@
+"""Correctness of the YALI kernels on 2 GPUs (skipped without them)."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from . import scenarios
+from .pair import run_pair
+
+pytestmark = pytest.mark.gpu
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+SIZES = [2 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1 * GiB]
+ODD = [1, 3, 7, 1001, 12345, 65537, 1000003]
+
+
+@pytest.mark.timeout(900)
+def test_sweep_all_dtypes_sizes_modes():
+    res = run_pair(scenarios.sweep, SIZES, ODD, ["fp32", "fp16", "bf16"], ["auto", "flash", "stream"], 1234,
+                   timeout=840)
+    for r in res:
+        assert r["checked"] > 250
+        assert not r["failures"], "\n".join(r["failures"][:20])
+
+
+@pytest.mark.timeout(600)
+def test_cuda_graph_10k_replays():
+    res = run_pair(scenarios.graph_replays, 10_000, 1000, 99, timeout=540)
+    for r in res:
+        assert not r["failures"], r["failures"][:10]
+        assert r["checks"] >= 10
+        # the device-side counter proves the replays ran YALI's kernels
+        assert r["device_calls"] == r["expected_calls"]
+
+
+@pytest.mark.timeout(600)
+def test_stress_100k_random_calls_bounded():
+    res = run_pair(scenarios.stress, 100_000, 4321, 8 * MiB, timeout=540)
+    for r in res:
+        assert not r["failures"], r["failures"][:10]
+        assert r["checked"] >= 100
+        assert r["elapsed_s"] < 300, f"100k calls took {r['elapsed_s']:.0f}s"
+
+
+@pytest.mark.timeout(300)
+def test_torch_compile_fullgraph():
+    for r in run_pair(scenarios.compiled, timeout=280):
+        assert r["mismatches"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_missing_peer_aborts_instead_of_hanging():
+    r0, _ = run_pair(scenarios.missing_peer, 8.0, timeout=100, env={"YALI_TIMEOUT_S": "2"})
+    assert r0["error"] is not None, "rank 0 finished although its peer never joined"
+    assert "gave up" in r0["abort"] and "flash" in r0["abort"], r0
+    assert r0["elapsed_s"] < 60
+
+
+def test_single_process_pair():
+    from yali_vllm.communicator import YaliPair
+
+    pair = YaliPair(0, 1)
+    try:
+        for dtype, n in [(torch.bfloat16, 1), (torch.float16, 77777), (torch.float32, (3 << 20) + 1),
+                         (torch.bfloat16, 48 << 20)]:
+            for mode in ("auto", "stream"):
+                a, b = scenarios.inputs(n, n, dtype, torch.device("cuda", 0))
+                b = b.to("cuda:1")
+                outs = pair.all_reduce([a.clone(), b.clone()], mode=mode)
+                torch.cuda.synchronize(0)
+                torch.cuda.synchronize(1)
+                ref = scenarios.reference(a, b.to("cuda:0"))
+                assert scenarios.mismatches(outs[0], ref) == 0
+                assert scenarios.mismatches(outs[1].to("cuda:0"), ref) == 0
+    finally:
+        pair.close()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_cpp_example(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    exe = tmp_path / "allreduce_example"
+    subprocess.run(["nvcc", "-std=c++17", "-O2", "-gencode=arch=compute_90a,code=sm_90a", "-I", f"{root}/csrc/core",
+                    f"{root}/examples/allreduce_example.cu", f"{root}/csrc/core/yali/rank.cu",
+                    f"{root}/csrc/core/yali/config.cpp", "-o", str(exe)], check=True, timeout=300)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "0 mismatches" in out.stdout

@@ -1,0 +1,177 @@
+"""CPU tests of the core: configuration parsing and errors, the size -> kernel
+table, should_use decisions, and the extension loading without a GPU. They need
+the compiled extension (built by `pip install`), not a GPU."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import yali_vllm
+from yali_vllm import _ext, config
+from yali_vllm.communicator import servable
+
+pytestmark = pytest.mark.skipif(_ext.library_error() is not None, reason=f"extension not built: {_ext.library_error()}")
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for k in list(os.environ):
+        if k.startswith("YALI_"):
+            monkeypatch.delenv(k)
+
+
+def test_import_without_gpu_reports_reason():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert not yali_vllm.available()
+    assert "no CUDA GPU" in yali_vllm.unavailable_reason()
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        torch.ops.yali.create(0, 0)
+
+
+def test_communicator_refuses_cleanly_without_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    from yali_vllm.communicator import YaliCommunicator, YaliUnavailable
+
+    with pytest.raises(YaliUnavailable, match="no CUDA GPU"):
+        YaliCommunicator(None, 0)
+
+
+def test_default_table_is_monotone_and_covers_all_sizes():
+    order = {"flash-ll": 0, "flash-oneshot": 1, "flash-twoshot": 2, "stream": 3}
+    last = -1
+    for nbytes in [2, 16, 2 * KiB, 64 * KiB, 128 * KiB, 128 * KiB + 16, 1 * MiB, 8 * MiB, 8 * MiB + 16, 1 * GiB,
+                   2 * GiB]:
+        kernel, blocks, chunk = config.plan(nbytes)
+        assert kernel is not None, nbytes
+        assert order[kernel] >= last, (nbytes, kernel)
+        last = order[kernel]
+        assert 1 <= blocks <= 128
+        if kernel == "stream":
+            assert chunk % 16 == 0 and 16 <= chunk <= 64 * KiB
+    assert config.plan(2 * GiB + 2)[0] is None  # above YALI_MAX_BYTES
+    assert config.plan(0)[0] is None
+
+
+def test_table_boundaries_follow_env(monkeypatch):
+    monkeypatch.setenv("YALI_DEV_LL_MAX", "4K")
+    monkeypatch.setenv("YALI_DEV_STREAM_MIN", "1M")
+    assert config.plan(4 * KiB)[0] == "flash-ll"
+    assert config.plan(4 * KiB + 16)[0] == "flash-oneshot"
+    assert config.plan(1 * MiB)[0] == "flash-oneshot"
+    assert config.plan(1 * MiB + 16)[0] == "stream"
+
+
+def test_kernel_mode_forces_family(monkeypatch):
+    assert config.plan(64 * MiB, "flash")[0] is None  # flash cannot take more than its buffer
+    assert config.plan(4 * KiB, "stream")[0] == "stream"
+    monkeypatch.setenv("YALI_KERNEL_MODE", "stream")
+    assert config.plan(2 * KiB)[0] == "stream"
+    monkeypatch.setenv("YALI_KERNEL_MODE", "flash")
+    assert config.plan(4 * MiB)[0] == "flash-oneshot"
+    assert config.plan(64 * MiB)[0] is None
+
+
+def test_stream_chunks_fit_slots(monkeypatch):
+    monkeypatch.setenv("YALI_DEV_SLOT_BYTES", "128K")
+    monkeypatch.setenv("YALI_DEV_LANES", "16")
+    k, lanes, chunk = config.plan(1 * GiB)
+    assert (k, lanes, chunk) == ("stream", 16, 128 * KiB)
+    k, lanes, chunk = config.plan(1 * MiB + 6, "stream")  # 64 KiB + a bit per lane: one chunk per lane
+    assert (k, lanes) == ("stream", 16) and chunk * lanes >= 1 * MiB + 6 and chunk % 16 == 0
+
+
+@pytest.mark.parametrize("var,value,fragment", [
+    ("YALI_KERNEL_MODE", "fast", "one of auto, flash, stream"),
+    ("YALI_MAX_BYTES", "-5", "byte count"),
+    ("YALI_MAX_BYTES", "12Q", "byte count"),
+    ("YALI_DEV_LANES", "0", "[1, 128]"),
+    ("YALI_DEV_LANES", "129", "[1, 128]"),
+    ("YALI_DEV_SLOTS", "1", "[2, 16]"),
+    ("YALI_DEV_SLOT_BYTES", "5000", "multiple of 4096"),
+    ("YALI_DEV_FLASH_CTAS", "x", "integer"),
+    ("YALI_DEV_LL_MAX", "64M", "byte count"),
+    ("YALI_TIMEOUT_S", "-1", "seconds"),
+])
+def test_bad_values_name_the_variable(monkeypatch, var, value, fragment):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError) as e:
+        config.kernel_config()
+    assert var in str(e.value) and fragment in str(e.value)
+
+
+def test_good_values_parse(monkeypatch):
+    monkeypatch.setenv("YALI_MAX_BYTES", "256M")
+    monkeypatch.setenv("YALI_DEV_SLOT_BYTES", "32k")
+    monkeypatch.setenv("YALI_TIMEOUT_S", "0")
+    c = config.kernel_config()
+    assert c["max_bytes"] == 256 * MiB and c["slot_bytes"] == 32 * KiB and c["timeout_s"] == 0
+
+
+@pytest.mark.parametrize("value,expected", [("1", True), ("on", True), ("No", False), ("", True)])
+def test_env_flag(monkeypatch, value, expected):
+    monkeypatch.setenv("YALI_ENABLE", value)
+    assert config.env_flag("YALI_ENABLE", True) is expected
+
+
+def test_env_flag_bad_value(monkeypatch):
+    monkeypatch.setenv("YALI_ENABLE", "maybe")
+    with pytest.raises(ValueError, match="YALI_ENABLE"):
+        config.env_flag("YALI_ENABLE", True)
+
+
+def test_servable_decisions():
+    dev = torch.device("cpu")
+    x = torch.zeros(1024, dtype=torch.bfloat16)
+    assert servable(x, dev, 1 << 20)
+    assert not servable(x, torch.device("cuda", 0), 1 << 20)   # other device
+    assert not servable(x.to(torch.int32), dev, 1 << 20)       # dtype
+    assert not servable(x[1:], dev, 1 << 20)                   # 2-byte offset: not 16-byte aligned
+    assert servable(x[8:], dev, 1 << 20)                       # 16-byte offset is fine
+    assert not servable(x.view(32, 32).t(), dev, 1 << 20)      # non-contiguous
+    assert not servable(x, dev, 2047)                          # larger than the limit
+    assert not servable(x[:0], dev, 1 << 20)                   # empty
+    assert not servable("not a tensor", dev, 1 << 20)
+
+
+def test_fake_impl_traces_without_gpu():
+    """The op's fake implementation lets FakeTensor tracing (torch.compile) see it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from yali_vllm import ops
+
+    ops.register_fakes()
+    with FakeTensorMode():
+        x = torch.empty(4096, dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+        torch.ops.yali.all_reduce(0, x, out)
+        with pytest.raises(Exception):
+            torch.ops.yali.all_reduce(0, x, torch.empty(7, dtype=torch.bfloat16))
+
+
+def test_library_is_python_version_independent():
+    libs = [f for f in os.listdir(os.path.dirname(yali_vllm.__file__)) if f.startswith("_C")]
+    assert libs and all(f.endswith(".abi3.so") for f in libs), libs
+    out = subprocess.run(["nm", "-D", "--undefined-only", os.path.join(os.path.dirname(yali_vllm.__file__), libs[0])],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip("nm not available")
+    assert "PyInit" not in out.stdout and "_Py" not in out.stdout  # no CPython ABI dependency
+
+
+def test_sm90a_code_is_in_the_library():
+    cuobjdump = None
+    for cand in ("cuobjdump", "/usr/local/cuda/bin/cuobjdump"):
+        if subprocess.run(["which", cand], capture_output=True).returncode == 0 or os.path.exists(cand):
+            cuobjdump = cand
+            break
+    if cuobjdump is None:
+        pytest.skip("cuobjdump not available")
+    lib = [f for f in os.listdir(os.path.dirname(yali_vllm.__file__)) if f.startswith("_C")][0]
+    out = subprocess.run([cuobjdump, "--list-elf", os.path.join(os.path.dirname(yali_vllm.__file__), lib)],
+                         capture_output=True, text=True)
+    assert "sm_90a" in out.stdout, out.stdout + out.stderr

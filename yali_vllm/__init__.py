@@ -1,0 +1,14 @@
+"""yali-vllm: fast 2-GPU NVLink all-reduce (YALI flash + stream kernels) for vLLM."""
+from ._ext import available, unavailable_reason
+from ._version import TESTED_VLLM_VERSION, __version__
+
+__all__ = ["available", "unavailable_reason", "YaliCommunicator", "YaliPair", "YaliUnavailable",
+           "__version__", "TESTED_VLLM_VERSION"]
+
+
+def __getattr__(name):  # lazy: importing the package must stay cheap and never fail
+    if name in ("YaliCommunicator", "YaliPair", "YaliUnavailable"):
+        from . import communicator
+
+        return getattr(communicator, name)
+    raise AttributeError(name)

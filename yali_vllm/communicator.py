@@ -1,0 +1,224 @@
+"""YaliCommunicator: a 2-rank all-reduce over NVLink, built over a torch.distributed
+CPU group. It allocates its buffers once, exchanges CUDA IPC handles with the peer
+once, and from then on every call is a single kernel launch on the current stream
+(CUDA-graph safe: fixed addresses, all sequence state advanced on the device).
+"""
+from __future__ import annotations
+
+import logging
+import socket
+
+import torch
+import torch.distributed as dist
+
+from . import _ext, config, ops
+
+logger = logging.getLogger("yali_vllm")
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def servable(x, device: torch.device, limit_bytes: int) -> bool:
+    """The input checks behind should_use(): dtype fp32/fp16/bf16, on `device`,
+    contiguous, 16-byte aligned, 0 < bytes <= limit_bytes."""
+    if not isinstance(x, torch.Tensor):
+        return False
+    nbytes = x.numel() * x.element_size()
+    return (
+        x.dtype in SUPPORTED_DTYPES
+        and x.device == device
+        and 0 < nbytes <= limit_bytes
+        and x.is_contiguous()
+        and x.data_ptr() % 16 == 0
+    )
+
+
+class YaliUnavailable(RuntimeError):
+    """YALI cannot serve this group; the message says why. Callers fall back."""
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+class YaliCommunicator:
+    """All-reduce between the two ranks of `group` (a gloo/CPU process group).
+
+    Raises YaliUnavailable when the group is not exactly two ranks on one node
+    with P2P access, or the extension/GPU is missing, or the ranks' YALI_*
+    settings differ. `max_bytes` caps the message size served (default: the
+    configured YALI_MAX_BYTES).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device | int | str, max_bytes: int | None = None):
+        self._handle: int | None = None
+        reason = _ext.unavailable_reason()
+        if reason:
+            raise YaliUnavailable(reason)
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if self.world_size != 2:
+            raise YaliUnavailable(f"world size is {self.world_size}; YALI serves exactly 2 ranks")
+        device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        if device.type != "cuda":
+            raise YaliUnavailable(f"device {device} is not a CUDA device")
+        self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+
+        try:
+            cfg_string = _ext.ops().config_string()  # raises ValueError naming a bad YALI_* variable
+        except ValueError as e:
+            raise YaliUnavailable(str(e)) from e
+        me = {
+            "host": socket.gethostname(),
+            "boot_id": _boot_id(),
+            "config": cfg_string,
+            "uuid": str(torch.cuda.get_device_properties(self.device).uuid),
+        }
+        peers: list = [None, None]
+        dist.all_gather_object(peers, me, group=group)
+        other = peers[1 - self.rank]
+        if (other["host"], other["boot_id"]) != (me["host"], me["boot_id"]):
+            raise YaliUnavailable(f"ranks are on different nodes ({me['host']} and {other['host']})")
+        if other["config"] != me["config"]:
+            raise YaliUnavailable(f"the ranks' YALI_* settings differ: [{me['config']}] vs [{other['config']}]")
+        self._check_p2p(other["uuid"])
+        self.config = config.parse_config_string(cfg_string)
+        self.max_bytes = int(self.config["max_bytes"] if max_bytes is None else min(max_bytes, self.config["max_bytes"]))
+        # In flash-only mode messages above the flash buffer are not served.
+        self._serve_limit = self.max_bytes
+        if self.config["mode"] == "flash":
+            self._serve_limit = min(self._serve_limit, int(self.config["flash_bytes"]))
+
+        y = _ext.ops()
+        ops.register_fakes()
+        self._handle = y.create(self.device.index, self.rank)
+        try:
+            mine = y.ipc_handle(self._handle)
+            handles: list = [None, None]
+            dist.all_gather_object(handles, bytes(mine.tolist()), group=group)
+            peer = torch.tensor(list(handles[1 - self.rank]), dtype=torch.uint8)
+            y.open_peer(self._handle, peer)
+            dist.barrier(group=group)  # both sides zeroed their flags and mapped the peer
+            self._self_test()
+        except Exception:
+            self.close()
+            raise
+        self.buffer_bytes = int(y.buffer_bytes(self._handle))
+        logger.info("yali: rank %d %s", self.rank, self.describe())
+
+    def _check_p2p(self, peer_uuid: str) -> None:
+        for i in range(torch.cuda.device_count()):
+            if str(torch.cuda.get_device_properties(i).uuid) == peer_uuid:
+                if i == self.device.index:
+                    raise YaliUnavailable(f"both ranks use the same GPU ({self.device})")
+                if not torch.cuda.can_device_access_peer(self.device.index, i):
+                    raise YaliUnavailable(f"no P2P access from cuda:{self.device.index} to cuda:{i}")
+                return
+        # The peer GPU is not visible in this process: the IPC mapping and the
+        # self-test below are the check.
+
+    def _self_test(self) -> None:
+        """One small all-reduce with known values: proves the peer mapping works."""
+        x = torch.full((1024,), float(self.rank + 1), dtype=torch.float32, device=self.device)
+        out = self.all_reduce(x)
+        torch.cuda.synchronize(self.device)
+        ok = torch.tensor([int(bool((out == 3.0).all()))], dtype=torch.int32)
+        dist.all_reduce(ok, group=self.group, op=dist.ReduceOp.MIN)
+        if not ok.item():
+            raise YaliUnavailable("self-test all-reduce over the peer mapping gave wrong values (P2P broken?)")
+
+    # ------------------------------------------------------------------ calls
+    def should_use(self, x: torch.Tensor) -> bool:
+        """True when all_reduce(x) is served by YALI (else the caller falls back)."""
+        return self._handle is not None and servable(x, self.device, self._serve_limit)
+
+    def all_reduce(self, x: torch.Tensor, out: torch.Tensor | None = None, mode: str = "config") -> torch.Tensor:
+        """Sum of x over both ranks (a new tensor, or `out`, which may be x for in-place).
+
+        Raises ValueError/TypeError/RuntimeError naming the problem for inputs
+        should_use() refuses. `mode` ("auto", "flash", "stream") forces a kernel
+        family for this call; both ranks must pass the same.
+        """
+        if self._handle is None:
+            raise RuntimeError("yali: all_reduce on a closed YaliCommunicator")
+        return ops.all_reduce(self._handle, x, out, config.MODES[mode])
+
+    def device_calls(self) -> int:
+        """YALI kernel launches that ran on this GPU (graph replays included). Synchronises."""
+        return int(_ext.ops().device_calls(self._handle))
+
+    def abort_message(self) -> str:
+        """Why a kernel gave up waiting for the peer ("" if none did)."""
+        return _ext.ops().abort_message(self._handle) if self._handle is not None else ""
+
+    def describe(self) -> str:
+        c = self.config
+        flash_max = min(int(c["flash_bytes"]), int(c["stream_min"]), self._serve_limit)
+        return (
+            f"YALI all-reduce on {self.device} (world 2): "
+            f"flash up to {_mib(flash_max) if flash_max >= 2**20 else str(flash_max) + ' B'}, "
+            f"stream above that up to {_mib(self._serve_limit)}, mode={c['mode']}, "
+            f"buffers {_mib(int(_ext.ops().buffer_bytes(self._handle)))} per GPU"
+        )
+
+    def close(self) -> None:
+        """Frees the buffers and unmaps the peer's. A second call does nothing."""
+        if self._handle is not None:
+            h, self._handle = self._handle, None
+            _ext.ops().destroy(h)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class YaliPair:
+    """Single-process mode: one process drives both GPUs (P2P, no IPC)."""
+
+    def __init__(self, device0: int = 0, device1: int = 1):
+        reason = _ext.unavailable_reason()
+        if reason:
+            raise YaliUnavailable(reason)
+        if torch.cuda.device_count() < 2:
+            raise YaliUnavailable("single-process mode needs 2 visible GPUs")
+        if not torch.cuda.can_device_access_peer(device0, device1):
+            raise YaliUnavailable(f"no P2P access between cuda:{device0} and cuda:{device1}")
+        y = _ext.ops()
+        ops.register_fakes()
+        self.devices = (torch.device("cuda", device0), torch.device("cuda", device1))
+        self._handles: list[int] = []
+        try:
+            self._handles = [y.create(device0, 0), y.create(device1, 1)]
+            y.attach_peer(self._handles[0], self._handles[1])
+            y.attach_peer(self._handles[1], self._handles[0])
+        except Exception:
+            self.close()
+            raise
+
+    def all_reduce(self, xs, outs=None, mode: str = "config"):
+        """xs: [tensor on GPU 0, tensor on GPU 1]; each is launched on its device's current stream."""
+        outs = outs or [None, None]
+        res = []
+        for r in range(2):
+            with torch.cuda.device(self.devices[r]):
+                res.append(ops.all_reduce(self._handles[r], xs[r], outs[r], config.MODES[mode]))
+        return res
+
+    def device_calls(self) -> list[int]:
+        return [int(_ext.ops().device_calls(h)) for h in self._handles]
+
+    def close(self) -> None:
+        for h in self._handles:
+            _ext.ops().destroy(h)
+        self._handles = []
