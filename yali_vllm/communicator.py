@@ -60,38 +60,32 @@ class YaliCommunicator:
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device | int | str, max_bytes: int | None = None):
         self._handle: int | None = None
-        reason = _ext.unavailable_reason()
-        if reason:
-            raise YaliUnavailable(reason)
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         if self.world_size != 2:
             raise YaliUnavailable(f"world size is {self.world_size}; YALI serves exactly 2 ranks")
         device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        # Every step that can fail on one rank only is followed by an exchange of
+        # the outcome, so both ranks raise together and neither is left waiting
+        # in a collective the other will never enter.
+        me = {"host": socket.gethostname(), "boot_id": _boot_id(), "error": _ext.unavailable_reason()}
         if device.type != "cuda":
-            raise YaliUnavailable(f"device {device} is not a CUDA device")
-        self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-
-        try:
-            cfg_string = _ext.ops().config_string()  # raises ValueError naming a bad YALI_* variable
-        except ValueError as e:
-            raise YaliUnavailable(str(e)) from e
-        me = {
-            "host": socket.gethostname(),
-            "boot_id": _boot_id(),
-            "config": cfg_string,
-            "uuid": str(torch.cuda.get_device_properties(self.device).uuid),
-        }
-        peers: list = [None, None]
-        dist.all_gather_object(peers, me, group=group)
+            me["error"] = me["error"] or f"device {device} is not a CUDA device"
+        if me["error"] is None:
+            self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+            me["uuid"] = str(torch.cuda.get_device_properties(self.device).uuid)
+            try:
+                me["config"] = _ext.ops().config_string()  # raises ValueError naming a bad YALI_* variable
+            except ValueError as e:
+                me["error"] = str(e)
+        peers = self._exchange(me)
         other = peers[1 - self.rank]
         if (other["host"], other["boot_id"]) != (me["host"], me["boot_id"]):
             raise YaliUnavailable(f"ranks are on different nodes ({me['host']} and {other['host']})")
         if other["config"] != me["config"]:
             raise YaliUnavailable(f"the ranks' YALI_* settings differ: [{me['config']}] vs [{other['config']}]")
-        self._check_p2p(other["uuid"])
-        self.config = config.parse_config_string(cfg_string)
+        self.config = config.parse_config_string(me["config"])
         self.max_bytes = int(self.config["max_bytes"] if max_bytes is None else min(max_bytes, self.config["max_bytes"]))
         # In flash-only mode messages above the flash buffer are not served.
         self._serve_limit = self.max_bytes
@@ -100,20 +94,36 @@ class YaliCommunicator:
 
         y = _ext.ops()
         ops.register_fakes()
-        self._handle = y.create(self.device.index, self.rank)
+        step: dict = {"error": None}
         try:
-            mine = y.ipc_handle(self._handle)
-            handles: list = [None, None]
-            dist.all_gather_object(handles, bytes(mine.tolist()), group=group)
-            peer = torch.tensor(list(handles[1 - self.rank]), dtype=torch.uint8)
-            y.open_peer(self._handle, peer)
-            dist.barrier(group=group)  # both sides zeroed their flags and mapped the peer
+            self._check_p2p(other["uuid"])
+            self._handle = y.create(self.device.index, self.rank)
+            step["ipc"] = bytes(y.ipc_handle(self._handle).tolist())
+        except Exception as e:
+            step["error"] = f"{type(e).__name__}: {e}"
+        try:
+            peer = self._exchange(step)[1 - self.rank]
+            opened: dict = {"error": None}
+            try:
+                y.open_peer(self._handle, torch.tensor(list(peer["ipc"]), dtype=torch.uint8))
+            except Exception as e:
+                opened["error"] = f"cannot map the peer's buffer: {e}"
+            self._exchange(opened)  # both sides zeroed their flags and mapped the peer
             self._self_test()
         except Exception:
             self.close()
             raise
         self.buffer_bytes = int(y.buffer_bytes(self._handle))
         logger.info("yali: rank %d %s", self.rank, self.describe())
+
+    def _exchange(self, mine: dict) -> list:
+        """all_gather of a small dict; raises YaliUnavailable on every rank if any rank reported an error."""
+        got: list = [None] * self.world_size
+        dist.all_gather_object(got, mine, group=self.group)
+        errors = [f"rank {r}: {d['error']}" for r, d in enumerate(got) if d.get("error")]
+        if errors:
+            raise YaliUnavailable("; ".join(errors))
+        return got
 
     def _check_p2p(self, peer_uuid: str) -> None:
         for i in range(torch.cuda.device_count()):

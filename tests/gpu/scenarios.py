@@ -209,3 +209,25 @@ def missing_peer(rank, group, wait_s):
     except Exception as e:  # the trapped kernel surfaces here
         err = str(e)
     return {"error": err, "abort": comm.abort_message(), "elapsed_s": time.time() - t0}
+
+
+def mismatched_settings(rank, group):
+    """A bad or different YALI_* setting on one rank: both ranks refuse, neither hangs."""
+    import os
+
+    from yali_vllm.communicator import YaliUnavailable
+
+    if rank == 1:
+        os.environ["YALI_DEV_LANES"] = "999"
+    try:
+        YaliCommunicator(group, torch.device("cuda", rank))
+        first = "created"
+    except YaliUnavailable as e:
+        first = str(e)
+    os.environ["YALI_DEV_LANES"] = "64" if rank == 1 else "128"  # valid but different
+    try:
+        YaliCommunicator(group, torch.device("cuda", rank))
+        second = "created"
+    except YaliUnavailable as e:
+        second = str(e)
+    return {"bad": first, "different": second}

@@ -89,3 +89,10 @@ def test_cpp_example(tmp_path):
     out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "0 mismatches" in out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_bad_or_different_settings_fail_both_ranks():
+    for r in run_pair(scenarios.mismatched_settings, timeout=100):
+        assert "YALI_DEV_LANES=999" in r["bad"], r
+        assert "settings differ" in r["different"], r

@@ -1,0 +1,65 @@
+"""YaliCommunicator start-up on two real gloo ranks without GPUs: whatever fails
+on one rank must make both ranks raise YaliUnavailable, never leave one waiting
+in a collective (that would hang a server at start-up)."""
+import multiprocessing as mp
+import os
+import queue
+import socket
+
+import pytest
+import torch
+
+
+def _rank(rank, port, env, q):
+    import torch.distributed as dist
+
+    os.environ.update(env.get(rank, {}))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from yali_vllm.communicator import YaliCommunicator, YaliUnavailable
+
+    try:
+        YaliCommunicator(dist.group.WORLD, torch.device("cuda", rank))
+        q.put((rank, "created"))
+    except YaliUnavailable as e:
+        q.put((rank, f"unavailable: {e}"))
+    except Exception as e:  # anything else is a bug
+        q.put((rank, f"{type(e).__name__}: {e}"))
+    dist.destroy_process_group()
+
+
+def _run(env):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, port, env, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(q.get(timeout=120) for _ in range(2))
+    except queue.Empty:
+        got = None
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    assert got is not None, "a rank hung in YaliCommunicator start-up"
+    return got
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+@pytest.mark.timeout(180)
+def test_both_ranks_refuse_together_without_gpu():
+    got = _run({})
+    for r in (0, 1):
+        assert got[r].startswith("unavailable:"), got
+        assert "rank 0:" in got[r] and "rank 1:" in got[r]  # each rank names both ranks' reasons
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+@pytest.mark.timeout(180)
+def test_bad_setting_on_one_rank_fails_both():
+    got = _run({1: {"YALI_DEV_LANES": "999"}})
+    for r in (0, 1):
+        assert got[r].startswith("unavailable:"), got
