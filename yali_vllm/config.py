@@ -20,9 +20,10 @@ KERNEL_NAMES = {0: None, 1: "flash-oneshot", 2: "flash-twoshot", 3: "stream", 4:
 MODES = {"config": -1, "auto": 0, "flash": 1, "stream": 2}
 
 
-def env_flag(name: str, default: bool) -> bool:
-    """Reads a boolean switch such as YALI_ENABLE; raises ValueError naming it on bad input."""
-    raw = os.environ.get(name)
+def env_flag(name: str, default: bool, environ=None) -> bool:
+    """Reads a boolean switch such as YALI_ENABLE from `environ` (default os.environ);
+    raises ValueError naming it on bad input."""
+    raw = (os.environ if environ is None else environ).get(name)
     if raw is None or raw.strip() == "":
         return default
     v = raw.strip().lower()
@@ -30,7 +31,7 @@ def env_flag(name: str, default: bool) -> bool:
         return True
     if v in _FALSE:
         return False
-    raise ValueError(f"{name}={raw!r} is invalid: expected one of 1/0, true/false, yes/no, on/off")
+    raise ValueError(f"invalid {name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
 
 
 def kernel_config() -> dict:

@@ -1,0 +1,115 @@
+"""CPU tests of yali_vllm/models.py: the embedded Llama-shaped model directories."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from yali_vllm import models
+
+SHAPES = {
+    "8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+    ),
+    "70b": dict(
+        hidden_size=8192,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        intermediate_size=28672,
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=["8b", "70b"])
+def model_dir(request, tmp_path_factory):
+    pytest.importorskip("mistral_common")
+    size = request.param
+    return size, models.write_model_dir(tmp_path_factory.mktemp(size) / "model", size)
+
+
+def test_written_dir_has_config_and_tokenizer(model_dir):
+    size, path = model_dir
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "tekken.json"]
+    cfg = json.loads((path / "config.json").read_text())
+    for key, value in SHAPES[size].items():
+        assert cfg[key] == value, key
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["model_type"] == "llama"
+    assert cfg["vocab_size"] == 131072
+    assert cfg["torch_dtype"] == "bfloat16"
+    assert cfg["rope_scaling"] is None
+    assert cfg["hidden_size"] // cfg["num_attention_heads"] == cfg["head_dim"] == 128
+
+
+def test_tokenizer_is_mistral_commons_tekken_with_matching_vocab(model_dir):
+    _, path = model_dir
+    src = models.tokenizer_source()
+    assert (path / "tekken.json").read_bytes() == src.read_bytes()
+    tok = json.loads((path / "tekken.json").read_text())
+    assert tok["config"]["default_vocab_size"] == models.VOCAB_SIZE
+
+
+def test_unknown_size_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="unknown model size '13b'"):
+        models.write_model_dir(tmp_path, "13b")
+
+
+def test_configs_are_copies():
+    models.model_config("8b")["hidden_size"] = 1
+    assert models.model_config("8b")["hidden_size"] == 4096
+
+
+def test_cli_writes_dir_and_prints_serve_command(tmp_path, capsys):
+    pytest.importorskip("mistral_common")
+    assert models.main([str(tmp_path / "m"), "--size", "8b"]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "m" / "config.json").is_file()
+    assert "vllm serve" in out and "--tokenizer-mode mistral" in out
+    assert "--load-format dummy" in out and "--tensor-parallel-size 2" in out
+
+
+def test_vllm_config_loader_accepts_dir(model_dir):
+    pytest.importorskip("vllm")
+    from vllm.transformers_utils.config import get_config
+
+    size, path = model_dir
+    cfg = get_config(str(path), trust_remote_code=False)
+    assert type(cfg).__name__ == "LlamaConfig"
+    assert cfg.vocab_size == 131072
+    for key, value in SHAPES[size].items():
+        assert getattr(cfg, key) == value, key
+
+
+def test_vllm_model_config_from_engine_args(model_dir):
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+
+    size, path = model_dir
+    mc = EngineArgs(
+        model=str(path), tokenizer_mode="mistral", load_format="dummy", max_model_len=2048
+    ).create_model_config()
+    assert mc.architectures == ["LlamaForCausalLM"]
+    assert mc.dtype == torch.bfloat16
+    assert mc.get_vocab_size() == 131072
+    assert mc.get_hidden_size() == SHAPES[size]["hidden_size"]
+    assert mc.max_model_len == 2048
+
+
+def test_vllm_mistral_tokenizer_loads_from_dir(model_dir):
+    pytest.importorskip("vllm")
+    from vllm.tokenizers import get_tokenizer
+
+    _, path = model_dir
+    tok = get_tokenizer(str(path), tokenizer_mode="mistral")
+    assert type(tok).__name__ == "MistralTokenizer"
+    assert len(tok) == 131072  # == vocab_size: every id has an embedding row
+    ids = tok.encode("Hello world")
+    assert ids[0] == 1 and max(ids) < 131072  # <s>, then BPE ids
+    assert tok.decode(ids[1:]) == "Hello world"

@@ -1,0 +1,498 @@
+"""vLLM plugin: serve the tensor-parallel all-reduces of a 2-GPU group with YALI.
+
+vLLM loads ``register()`` through the ``vllm.general_plugins`` entry point in
+every process it starts (API server, engine core, GPU workers), possibly more
+than once.  ``register()`` patches vLLM's ``CudaCommunicator`` class in place
+(the class vLLM's CUDA platform names for every group's device communicator):
+
+* ``__init__``: after vLLM's own set-up, decide whether this group gets YALI
+  (see :func:`yali_gate`) and, if so, build a
+  :class:`yali_vllm.communicator.YaliCommunicator` as ``self.yali_comm``;
+  otherwise ``self.yali_comm = None``.  One log line per group and rank says
+  which, and why.
+* ``all_reduce``: try YALI first when ``yali_comm.should_use(x)``; every other
+  tensor goes down vLLM's original chain (custom all-reduce, symmetric
+  memory, PyNCCL, ...) untouched.
+* ``destroy``: close the YALI communicator, then vLLM's own clean-up.
+
+The patch is applied to the class rather than by subclassing because vLLM
+resolves the class by its qualified name and checks ``isinstance`` against it
+in ``GroupCoordinator.graph_capture``.
+
+Nothing here may take the server down: unknown vLLM internals, a missing
+extension, or a communicator that refuses (``YaliUnavailable``) only leave
+YALI off and vLLM exactly as it was.  See docs/VLLM_INTEGRATION.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import socket
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+# A child of vLLM's "vllm" logger, so the lines carry vLLM's format and
+# per-process prefix (e.g. "(Worker_TP0 pid=...)") in server logs.
+logger = logging.getLogger("vllm.yali")
+
+ENABLE_VAR = "YALI_ENABLE"
+
+
+def _tested_series() -> str:
+    """The vLLM release series the hook is tested against, e.g. "0.26.".
+    Other releases are still patched when the hook points check out, with a
+    warning."""
+    try:
+        from yali_vllm._version import TESTED_VLLM_VERSION
+
+        return ".".join(TESTED_VLLM_VERSION.split(".")[:2]) + "."
+    except Exception:
+        return "0.26."
+
+
+_COMM_MODULE = "vllm.distributed.device_communicators.cuda_communicator"
+_COMM_CLASS = "CudaCommunicator"
+# Class attributes the patch leaves behind: the mark makes register()
+# idempotent (also across re-imports of this module), the originals allow
+# unpatch().
+_MARK = "_yali_vllm_patched"
+_ORIGINALS = "_yali_vllm_originals"
+# Parameters of CudaCommunicator.__init__ (after self) the hook relies on.
+_INIT_PARAMS = ("cpu_group", "device", "unique_name")
+
+
+def _parse_enable(environ: Any = None) -> bool:
+    """Value of YALI_ENABLE (default on); ValueError naming it when invalid."""
+    from yali_vllm.config import env_flag
+
+    return env_flag(ENABLE_VAR, True, environ)
+
+
+def is_tp_group(unique_name: str) -> bool:
+    # The same test vLLM's CudaCommunicator applies before enabling its own
+    # custom all-reduce ("tp" in the group's unique name, e.g. "tp:0").
+    return "tp" in unique_name
+
+
+def yali_gate(
+    unique_name: str,
+    world_size: int,
+    hostnames: Sequence[str],
+    platform_is_cuda: bool,
+    enabled: bool,
+    *,
+    custom_ar_enabled: bool = True,
+    p2p: bool | None = None,
+    stateless: bool = False,
+) -> tuple[bool, str]:
+    """Decide whether a vLLM device communicator gets YALI.
+
+    Pure function of values that are equal on every rank of the group (the
+    caller gathers the per-rank ones), so all ranks reach the same answer and
+    either all of them or none enter YaliCommunicator's collective set-up.
+
+    hostnames: one per rank.  custom_ar_enabled: vLLM's own custom
+    all-reduce switch for the group; YALI is a custom all-reduce and follows
+    it (off under --disable-custom-all-reduce, multi-node, batch-invariant
+    mode).  p2p: CUDA peer access between the two GPUs, None when it cannot
+    be told here (YaliCommunicator checks it again).  stateless: vLLM's
+    stateless (elastic) process groups, not supported.
+
+    Returns (ok, reason); reason says why YALI stays off (or "ok").
+    """
+    if not is_tp_group(unique_name):
+        return False, "not a tensor-parallel group"
+    if not enabled:
+        return False, f"disabled by {ENABLE_VAR}"
+    if world_size != 2:
+        return False, f"world size is {world_size}, YALI serves exactly 2 ranks"
+    if not platform_is_cuda:
+        return False, "vLLM platform is not CUDA"
+    if stateless:
+        return False, "stateless (elastic) process groups are not supported"
+    if not custom_ar_enabled:
+        return False, (
+            "vLLM's custom all-reduce is disabled for this group "
+            "(--disable-custom-all-reduce, multi-node or batch-invariant mode)"
+        )
+    if len(hostnames) != world_size or len(set(hostnames)) != 1:
+        return False, f"ranks are not on one host: {list(hostnames)}"
+    if p2p is False:
+        return False, "no CUDA peer-to-peer access between the two GPUs"
+    return True, "ok"
+
+
+def check_hook_points(cls: type) -> str | None:
+    """None if ``cls`` looks like the CudaCommunicator this hook was written
+    for, else a description of what differs."""
+    for name in ("__init__", "all_reduce", "destroy"):
+        if not callable(cls.__dict__.get(name)):
+            return f"{cls.__qualname__}.{name} is not defined by the class"
+    try:
+        init = inspect.signature(cls.__init__)
+        ar = inspect.signature(cls.all_reduce)
+        destroy = inspect.signature(cls.destroy)
+    except (TypeError, ValueError) as e:
+        return f"cannot read method signatures: {e}"
+    missing = [p for p in _INIT_PARAMS if p not in init.parameters]
+    if missing:
+        return f"{cls.__qualname__}.__init__ lacks parameters {missing}"
+    if len(ar.parameters) != 2:
+        return f"{cls.__qualname__}.all_reduce{ar} is not (self, input_)"
+    if len(destroy.parameters) != 1:
+        return f"{cls.__qualname__}.destroy{destroy} is not (self)"
+    return None
+
+
+# --------------------------------------------------------------------------
+# Per-group set-up, run inside the patched CudaCommunicator.__init__
+# --------------------------------------------------------------------------
+
+
+def _all_gather(obj: Any, group: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _local_info(comm: Any) -> dict[str, Any]:
+    try:
+        enabled, enable_error = _parse_enable(), None
+    except ValueError as e:
+        enabled, enable_error = False, str(e)
+    device = getattr(comm, "device", None)
+    is_cuda = device is not None and getattr(device, "type", None) == "cuda"
+    return {
+        "host": socket.gethostname(),
+        "enabled": enabled,
+        "enable_error": enable_error,
+        "custom_ar": bool(getattr(comm, "use_custom_allreduce", False)),
+        "device": device.index if is_cuda else None,
+        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+
+
+def gather_group_info(comm: Any) -> list[dict[str, Any]]:
+    """Each rank's gating inputs, identical on every rank (collective over the
+    group's CPU/gloo group)."""
+    return _all_gather(_local_info(comm), comm.cpu_group)
+
+
+def _p2p_from_info(infos: list[dict[str, Any]]) -> bool | None:
+    devices = [i["device"] for i in infos]
+    if None in devices or len({i["visible"] for i in infos}) != 1:
+        return None  # the ranks see different device sets: cannot tell here
+    import torch
+
+    if max(devices) >= torch.cuda.device_count():
+        return None
+    a, b = devices
+    return bool(torch.cuda.can_device_access_peer(a, b) and torch.cuda.can_device_access_peer(b, a))
+
+
+def _create_communicator(comm: Any) -> tuple[Any, str]:
+    """(YaliCommunicator, "") or (None, why not).  Never raises."""
+    try:
+        from yali_vllm.communicator import YaliCommunicator, YaliUnavailable
+    except Exception as e:  # missing extension, broken install, ...
+        return None, f"YALI communicator cannot be imported ({type(e).__name__}: {e})"
+    try:
+        return YaliCommunicator(group=comm.cpu_group, device=comm.device), ""
+    except YaliUnavailable as e:
+        return None, f"YALI unavailable: {e}"
+    except Exception as e:
+        logger.debug("YaliCommunicator set-up failed", exc_info=True)
+        return None, f"YALI set-up failed ({type(e).__name__}: {e})"
+
+
+def _close_quietly(yc: Any) -> None:
+    try:
+        yc.close()
+    except Exception:
+        logger.warning("YALI: closing the communicator failed", exc_info=True)
+
+
+def _fusion_note() -> str | None:
+    """A note when vLLM's FlashInfer all-reduce+RMSNorm fusion is configured,
+    since the all-reduces it fuses never reach the device communicator."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        cfg = get_current_vllm_config_or_none()
+        if cfg is None:
+            return None
+        cc = cfg.compilation_config
+        if not cc.pass_config.fuse_allreduce_rms:
+            return None
+        # The fusion is an Inductor pass of vLLM's own compile mode; eager
+        # runs (mode NONE) and stock torch.compile never apply it.
+        if getattr(getattr(cc, "mode", None), "name", "VLLM_COMPILE") != "VLLM_COMPILE":
+            return None
+    except Exception:
+        return None
+    return (
+        "vLLM's all-reduce+RMSNorm fusion (compilation_config.pass_config."
+        "fuse_allreduce_rms) is on: the all-reduces it fuses run in FlashInfer's "
+        "fused kernel, not YALI; YALI serves the remaining ones "
+        "(-cc.pass_config.fuse_allreduce_rms=false routes all of them to YALI)"
+    )
+
+
+class Decision(NamedTuple):
+    """Outcome of setup_yali: the communicator (None when off), why, and
+    whether the reason deserves a warning (YALI could have run here but
+    something is broken or misconfigured) rather than an info line."""
+
+    comm: Any
+    reason: str
+    warn: bool = False
+
+
+# Instance attributes of vLLM's CudaCommunicator the set-up reads.
+_COMM_ATTRS = ("unique_name", "world_size", "rank_in_group", "cpu_group", "device")
+
+
+def setup_yali(comm: Any, *, platform_is_cuda: bool, stateless: bool = False) -> Decision:
+    """Decide and, if on, build YALI for one CudaCommunicator.
+
+    Collective over ``comm.cpu_group`` whenever the rank-uniform checks pass,
+    so every rank of the group must call it (vLLM constructs the
+    communicator on all of them).
+    """
+    missing = [a for a in _COMM_ATTRS if not hasattr(comm, a)]
+    if missing:
+        return Decision(None, f"vLLM internals not recognised: no attribute(s) {missing}", True)
+    name, world_size = str(comm.unique_name), int(comm.world_size)
+    # Rank-uniform checks first: a group that fails them never talks to its
+    # peers, so non-TP groups cost nothing.
+    ok, reason = yali_gate(
+        name,
+        world_size,
+        [socket.gethostname()] * world_size,
+        platform_is_cuda,
+        True,
+        stateless=stateless,
+    )
+    if not ok:
+        return Decision(None, reason)
+
+    infos = gather_group_info(comm)
+    ok, reason = yali_gate(
+        name,
+        world_size,
+        [i["host"] for i in infos],
+        platform_is_cuda,
+        all(i["enabled"] for i in infos),
+        custom_ar_enabled=all(i["custom_ar"] for i in infos),
+        p2p=_p2p_from_info(infos),
+    )
+    if not ok:
+        errors = [i["enable_error"] for i in infos if i["enable_error"]]
+        if errors:
+            return Decision(None, f"{reason} ({errors[0]})", True)
+        return Decision(None, reason, reason.startswith("no CUDA peer"))
+
+    yc, why = _create_communicator(comm)
+    # Agree: YALI is used only if every rank has it, otherwise a rank would
+    # wait in a YALI kernel for a peer that went to NCCL.
+    results = _all_gather((yc is not None, why), comm.cpu_group)
+    failed = [(r, w) for r, (good, w) in enumerate(results) if not good]
+    if failed:
+        if yc is not None:
+            _close_quietly(yc)
+        rank, why = failed[0]
+        if rank != comm.rank_in_group:
+            why = f"rank {rank} of the group: {why}"
+        return Decision(None, why, True)
+    return Decision(yc, "ok")
+
+
+def _describe(yc: Any) -> str:
+    try:
+        return str(yc.describe())
+    except Exception as e:
+        return f"(describe() failed: {e})"
+
+
+def _after_init(comm: Any, stateless: bool) -> None:
+    from vllm.platforms import current_platform
+
+    yc, reason, warn = setup_yali(
+        comm, platform_is_cuda=current_platform.is_cuda(), stateless=stateless
+    )
+    comm.yali_comm = yc
+    name = getattr(comm, "unique_name", "") or "<unnamed>"
+    if yc is None:
+        log = logger.warning if warn else logger.info
+        log("YALI all-reduce OFF for group '%s': %s", name, reason)
+        return
+    logger.info(
+        "YALI all-reduce ON for group '%s' (rank %s of %s, %s): %s; "
+        "tried first, other tensors use vLLM's all-reduce chain",
+        name,
+        getattr(comm, "rank_in_group", "?"),
+        getattr(comm, "world_size", "?"),
+        getattr(comm, "device", "?"),
+        _describe(yc),
+    )
+    note = _fusion_note()
+    if note:
+        logger.info("YALI: %s", note)
+
+
+# --------------------------------------------------------------------------
+# Patching
+# --------------------------------------------------------------------------
+
+
+def _wrap_init(orig_init: Any) -> Any:
+    sig = inspect.signature(orig_init)
+
+    @functools.wraps(orig_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig_init(self, *args, **kwargs)
+        self.yali_comm = None
+        try:
+            bound = sig.bind(self, *args, **kwargs)
+            stateless = bound.arguments.get("tcp_store_group") is not None
+            _after_init(self, stateless)
+        except Exception as e:
+            self.yali_comm = None
+            logger.warning(
+                "YALI all-reduce OFF for group '%s': unexpected error (%s: %s)",
+                getattr(self, "unique_name", "") or "<unnamed>",
+                type(e).__name__,
+                e,
+                exc_info=True,
+            )
+
+    return __init__
+
+
+def _wrap_all_reduce(orig_all_reduce: Any) -> Any:
+    @functools.wraps(orig_all_reduce)
+    def all_reduce(self: Any, input_: Any) -> Any:
+        yc = getattr(self, "yali_comm", None)
+        if yc is not None and yc.should_use(input_):
+            return yc.all_reduce(input_)
+        return orig_all_reduce(self, input_)
+
+    return all_reduce
+
+
+def _wrap_destroy(orig_destroy: Any) -> Any:
+    @functools.wraps(orig_destroy)
+    def destroy(self: Any) -> Any:
+        yc = getattr(self, "yali_comm", None)
+        self.yali_comm = None
+        if yc is not None:
+            _close_quietly(yc)
+        return orig_destroy(self)
+
+    return destroy
+
+
+def is_patched(cls: type) -> bool:
+    return bool(cls.__dict__.get(_MARK))
+
+
+def patch_class(cls: type) -> bool:
+    """Patch ``cls`` (vLLM's CudaCommunicator) in place, once.
+
+    Returns True when the class carries the hook afterwards, False when its
+    shape is not recognised (then it is left untouched).
+    """
+    if is_patched(cls):
+        return True
+    problem = check_hook_points(cls)
+    if problem is not None:
+        logger.warning(
+            "YALI: vLLM internals not recognised (%s); YALI stays off and vLLM is left unchanged",
+            problem,
+        )
+        return False
+    originals = {n: cls.__dict__[n] for n in ("__init__", "all_reduce", "destroy")}
+    cls.__init__ = _wrap_init(originals["__init__"])
+    cls.all_reduce = _wrap_all_reduce(originals["all_reduce"])
+    cls.destroy = _wrap_destroy(originals["destroy"])
+    setattr(cls, _ORIGINALS, originals)
+    setattr(cls, _MARK, True)
+    return True
+
+
+def unpatch_class(cls: type) -> None:
+    """Undo patch_class (tests and debugging)."""
+    originals = cls.__dict__.get(_ORIGINALS)
+    if not originals:
+        return
+    for name, fn in originals.items():
+        setattr(cls, name, fn)
+    delattr(cls, _ORIGINALS)
+    delattr(cls, _MARK)
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(getattr(vllm, "__version__", "unknown"))
+    except Exception:
+        return "unknown"
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point.  Idempotent; never raises."""
+    try:
+        import importlib
+
+        module = importlib.import_module(_COMM_MODULE)
+        cls = getattr(module, _COMM_CLASS)
+    except Exception as e:
+        logger.warning(
+            "YALI: vLLM's %s.%s cannot be loaded (%s: %s); YALI stays off",
+            _COMM_MODULE,
+            _COMM_CLASS,
+            type(e).__name__,
+            e,
+        )
+        return
+    try:
+        already = is_patched(cls)
+        if not patch_class(cls) or already:
+            return
+        version, series = _vllm_version(), _tested_series()
+        if not version.startswith(series):
+            logger.warning(
+                "YALI: vLLM %s is outside the tested series %sx; its hook points "
+                "match, so YALI is enabled (YALI_ENABLE=0 turns it off)",
+                version,
+                series,
+            )
+        logger.debug("YALI: hooked %s.%s (vLLM %s)", _COMM_MODULE, _COMM_CLASS, version)
+    except Exception:
+        logger.warning("YALI: plugin registration failed; YALI stays off", exc_info=True)
+
+
+def yali_tp_stats(_worker: Any = None) -> dict[str, Any]:
+    """State of YALI on this worker's TP group, for ``LLM.collective_rpc``.
+
+    ``device_calls`` is YALI's device-side launch counter (it synchronises
+    the device); None when the TP group has no YALI communicator.
+    """
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    comm = getattr(group, "device_communicator", None)
+    yc = getattr(comm, "yali_comm", None)
+    return {
+        "rank": getattr(group, "rank_in_group", None),
+        "group": getattr(group, "unique_name", None),
+        "yali": yc is not None,
+        "device_calls": int(yc.device_calls()) if yc is not None else None,
+        "describe": _describe(yc) if yc is not None else None,
+    }
