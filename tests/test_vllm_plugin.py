@@ -290,6 +290,41 @@ def test_dispatch_uses_yali_first(single_rank_comm):
     assert fake.calls == 1 and torch.equal(out, torch.full((4,), -7.0))
 
 
+class FakeCustomAR:
+    """Stand-in for vLLM's CustomAllreduce (needs GPUs): serves everything it is offered."""
+
+    disabled = False
+
+    def __init__(self):
+        self.calls = 0
+
+    def should_custom_ar(self, x):
+        return True
+
+    def custom_all_reduce(self, x):
+        self.calls += 1
+        return torch.full_like(x, -3.0)
+
+
+def test_dispatch_leaves_custom_ar_its_faster_sizes(single_rank_comm):
+    """Fakes for both communicators (stated above): between 128 KiB and 1 MiB,
+    where vLLM's custom all-reduce measured faster, vLLM's chain gets the call."""
+    comm = single_rank_comm
+    fake, ca = FakeYali(use=True), FakeCustomAR()
+    comm.yali_comm, saved, comm.ca_comm = fake, comm.ca_comm, ca
+    try:
+        lo, hi = vllm_plugin.CUSTOM_AR_FASTER
+        for nbytes, served_by_yali in [(64 << 10, True), (lo, True), (256 << 10, False), (hi - 16, False),
+                                       (hi, True), (4 << 20, True)]:
+            out = comm.all_reduce(torch.ones(nbytes // 4))
+            assert out[0].item() == (-7.0 if served_by_yali else -3.0), nbytes
+        assert fake.calls == 4 and ca.calls == 2
+        ca.disabled = True  # no custom AR: YALI takes every size
+        assert comm.all_reduce(torch.ones((256 << 10) // 4))[0].item() == -7.0
+    finally:
+        comm.ca_comm = saved
+
+
 def test_destroy_closes_yali(single_rank_comm):
     comm = single_rank_comm
     fake = FakeYali(use=True)

@@ -374,11 +374,29 @@ def _wrap_init(orig_init: Any) -> Any:
     return __init__
 
 
+# Sizes (bytes, exclusive bounds) where vLLM's own custom all-reduce measured
+# faster than YALI and is used instead when it takes the input: at 256 KiB it
+# reads CUDA-graph-registered inputs with no staging copy (4.8 us vs YALI's
+# 5.7 us, every dtype); YALI is faster at <= 128 KiB (flash-ll) and >= 1 MiB.
+# Source: benchmarks/results/allreduce-20261122.md.
+CUSTOM_AR_FASTER = (128 << 10, 1 << 20)
+
+
+def prefers_custom_ar(comm: Any, input_: Any) -> bool:
+    """True when vLLM's custom all-reduce serves `input_` and is the faster one."""
+    lo, hi = CUSTOM_AR_FASTER
+    nbytes = input_.numel() * input_.element_size()
+    if not lo < nbytes < hi:
+        return False
+    ca = getattr(comm, "ca_comm", None)
+    return ca is not None and not ca.disabled and bool(ca.should_custom_ar(input_))
+
+
 def _wrap_all_reduce(orig_all_reduce: Any) -> Any:
     @functools.wraps(orig_all_reduce)
     def all_reduce(self: Any, input_: Any) -> Any:
         yc = getattr(self, "yali_comm", None)
-        if yc is not None and yc.should_use(input_):
+        if yc is not None and yc.should_use(input_) and not prefers_custom_ar(self, input_):
             return yc.all_reduce(input_)
         return orig_all_reduce(self, input_)
 
