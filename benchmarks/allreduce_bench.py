@@ -323,8 +323,11 @@ def worker(rank, port, args, q):
     dist.destroy_process_group()
 
 
-def run(args):
+def run_two_ranks(worker, args, timeout: float, what: str):
+    """Runs worker(rank, port, args, queue) in two spawned processes (rank r on GPU r),
+    bounded by `timeout` seconds; returns what rank 0 put on the queue."""
     import multiprocessing as mp
+    import queue
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -335,9 +338,7 @@ def run(args):
     for p in procs:
         p.start()
     results = {}
-    deadline = time.time() + args.timeout
-    import queue
-
+    deadline = time.time() + timeout
     while len(results) < 2 and time.time() < deadline:
         try:
             r, v = q.get(timeout=5)
@@ -350,7 +351,7 @@ def run(args):
         if p.is_alive():
             p.kill()
     if 0 not in results:
-        raise SystemExit("benchmark failed or timed out (see worker output above)")
+        raise SystemExit(f"{what} failed or timed out (see worker output above)")
     return results[0]
 
 
@@ -492,7 +493,7 @@ def main(argv=None):
     if args.quick:
         args.sizes, args.dtypes, args.samples, args.replays = "2K,64K,1M,4M,64M", "bf16", 300, 10
     args.name = args.name or "allreduce-" + time.strftime("%Y%m%d-%H%M%S")
-    res = run(args)
+    res = run_two_ranks(worker, args, args.timeout, "benchmark")
     write_outputs(args, res)
 
 

@@ -16,7 +16,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _results import MULTICAST_OFF_ENV, results_header, write_results  # noqa: E402
-from allreduce_bench import fmt_size, parse_size, time_graph  # noqa: E402
+from allreduce_bench import fmt_size, parse_size, run_two_ranks, time_graph  # noqa: E402
 
 os.environ.update(MULTICAST_OFF_ENV)
 
@@ -73,17 +73,16 @@ def worker(rank, port, args, q):
             nbytes = parse_size(s)
             x = torch.randn(nbytes // 2, device=dev).to(torch.bfloat16)
             out = torch.empty_like(x)
-            ref = None
             try:
                 comm.all_reduce(x, out=out, mode=mode)
-                times = time_graph(torch, lambda t: comm.all_reduce(t, out=out, mode=mode), x,
+                times = time_graph(torch, lambda t, o=out: comm.all_reduce(t, out=o, mode=mode), x,
                                    max(2, min(50, int((64 << 20) // nbytes))), args.replays, None)
                 rows.append({"variant": label, "env": env, "mode": mode, "bytes": nbytes, "dtype": "bf16",
                              "us_p50": round(statistics.median(times), 3), "us_min": round(min(times), 3),
                              "busbw_gbps": round(nbytes / statistics.median(times) / 1e3, 1)})
             except Exception as e:
                 rows.append({"variant": label, "bytes": nbytes, "error": str(e)[:200]})
-            del x, out, ref
+            del x, out
         comm.close()
         torch.cuda.empty_cache()
         dist.barrier()
@@ -115,44 +114,18 @@ def table(rows):
 
 
 def main():
-    import multiprocessing as mp
-    import queue
-    import socket
-
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--variants", default="", help="comma list of variant labels (default: all)")
     ap.add_argument("--replays", type=int, default=15)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--name", default="tune-" + time.strftime("%Y%m%d-%H%M%S"))
     args = ap.parse_args()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=worker, args=(r, port, args, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    res = {}
-    deadline = time.time() + 900
-    while len(res) < 2 and time.time() < deadline:
-        try:
-            r, v = q.get(timeout=5)
-            res[r] = v
-        except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break
-    for p in procs:
-        p.join(timeout=20)
-        if p.is_alive():
-            p.kill()
-    if 0 not in res:
-        raise SystemExit("tuning failed")
+    rows = run_two_ranks(worker, args, 900, "tuning")
     hdr = results_header("allreduce-tuning", {"method": "bf16, per-op time in CUDA graphs, p50 of replays"})
-    hdr["records"] = res[0]
+    hdr["records"] = rows
     os.makedirs(args.out, exist_ok=True)
     write_results(os.path.join(args.out, args.name + ".json"), hdr)
-    md = table(res[0])
+    md = table(rows)
     with open(os.path.join(args.out, args.name + ".md"), "w") as f:
         f.write(f"# YALI tuning ({hdr['host']})\n\n{hdr['date']} · `{hdr['command']}`\n\n" + md)
     print(md)

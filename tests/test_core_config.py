@@ -3,7 +3,6 @@ table, should_use decisions, and the extension loading without a GPU. They need
 the compiled extension (built by `pip install`), not a GPU."""
 import os
 import subprocess
-import sys
 
 import pytest
 import torch

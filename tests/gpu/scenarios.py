@@ -8,7 +8,6 @@ import random
 import time
 
 import torch
-import torch.distributed as dist
 
 from yali_vllm.communicator import YaliCommunicator
 
