@@ -95,3 +95,24 @@ def test_bad_or_different_settings_fail_both_ranks():
     for r in run_pair(scenarios.mismatched_settings, timeout=100):
         assert "YALI_DEV_LANES=999" in r["bad"], r
         assert "settings differ" in r["different"], r
+
+
+# Kernel paths the default table does not pick, or only lightly: two-shot, a
+# tiny stream ring (thousands of chunks per lane cycling 2 slots, so every slot
+# reuse waits on a credit), and one-shot/stream on odd CTA/lane counts.
+NONDEFAULT = {
+    "twoshot": {"YALI_DEV_ONESHOT_MAX": "0", "YALI_DEV_LL_MAX": "0"},
+    "tiny-ring": {"YALI_DEV_LANES": "3", "YALI_DEV_SLOTS": "2", "YALI_DEV_SLOT_BYTES": "4K"},
+    "odd-grids": {"YALI_DEV_LL_MAX": "0", "YALI_DEV_FLASH_CTAS": "7", "YALI_DEV_FLASH_CTA_BYTES": "4K",
+                  "YALI_DEV_LANES": "5", "YALI_DEV_SLOT_BYTES": "8K"},
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(NONDEFAULT))
+def test_sweep_nondefault_configs(name):
+    res = run_pair(scenarios.sweep, [2 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB], [1, 3, 1001, 65537, 1000003],
+                   ["fp32", "bf16"], ["auto", "flash", "stream"], 777, timeout=280, env=NONDEFAULT[name])
+    for r in res:
+        assert r["checked"] > 60
+        assert not r["failures"], "\n".join(r["failures"][:20])
