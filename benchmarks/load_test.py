@@ -49,7 +49,7 @@ from serving_bench import (  # noqa: E402
     resolve_command,
     run_bounded,
     scan_server_log,
-    server_command,
+    server_command_for,
     server_env,
     split_command,
     start_server,
@@ -309,19 +309,9 @@ def run(args: argparse.Namespace) -> int:
     say = Progress("load-test", deadline)
     model_dir = (args.model_dir or Path(f"/tmp/serving-bench-model-{args.model_size}")).resolve()
     out = (args.out or default_out("soak" if args.soak else "load")).resolve()
-    extra = shlex.split(args.extra_server_args)
 
     def srv_cmd(cfg: str, port: int) -> list[str]:
-        return server_command(
-            args.vllm_bin,
-            model_dir,
-            SERVER_CONFIGS[cfg],
-            port,
-            max_model_len=args.max_model_len,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            max_num_seqs=args.max_num_seqs,
-            extra_args=extra,
-        )
+        return server_command_for(args, model_dir, cfg, port)
 
     def l_cmd(port: int, cfg: str, duration: int) -> list[str]:
         return locust_command(

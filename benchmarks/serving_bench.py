@@ -369,6 +369,20 @@ def server_command(
     return cmd
 
 
+def server_command_for(args: Any, model_dir: str | Path, cfg: str, port: int) -> list[str]:
+    """server_command() from a parsed command line (serving_bench's and load_test's share the flags)."""
+    return server_command(
+        args.vllm_bin,
+        model_dir,
+        SERVER_CONFIGS[cfg],
+        port,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+        extra_args=shlex.split(args.extra_server_args),
+    )
+
+
 def server_env(cfg: ServerConfig) -> dict[str, str]:
     return child_env(cfg.env)
 
@@ -1239,21 +1253,11 @@ def run(args: argparse.Namespace) -> int:
     say = Progress("serving-bench", deadline)
     model_dir = (args.model_dir or Path(f"/tmp/serving-bench-model-{args.model_size}")).resolve()
     out = (args.out or default_out("serving")).resolve()
-    extra_server_args = shlex.split(args.extra_server_args)
     schedule = interleaved_schedule(configs, args.repeats)
     concs: list[int] = list(args.concurrency)
 
     def srv_cmd(cfg: str, port: int) -> list[str]:
-        return server_command(
-            args.vllm_bin,
-            model_dir,
-            SERVER_CONFIGS[cfg],
-            port,
-            max_model_len=args.max_model_len,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            max_num_seqs=args.max_num_seqs,
-            extra_args=extra_server_args,
-        )
+        return server_command_for(args, model_dir, cfg, port)
 
     def b_args(base_url: str, c: int, j: int, result_dir: Path, name: str) -> list[str]:
         return bench_args(
