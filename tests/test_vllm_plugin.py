@@ -325,6 +325,24 @@ def test_dispatch_leaves_custom_ar_its_faster_sizes(single_rank_comm):
         comm.ca_comm = saved
 
 
+def test_dispatch_logs_backend_once_per_size_class(single_rank_comm, caplog):
+    """Fakes (stated above): the first all-reduce of each dtype and size class
+    logs which backend served it; repeats do not."""
+    comm = single_rank_comm
+    comm.yali_comm = FakeYali(use=True)
+    with caplog.at_level(logging.INFO, logger="vllm.yali"):
+        for _ in range(3):
+            comm.all_reduce(torch.ones(1000))  # 4000 bytes: size class 2048..4095
+            comm.all_reduce(torch.ones(10, dtype=torch.bfloat16))
+        comm.yali_comm.use = False
+        comm.all_reduce(torch.ones(1000))
+    lines = [r.getMessage() for r in caplog.records if "YALI dispatch" in r.getMessage()]
+    assert len(lines) == 3, lines
+    assert "torch.float32 all-reduces of 2048..4095 bytes -> yali" in lines[0]
+    assert "torch.bfloat16 all-reduces of 16..31 bytes -> yali" in lines[1]
+    assert lines[2].endswith("-> vLLM's all-reduce chain")
+
+
 def test_destroy_closes_yali(single_rank_comm):
     comm = single_rank_comm
     fake = FakeYali(use=True)

@@ -392,12 +392,42 @@ def prefers_custom_ar(comm: Any, input_: Any) -> bool:
     return ca is not None and not ca.disabled and bool(ca.should_custom_ar(input_))
 
 
+def _log_first_dispatch(comm: Any, input_: Any, backend: str) -> None:
+    """One INFO line the first time each (dtype, power-of-two size class, backend)
+    is dispatched by this communicator: which backend serves which sizes, without
+    a line per call. (Replays of captured CUDA graphs run no Python at all.)"""
+    nbytes = input_.numel() * input_.element_size()
+    key = (str(input_.dtype), max(nbytes, 1).bit_length(), backend)
+    seen = comm.__dict__.setdefault("_yali_dispatch_seen", set())
+    if key in seen:
+        return
+    seen.add(key)
+    lo = 1 << (key[1] - 1)
+    logger.info("YALI dispatch on '%s': %s all-reduces of %d..%d bytes -> %s",
+                getattr(comm, "unique_name", "?"), key[0], lo, 2 * lo - 1, backend)
+
+
+def _yali_kernel(nbytes: int) -> str:
+    try:
+        from yali_vllm.config import plan
+
+        return f"yali {plan(nbytes)[0]}"
+    except Exception:
+        return "yali"
+
+
 def _wrap_all_reduce(orig_all_reduce: Any) -> Any:
     @functools.wraps(orig_all_reduce)
     def all_reduce(self: Any, input_: Any) -> Any:
         yc = getattr(self, "yali_comm", None)
-        if yc is not None and yc.should_use(input_) and not prefers_custom_ar(self, input_):
+        if yc is None:
+            return orig_all_reduce(self, input_)
+        if yc.should_use(input_) and not prefers_custom_ar(self, input_):
+            if logger.isEnabledFor(logging.INFO):
+                _log_first_dispatch(self, input_, _yali_kernel(input_.numel() * input_.element_size()))
             return yc.all_reduce(input_)
+        if logger.isEnabledFor(logging.INFO):
+            _log_first_dispatch(self, input_, "vLLM's all-reduce chain")
         return orig_all_reduce(self, input_)
 
     return all_reduce
