@@ -34,7 +34,6 @@ from _results import MULTICAST_OFF_ENV, child_env, results_header, write_results
 from serving_bench import (  # noqa: E402
     DEFAULT_CONFIGS,
     SERVER_CONFIGS,
-    YALI_ON_RE,
     Deadline,
     Progress,
     ServerError,
@@ -48,12 +47,11 @@ from serving_bench import (  # noqa: E402
     prepare_model,
     resolve_command,
     run_bounded,
-    scan_server_log,
     server_command_for,
     server_env,
     split_command,
     start_server,
-    stop_server,
+    stop_and_scan,
     tail_lines,
     wait_healthy,
     warmup_server,
@@ -383,7 +381,6 @@ def run(args: argparse.Namespace) -> int:
             cmd = srv_cmd(cfg, port)
             say(f"{cfg}: starting server on port {port}: {shlex.join(cmd)}")
             server = start_server(cmd, server_env(SERVER_CONFIGS[cfg]), log_path, port, cfg)
-            stop_offset = None
             rc: int | None = None
             row: dict[str, Any] | None = None
             try:
@@ -423,20 +420,16 @@ def run(args: argparse.Namespace) -> int:
                 say(f"{cfg}: FAILED: {str(e).splitlines()[0]}")
                 print(str(e), flush=True)
             finally:
-                stop_offset = server.log_size()
                 say(f"{cfg}: stopping server (pid {server.proc.pid}, process group)")
-                stop_server(server, grace_s=args.stop_grace_s)
-                scan = scan_server_log(log_path, 0, stop_offset)
-                entry = {"config": cfg, "log_file": str(log_path.relative_to(out)), **scan}
-                entry["yali_on"] = any(YALI_ON_RE.search(ln) for ln in scan["key_lines"])
-                entry["warnings"] = yali_log_warnings(cfg, scan["key_lines"])
+                entry = {"config": cfg, **stop_and_scan(server, out, args.stop_grace_s)}
+                entry["warnings"] = yali_log_warnings(cfg, entry["key_lines"])
                 for w in entry["warnings"]:
                     say(f"{cfg}: WARNING: {w}")
                 doc["server_logs"].append(entry)
                 if row is not None:
-                    row["server_log_errors"] = scan["error_count"]
+                    row["server_log_errors"] = entry["error_count"]
                 if args.soak:
-                    soak_row, soak_scan, soak_rc, soak_yali_on = row, scan, rc, entry["yali_on"]
+                    soak_row, soak_scan, soak_rc, soak_yali_on = row, entry, rc, entry["yali_on"]
                 write_results(json_path, doc)
                 port += 1
     except (KeyboardInterrupt, Terminated) as e:

@@ -254,6 +254,22 @@ def kill_process_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
     _wait_group_gone(pgid, 10)
 
 
+def popen_logged(cmd: Sequence[str], env: dict[str, str], log_path: Path, *, cwd: Path | None = None,
+                 env_line: bool = False) -> subprocess.Popen:
+    """Starts ``cmd`` in its own process group (so the whole group can be killed),
+    stdout+stderr appended to ``log_path`` after a ``$ cmd`` header line (and, with
+    ``env_line``, the multicast and YALI variables it runs with)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:  # the child keeps its own descriptor
+        log.write(f"$ {shlex.join(cmd)}\n".encode())
+        if env_line:
+            shown = " ".join(f"{k}={env[k]}" for k in sorted(env) if k in MULTICAST_OFF_ENV or k.startswith("YALI_"))
+            log.write(f"# env: {shown}\n".encode())
+        log.flush()
+        return subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                cwd=cwd, start_new_session=True)
+
+
 def run_bounded(
     cmd: Sequence[str],
     *,
@@ -267,27 +283,15 @@ def run_bounded(
     Returns the exit code, or ``None`` if it ran past ``timeout_s`` (then its
     whole group is killed).
     """
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        log.write(f"$ {shlex.join(cmd)}\n".encode())
-        log.flush()
-        proc = subprocess.Popen(
-            list(cmd),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            cwd=cwd,
-            start_new_session=True,
-        )
-        try:
-            return proc.wait(timeout=max(timeout_s, 0.1))
-        except subprocess.TimeoutExpired:
-            kill_process_group(proc, grace_s=10)
-            return None
-        finally:
-            if proc.poll() is None:
-                kill_process_group(proc, grace_s=5)
+    proc = popen_logged(cmd, env, log_path, cwd=cwd)
+    try:
+        return proc.wait(timeout=max(timeout_s, 0.1))
+    except subprocess.TimeoutExpired:
+        kill_process_group(proc, grace_s=10)
+        return None
+    finally:
+        if proc.poll() is None:
+            kill_process_group(proc, grace_s=5)
 
 
 def split_command(cmd: str) -> list[str]:
@@ -411,24 +415,7 @@ class Server:
 
 
 def start_server(cmd: Sequence[str], env: dict[str, str], log_path: Path, port: int, config: str) -> Server:
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "ab")  # noqa: SIM115 -- the child keeps writing after we return
-    try:
-        log.write(f"$ {shlex.join(cmd)}\n".encode())
-        log.write(
-            ("# env: " + " ".join(f"{k}={env[k]}" for k in sorted(env) if k in MULTICAST_OFF_ENV or k.startswith("YALI_")) + "\n").encode()
-        )
-        log.flush()
-        proc = subprocess.Popen(
-            list(cmd),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-    finally:
-        log.close()  # the child holds its own descriptor
+    proc = popen_logged(cmd, env, log_path, env_line=True)
     return Server(config=config, port=port, proc=proc, log_path=log_path, cmd=list(cmd))
 
 
@@ -458,6 +445,17 @@ def stop_server(server: Server, grace_s: float = 30.0, gpu_free_timeout_s: float
     """Stop the server's process group, then wait (bounded) for the GPUs' memory to be released."""
     kill_process_group(server.proc, grace_s=grace_s)
     wait_gpu_memory_released(timeout_s=gpu_free_timeout_s)
+
+
+def stop_and_scan(server: Server, out: Path, grace_s: float) -> dict[str, Any]:
+    """Stops the server, then scans its log up to the stop (shutdown noise excluded):
+    log file (relative to ``out``), key lines, errors, and whether YALI was on."""
+    stop_offset = server.log_size()
+    stop_server(server, grace_s=grace_s)
+    scan = scan_server_log(server.log_path, 0, stop_offset)
+    entry = {"log_file": str(server.log_path.relative_to(out)), **scan}
+    entry["yali_on"] = any(YALI_ON_RE.search(ln) for ln in scan["key_lines"])
+    return entry
 
 
 def gpu_memory_used_mib() -> list[int] | None:
@@ -1401,7 +1399,6 @@ def _run_all(
             cmd = srv_cmd(cfg, port)
             say(f"{tag}: starting server on port {port}: {shlex.join(cmd)}")
             server = start_server(cmd, server_env(SERVER_CONFIGS[cfg]), log_path, port, cfg)
-            stop_offset: int | None = None
             try:
                 waited = wait_healthy(server, deadline.clip(args.startup_timeout_s, stop_reserve))
                 est_startup = max(est_startup or 0.0, waited)
@@ -1454,13 +1451,9 @@ def _run_all(
                 say(f"{tag}: SERVER FAILED: {str(e).splitlines()[0]}")
                 print(str(e), flush=True)
             finally:
-                stop_offset = server.log_size()
                 say(f"{tag}: stopping server (pid {server.proc.pid}, process group)")
-                stop_server(server, grace_s=args.stop_grace_s)
-                scan = scan_server_log(log_path, 0, stop_offset)
-                entry = {"config": cfg, "repeat": rep, "log_file": str(log_path.relative_to(out)), **scan}
-                entry["yali_on"] = any(YALI_ON_RE.search(ln) for ln in scan["key_lines"])
-                entry["warnings"] = yali_log_warnings(cfg, scan["key_lines"])
+                entry = {"config": cfg, "repeat": rep, **stop_and_scan(server, out, args.stop_grace_s)}
+                entry["warnings"] = yali_log_warnings(cfg, entry["key_lines"])
                 for w in entry["warnings"]:
                     say(f"{tag}: WARNING: {w}")
                 doc["server_logs"].append(entry)
