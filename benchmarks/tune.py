@@ -46,12 +46,6 @@ VARIANTS = {
                           "stream", MID + "," + LARGE),
     "stream-l128-s8-16K": ({"YALI_DEV_LANES": "128", "YALI_DEV_SLOTS": "8", "YALI_DEV_SLOT_BYTES": "16K"},
                            "stream", MID),
-    # round 3: flash-ll polling backoff (YALI_DEV_LL_BACKOFF_NS) against spinning, and one-shot as control
-    "ll-r3-spin": ({"YALI_DEV_LL_MAX": "512K", "YALI_DEV_LL_BACKOFF_NS": "0"}, "flash", "16K,64K,128K,256K,512K"),
-    "ll-r3-b32": ({"YALI_DEV_LL_MAX": "512K", "YALI_DEV_LL_BACKOFF_NS": "32"}, "flash", "16K,64K,128K,256K,512K"),
-    "ll-r3-b128": ({"YALI_DEV_LL_MAX": "512K", "YALI_DEV_LL_BACKOFF_NS": "128"}, "flash", "16K,64K,128K,256K,512K"),
-    "ll-r3-b512": ({"YALI_DEV_LL_MAX": "512K", "YALI_DEV_LL_BACKOFF_NS": "512"}, "flash", "16K,64K,128K,256K,512K"),
-    "oneshot-r3": ({"YALI_DEV_LL_MAX": "0"}, "flash", "128K,256K,512K,1M"),
 }
 
 

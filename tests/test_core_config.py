@@ -86,7 +86,6 @@ def test_stream_chunks_fit_slots(monkeypatch):
     ("YALI_DEV_FLASH_CTAS", "x", "integer"),
     ("YALI_DEV_LL_MAX", "64M", "byte count"),
     ("YALI_TIMEOUT_S", "-1", "seconds"),
-    ("YALI_DEV_LL_BACKOFF_NS", "-3", "[0, 100000]"),
 ])
 def test_bad_values_name_the_variable(monkeypatch, var, value, fragment):
     monkeypatch.setenv(var, value)

@@ -103,7 +103,6 @@ def test_bad_or_different_settings_fail_both_ranks():
 NONDEFAULT = {
     "twoshot": {"YALI_DEV_ONESHOT_MAX": "0", "YALI_DEV_LL_MAX": "0"},
     "tiny-ring": {"YALI_DEV_LANES": "3", "YALI_DEV_SLOTS": "2", "YALI_DEV_SLOT_BYTES": "4K"},
-    "ll-backoff": {"YALI_DEV_LL_MAX": "512K", "YALI_DEV_LL_BACKOFF_NS": "128"},
     "odd-grids": {"YALI_DEV_LL_MAX": "0", "YALI_DEV_FLASH_CTAS": "7", "YALI_DEV_FLASH_CTA_BYTES": "4K",
                   "YALI_DEV_LANES": "5", "YALI_DEV_SLOT_BYTES": "8K"},
 }

@@ -93,7 +93,6 @@ Config Config::from_env() {
   env_bytes("YALI_DEV_FLASH_BYTES", 4096, size_t(1) << 30, 4096, &c.flash_bytes);
   env_bytes("YALI_DEV_LL_MAX", 0, size_t(16) << 20, 16, &c.ll_max);
   env_bytes("YALI_DEV_LL_CTA_BYTES", 512, size_t(16) << 20, 16, &c.ll_cta_bytes);
-  env_int("YALI_DEV_LL_BACKOFF_NS", 0, 100000, &c.ll_backoff_ns);
   env_bytes("YALI_DEV_ONESHOT_MAX", 0, size_t(1) << 30, 1, &c.oneshot_max);
   env_bytes("YALI_DEV_STREAM_MIN", 0, size_t(1) << 40, 1, &c.stream_min);
   env_int("YALI_DEV_FLASH_CTAS", 1, kMaxFlashCtas, &c.flash_ctas);
@@ -117,7 +116,6 @@ void Config::validate() const {
   check_range("YALI_DEV_FLASH_BYTES", flash_bytes, 4096, size_t(1) << 30, 4096);
   check_range("YALI_DEV_LL_MAX", ll_max, 0, std::min(flash_bytes, size_t(16) << 20), 16);
   check_range("YALI_DEV_LL_CTA_BYTES", ll_cta_bytes, 512, size_t(16) << 20, 16);
-  check_int("YALI_DEV_LL_BACKOFF_NS", ll_backoff_ns, 0, 100000);
   check_int("YALI_DEV_FLASH_CTAS", flash_ctas, 1, kMaxFlashCtas);
   check_range("YALI_DEV_FLASH_CTA_BYTES", flash_cta_bytes, 512, size_t(64) << 20, 16);
   check_int("YALI_DEV_LANES", lanes, 1, kMaxLanes);
@@ -131,7 +129,7 @@ std::string Config::to_string() const {
   std::ostringstream o;
   o << "mode=" << (mode == KernelMode::Auto ? "auto" : mode == KernelMode::Flash ? "flash" : "stream")
     << " max_bytes=" << max_bytes << " flash_bytes=" << flash_bytes << " ll_max=" << ll_max
-    << " ll_cta_bytes=" << ll_cta_bytes << " ll_backoff_ns=" << ll_backoff_ns << " oneshot_max=" << oneshot_max
+    << " ll_cta_bytes=" << ll_cta_bytes << " oneshot_max=" << oneshot_max
     << " stream_min=" << stream_min << " flash_ctas=" << flash_ctas << " flash_cta_bytes=" << flash_cta_bytes
     << " lanes=" << lanes << " slots=" << slots << " slot_bytes=" << slot_bytes << " timeout_s=" << timeout_s;
   return o.str();

@@ -32,7 +32,6 @@ struct Config {
   size_t flash_bytes = 8u << 20;       // YALI_DEV_FLASH_BYTES: largest message flash can take
   size_t ll_max = 128u << 10;          // YALI_DEV_LL_MAX: flash-ll (flag-in-data) up to here
   size_t ll_cta_bytes = 1u << 10;      // YALI_DEV_LL_CTA_BYTES: bytes per active flash-ll CTA
-  int ll_backoff_ns = 0;               // YALI_DEV_LL_BACKOFF_NS: flash-ll pause after a failed poll (0 = spin)
   size_t oneshot_max = 8u << 20;       // YALI_DEV_ONESHOT_MAX: one-shot up to here, then two-shot
   size_t stream_min = 8u << 20;        // YALI_DEV_STREAM_MIN: auto picks stream above this
   int flash_ctas = 128;                // YALI_DEV_FLASH_CTAS: most CTAs of a flash launch

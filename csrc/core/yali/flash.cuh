@@ -36,7 +36,6 @@ struct FlashArgs {
   char* my_ll;          // flash-ll words the peer writes to me
   char* peer_ll;
   size_t ll_parity_bytes;  // 2 * Config::ll_max
-  uint32_t ll_backoff_ns;   // pause between failed flash-ll polls (0: spin)
   LocalState* state;
   uint64_t timeout_ns;
   AbortInfo* abort;
@@ -219,9 +218,6 @@ __global__ void __launch_bounds__(kFlashThreads, 1) flash_ll_kernel(FlashArgs a)
         if (((w[0] & w[1] & w[2] & w[3]) >> 32) == (f >> 32) &&
             ((w[0] | w[1] | w[2] | w[3]) >> 32) == (f >> 32))
           break;
-        // Every vector has its own polling thread; at larger LL sizes thousands of
-        // them spinning on L2 can slow the very NVLink writes they wait for.
-        if (a.ll_backoff_ns != 0) __nanosleep(a.ll_backoff_ns);
         if (a.timeout_ns != 0 && (spins & 1023u) == 0 && global_timer_ns() - start > a.timeout_ns) {
           volatile AbortInfo* ab = a.abort;
           ab->kernel = int(Kernel::FlashLL);

@@ -149,7 +149,7 @@ cudaError_t Rank::all_reduce(const void* in, void* out, size_t nbytes, DType dty
                   shared_ + layout_.flash_stage, peer_shared_ + layout_.flash_stage,
                   shared_ + layout_.flash_reduced, peer_shared_ + layout_.flash_reduced,
                   config_.flash_bytes, shared_ + layout_.flash_ll, peer_shared_ + layout_.flash_ll,
-                  2 * config_.ll_max, uint32_t(config_.ll_backoff_ns), state_, timeout_ns, abort_dev_};
+                  2 * config_.ll_max, state_, timeout_ns, abort_dev_};
   }
   switch (dtype) {
     case DType::F32: return launch_typed<float>(p, f, s, stream);
