@@ -164,8 +164,19 @@ class _StreamingUser(User):
         raise StopUser()
 
     # -- per endpoint -----------------------------------------------------------------
-    def payload(self, model: str, prompt: str) -> dict[str, Any]:
+    def prompt_fields(self, prompt: str) -> dict[str, Any]:
+        """The endpoint's prompt field(s): {"prompt": ...} or {"messages": [...]}."""
         raise NotImplementedError
+
+    def payload(self, model: str, prompt: str) -> dict[str, Any]:
+        return {
+            "model": model,
+            **self.prompt_fields(prompt),
+            "max_tokens": MAX_TOKENS,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": IGNORE_EOS,
+        }
 
     @staticmethod
     def token_text(choice: dict[str, Any]) -> str | None:
@@ -241,15 +252,8 @@ class ChatCompletionsUser(_StreamingUser):
     weight = max(CHAT_WEIGHT, 1)
     endpoint = "/v1/chat/completions"
 
-    def payload(self, model: str, prompt: str) -> dict[str, Any]:
-        return {
-            "model": model,
-            "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": MAX_TOKENS,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "ignore_eos": IGNORE_EOS,
-        }
+    def prompt_fields(self, prompt: str) -> dict[str, Any]:
+        return {"messages": [{"role": "user", "content": prompt}]}
 
     @staticmethod
     def token_text(choice: dict[str, Any]) -> str | None:
@@ -269,15 +273,8 @@ class CompletionsUser(_StreamingUser):
     weight = max(COMPLETIONS_WEIGHT, 1)
     endpoint = "/v1/completions"
 
-    def payload(self, model: str, prompt: str) -> dict[str, Any]:
-        return {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": MAX_TOKENS,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "ignore_eos": IGNORE_EOS,
-        }
+    def prompt_fields(self, prompt: str) -> dict[str, Any]:
+        return {"prompt": prompt}
 
     @staticmethod
     def token_text(choice: dict[str, Any]) -> str | None:

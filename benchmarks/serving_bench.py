@@ -53,6 +53,10 @@ from _results import (  # noqa: E402
     write_results,
 )
 
+# yali_vllm from this checkout when it is not installed (an installed one comes first).
+if str(REPO_ROOT) not in sys.path:
+    sys.path.append(str(REPO_ROOT))
+
 KIND = "serving-benchmark"
 RESULT_NAME = "serving-benchmark.json"
 DEFAULT_CONFIGS = ("yali", "vllm-default", "nccl")
@@ -347,25 +351,10 @@ def server_command(
     max_num_seqs: int | None = None,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
-    cmd = [
-        *split_command(vllm_bin),
-        "serve",
-        str(model_dir),
-        "--tensor-parallel-size",
-        str(tensor_parallel_size),
-        "--load-format",
-        "dummy",
-        "--tokenizer-mode",
-        "mistral",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-model-len",
-        str(max_model_len),
-        "--gpu-memory-utilization",
-        str(gpu_memory_utilization),
-    ]
+    from yali_vllm.models import serve_command  # how the embedded model must be served
+
+    cmd = serve_command(model_dir, tensor_parallel_size, vllm=split_command(vllm_bin), max_model_len=max_model_len)
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", str(gpu_memory_utilization)]
     if max_num_seqs:
         cmd += ["--max-num-seqs", str(max_num_seqs)]
     cmd += list(cfg.args)
@@ -1140,11 +1129,8 @@ MODEL_SUMMARY_KEYS = (
 
 
 def prepare_model(size: str, model_dir: Path) -> Path:
-    try:
-        from yali_vllm.models import write_model_dir
-    except ImportError:
-        sys.path.insert(0, str(REPO_ROOT))
-        from yali_vllm.models import write_model_dir
+    from yali_vllm.models import write_model_dir
+
     return Path(write_model_dir(model_dir, size=size)).resolve()
 
 

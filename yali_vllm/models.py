@@ -23,6 +23,7 @@ import json
 import shlex
 import shutil
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 # Tekken (tekken_240911.json) has 131072 ids in total (130072 BPE ranks +
@@ -124,10 +125,12 @@ def write_model_dir(path: str | Path, size: str = "8b") -> Path:
     return out
 
 
-def serve_command(path: str | Path, tensor_parallel_size: int = 2) -> list[str]:
-    """The ``vllm serve`` argv that fits a directory from write_model_dir."""
+def serve_command(path: str | Path, tensor_parallel_size: int = 2, *, vllm: Sequence[str] = ("vllm",),
+                  max_model_len: int = 4096) -> list[str]:
+    """The ``vllm serve`` argv that fits a directory from write_model_dir
+    (``vllm``: the program, possibly several words)."""
     return [
-        "vllm",
+        *vllm,
         "serve",
         str(path),
         "--tensor-parallel-size",
@@ -137,7 +140,7 @@ def serve_command(path: str | Path, tensor_parallel_size: int = 2) -> list[str]:
         "--tokenizer-mode",
         "mistral",
         "--max-model-len",
-        "4096",
+        str(max_model_len),
     ]
 
 
