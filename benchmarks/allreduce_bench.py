@@ -39,7 +39,7 @@ from _results import MULTICAST_OFF_ENV  # noqa: E402
 os.environ.update(MULTICAST_OFF_ENV)
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-ALL_BACKENDS = ["yali", "yali-flash", "yali-stream", "nccl", "vllm-custom", "vllm-pynccl", "symm-one-shot",
+ALL_BACKENDS = ["yali", "yali-flash", "yali-stream", "yali-ll-oneshot", "nccl", "vllm-custom", "vllm-pynccl", "symm-one-shot",
                 "symm-two-shot"]
 DEFAULT_SIZES = "2K,16K,64K,256K,1M,4M,16M,64M,256M,1G"
 
@@ -86,7 +86,32 @@ class Backends:
     def _make(self, name, rank, dev, gloo, max_bytes, torch, dist):
         import contextlib
 
-        if name.startswith("yali"):
+        if name == "yali-ll-oneshot":
+            # The flash table before flash-push (flash-ll, then one-shot), on its own
+            # communicator, so the same run shows what flash-push changed.
+            from yali_vllm.communicator import YaliCommunicator
+
+            saved = os.environ.get("YALI_DEV_PUSH_MAX")
+            os.environ["YALI_DEV_PUSH_MAX"] = "0"
+            try:
+                self._yali_old = YaliCommunicator(gloo, dev)
+            finally:
+                if saved is None:
+                    del os.environ["YALI_DEV_PUSH_MAX"]
+                else:
+                    os.environ["YALI_DEV_PUSH_MAX"] = saved
+            comm = self._yali_old
+            outs = {}
+
+            def op(x, comm=comm, outs=outs):
+                o = outs.get((x.data_ptr(), x.numel(), x.dtype))
+                if o is None:
+                    o = outs[(x.data_ptr(), x.numel(), x.dtype)] = torch.empty_like(x)
+                return comm.all_reduce(x, out=o, mode="flash")
+
+            self.ops[name] = op
+            self.max_bytes[name] = comm.config["flash_bytes"]
+        elif name.startswith("yali"):
             from yali_vllm.communicator import YaliCommunicator
 
             if not hasattr(self, "_yali"):
@@ -317,8 +342,9 @@ def worker(rank, port, args, q):
             del base, ref
             torch.cuda.empty_cache()
     q.put((rank, {"rows": rows, "link_gbps": link, "skipped": be.skipped}))
-    if hasattr(be, "_yali"):
-        be._yali.close()
+    for attr in ("_yali", "_yali_old"):
+        if hasattr(be, attr):
+            getattr(be, attr).close()
     dist.barrier(group=gloo)
     dist.destroy_process_group()
 

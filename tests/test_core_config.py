@@ -32,7 +32,7 @@ def test_import_without_gpu_reports_reason():
 
 
 def test_default_table_is_monotone_and_covers_all_sizes():
-    order = {"flash-ll": 0, "flash-oneshot": 1, "flash-twoshot": 2, "stream": 3}
+    order = {"flash-push": 0, "flash-ll": 1, "flash-oneshot": 2, "flash-twoshot": 3, "stream": 4}
     last = -1
     for nbytes in [2, 16, 2 * KiB, 64 * KiB, 128 * KiB, 128 * KiB + 16, 1 * MiB, 8 * MiB, 8 * MiB + 16, 1 * GiB,
                    2 * GiB]:
@@ -47,7 +47,25 @@ def test_default_table_is_monotone_and_covers_all_sizes():
     assert config.plan(0)[0] is None
 
 
+def test_default_table_pushes_up_to_flash_size():
+    assert config.plan(2)[0] == "flash-push"
+    assert config.plan(8 * MiB) == ("flash-push", 128, 0)
+    assert config.plan(2 * KiB)[1] == 2  # YALI_DEV_PUSH_CTA_BYTES=1K: one CTA per KiB, at most 128
+    assert config.plan(8 * MiB + 16)[0] == "stream"
+
+
+def test_push_boundary_follows_env(monkeypatch):
+    monkeypatch.setenv("YALI_DEV_PUSH_MAX", "64K")
+    monkeypatch.setenv("YALI_DEV_PUSH_CTA_BYTES", "4K")
+    assert config.plan(64 * KiB) == ("flash-push", 16, 0)
+    assert config.plan(64 * KiB + 16)[0] == "flash-ll"
+    monkeypatch.setenv("YALI_DEV_PUSH_MAX", "16M")  # above YALI_DEV_FLASH_BYTES (8M)
+    with pytest.raises(ValueError, match="YALI_DEV_PUSH_MAX"):
+        config.plan(1)
+
+
 def test_table_boundaries_follow_env(monkeypatch):
+    monkeypatch.setenv("YALI_DEV_PUSH_MAX", "0")
     monkeypatch.setenv("YALI_DEV_LL_MAX", "4K")
     monkeypatch.setenv("YALI_DEV_STREAM_MIN", "1M")
     assert config.plan(4 * KiB)[0] == "flash-ll"
@@ -62,7 +80,7 @@ def test_kernel_mode_forces_family(monkeypatch):
     monkeypatch.setenv("YALI_KERNEL_MODE", "stream")
     assert config.plan(2 * KiB)[0] == "stream"
     monkeypatch.setenv("YALI_KERNEL_MODE", "flash")
-    assert config.plan(4 * MiB)[0] == "flash-oneshot"
+    assert config.plan(4 * MiB)[0] == "flash-push"
     assert config.plan(64 * MiB)[0] is None
 
 

@@ -16,6 +16,9 @@ from . import _ext, config, ops
 logger = logging.getLogger("yali_vllm")
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Longest row the fused all-reduce + RMSNorm kernel holds in registers: 512 threads x
+# 8 vectors x 16 bytes (hidden 32768 in bf16/fp16, 16384 in fp32). Mirrors kFusedMaxRowBytes.
+MAX_FUSED_HIDDEN_BYTES = 512 * 8 * 16
 
 
 def servable(x, device: torch.device, limit_bytes: int) -> bool:
@@ -162,9 +165,47 @@ class YaliCommunicator:
             raise RuntimeError("yali: all_reduce on a closed YaliCommunicator")
         return ops.all_reduce(self._handle, x, out, config.MODES[mode])
 
+    def can_fuse(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
+        """True when fused_allreduce_rmsnorm(x, residual, weight, eps) is served by YALI.
+
+        x: [..., hidden] contiguous fp32/fp16/bf16 with hidden a multiple of 16 bytes and at
+        most MAX_FUSED_HIDDEN_BYTES per row; weight: [hidden], same dtype; residual: like x or None.
+        Messages above the one-launch limit are still served (all-reduce, then add + norm).
+        """
+        if not self.should_use(x) or x.dim() < 1 or not isinstance(weight, torch.Tensor):
+            return False
+        hidden = x.shape[-1]
+        row_bytes = hidden * x.element_size()
+        if row_bytes % 16 != 0 or row_bytes > MAX_FUSED_HIDDEN_BYTES:
+            return False
+        if weight.shape != (hidden,) or weight.dtype != x.dtype or weight.device != x.device:
+            return False
+        if not weight.is_contiguous() or weight.data_ptr() % 16 != 0:
+            return False
+        if residual is not None and not (
+            residual.shape == x.shape and residual.dtype == x.dtype and residual.device == x.device
+            and residual.is_contiguous() and residual.data_ptr() % 16 == 0
+        ):
+            return False
+        return True
+
+    def fused_allreduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                                eps: float, norm_out: torch.Tensor | None = None,
+                                residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm_out, residual_out) of all-reduce(x) [+ residual] -> RMSNorm(weight, eps), one launch
+        up to the flash buffer size. See ops.fused_allreduce_rmsnorm for the exact arithmetic.
+        Raises ValueError/TypeError/RuntimeError naming the problem for inputs can_fuse() refuses."""
+        if self._handle is None:
+            raise RuntimeError("yali: fused_allreduce_rmsnorm on a closed YaliCommunicator")
+        return ops.fused_allreduce_rmsnorm(self._handle, x, residual, weight, eps, norm_out, residual_out)
+
     def device_calls(self) -> int:
         """YALI kernel launches that ran on this GPU (graph replays included). Synchronises."""
         return int(_ext.ops().device_calls(self._handle))
+
+    def device_fused_calls(self) -> int:
+        """Fused all-reduce + RMSNorm launches that ran on this GPU (graph replays included). Synchronises."""
+        return int(_ext.ops().device_fused_calls(self._handle))
 
     def abort_message(self) -> str:
         """Why a kernel gave up waiting for the peer ("" if none did)."""

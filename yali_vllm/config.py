@@ -15,7 +15,7 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 # Kernel ids as returned by plan() (csrc/core/yali/config.h: enum class Kernel).
-KERNEL_NAMES = {0: None, 1: "flash-oneshot", 2: "flash-twoshot", 3: "stream", 4: "flash-ll"}
+KERNEL_NAMES = {0: None, 1: "flash-oneshot", 2: "flash-twoshot", 3: "stream", 4: "flash-ll", 5: "flash-push"}
 # Kernel modes accepted by all_reduce(mode=...) (enum class KernelMode); -1 = the configured one.
 MODES = {"config": -1, "auto": 0, "flash": 1, "stream": 2}
 

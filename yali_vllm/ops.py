@@ -24,6 +24,12 @@ def register_fakes() -> None:
         torch._check(out.numel() == input.numel(), lambda: "yali: out must have input's number of elements")
         torch._check(out.dtype == input.dtype, lambda: "yali: out must have input's dtype")
 
+    @torch.library.register_fake("yali::fused_allreduce_rmsnorm")
+    def _(comm: int, input: torch.Tensor, residual, weight: torch.Tensor, eps: float, norm_out: torch.Tensor,
+          residual_out: torch.Tensor) -> None:
+        torch._check(norm_out.shape == input.shape, lambda: "yali: norm_out must have input's shape")
+        torch._check(residual_out.shape == input.shape, lambda: "yali: residual_out must have input's shape")
+
     _registered = True
 
 
@@ -33,3 +39,21 @@ def all_reduce(comm: int, x: torch.Tensor, out: torch.Tensor | None = None, mode
         out = torch.empty_like(x)
     _ext.ops().all_reduce(comm, x, out, mode)
     return out
+
+
+def fused_allreduce_rmsnorm(comm: int, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                            eps: float, norm_out: torch.Tensor | None = None,
+                            residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch of all-reduce + residual add + RMSNorm over the last dimension of `x` ([tokens, hidden]).
+
+    s = sum of x over both ranks (rounded to x.dtype, as a plain all-reduce returns it),
+    z = s + residual in fp32 (z = s without a residual), residual_out = z rounded,
+    norm_out = (z * rsqrt(mean(z^2) + eps)) rounded, times weight, rounded: vLLM's
+    fused_add_rms_norm / rms_norm semantics. Returns (norm_out, residual_out).
+    """
+    if norm_out is None:
+        norm_out = torch.empty_like(x)
+    if residual_out is None:
+        residual_out = torch.empty_like(x)
+    _ext.ops().fused_allreduce_rmsnorm(comm, x, residual, weight, float(eps), norm_out, residual_out)
+    return norm_out, residual_out

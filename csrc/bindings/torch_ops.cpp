@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <mutex>
+#include <optional>
 #include <unordered_set>
 
 #include "yali/config.h"
@@ -130,6 +131,49 @@ void all_reduce(int64_t handle, const at::Tensor& input, at::Tensor& out, int64_
   TORCH_CHECK(e == cudaSuccess, "yali: all_reduce launch failed: ", cudaGetErrorString(e));
 }
 
+// (norm_out, residual_out) = RMSNorm(all_reduce(input) [+ residual]) over the last dimension.
+void fused_allreduce_rmsnorm(int64_t handle, const at::Tensor& input, const std::optional<at::Tensor>& residual,
+                             const at::Tensor& weight, double eps, at::Tensor& norm_out, at::Tensor& residual_out) {
+  const yali::Rank* r = get(handle);
+  TORCH_CHECK(input.is_cuda() && input.get_device() == r->device(), "yali: input must be on cuda:", r->device(),
+              ", got ", input.device());
+  TORCH_CHECK(input.dim() >= 1 && input.size(-1) > 0, "yali: input must be [..., hidden] with hidden > 0");
+  const int64_t hidden = input.size(-1);
+  const int64_t rows = input.numel() / hidden;
+  const yali::DType dt = to_dtype(input.scalar_type());
+  auto same = [&](const at::Tensor& t) {
+    return t.device() == input.device() && t.scalar_type() == input.scalar_type() && t.sizes() == input.sizes() &&
+           t.is_contiguous();
+  };
+  TORCH_CHECK(input.is_contiguous(), "yali: input must be contiguous");
+  TORCH_CHECK(same(norm_out), "yali: norm_out must be a contiguous tensor like input (shape ", input.sizes(), ")");
+  TORCH_CHECK(same(residual_out), "yali: residual_out must be a contiguous tensor like input (shape ", input.sizes(),
+              ")");
+  if (residual) TORCH_CHECK(same(*residual), "yali: residual must be a contiguous tensor like input");
+  TORCH_CHECK(weight.device() == input.device() && weight.scalar_type() == input.scalar_type() &&
+                  weight.dim() == 1 && weight.size(0) == hidden && weight.is_contiguous(),
+              "yali: weight must be a contiguous [", hidden, "] tensor of input's dtype and device, got ",
+              weight.sizes(), " ", weight.scalar_type());
+  TORCH_CHECK(norm_out.data_ptr() != residual_out.data_ptr() &&
+                  (!residual || norm_out.data_ptr() != residual->data_ptr()),
+              "yali: norm_out must not alias residual or residual_out");
+  if (rows == 0) return;
+  const size_t row_bytes = size_t(hidden) * input.element_size();
+  TORCH_CHECK(row_bytes % 16 == 0 && row_bytes <= yali::kFusedMaxRowBytes, "yali: a row of ", hidden, " ",
+              input.scalar_type(), " elements (", row_bytes, " bytes) is not served: it must be a multiple of 16 bytes ",
+              "and at most ", yali::kFusedMaxRowBytes, " bytes");
+  const size_t nbytes = size_t(rows) * row_bytes;
+  TORCH_CHECK(r->fused_one_launch(size_t(rows), size_t(hidden), dt) ||
+                  r->plan(nbytes, r->config().mode).kernel != yali::Kernel::None,
+              "yali: a ", nbytes, "-byte fused all-reduce is not served (YALI_MAX_BYTES=", r->config().max_bytes, ")");
+  const c10::cuda::CUDAGuard guard(input.device());
+  const cudaError_t e = r->fused_allreduce_rmsnorm(
+      input.data_ptr(), residual ? residual->data_ptr() : nullptr, weight.data_ptr(), float(eps), norm_out.data_ptr(),
+      residual_out.data_ptr(), size_t(rows), size_t(hidden), dt, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(e == cudaSuccess, "yali: fused_allreduce_rmsnorm launch failed: ", cudaGetErrorString(e),
+              " (tensors must be 16-byte aligned)");
+}
+
 std::vector<int64_t> plan(int64_t nbytes, int64_t mode) {
   yali::Config c = config_from_env();
   TORCH_CHECK_VALUE(mode >= -1 && mode <= 2, "yali: kernel mode ", mode, " is not -1, 0, 1 or 2");
@@ -144,6 +188,13 @@ int64_t buffer_bytes(int64_t handle) { return int64_t(get(handle)->buffer_bytes(
 int64_t device_calls(int64_t handle) {
   try {
     return int64_t(get(handle)->device_calls());
+  } catch (const std::exception& ex) {
+    TORCH_CHECK(false, ex.what());
+  }
+}
+int64_t device_fused_calls(int64_t handle) {
+  try {
+    return int64_t(get(handle)->device_fused_calls());
   } catch (const std::exception& ex) {
     TORCH_CHECK(false, ex.what());
   }
@@ -165,14 +216,21 @@ TORCH_LIBRARY(yali, m) {
   m.def("open_peer(int comm, Tensor peer_handle) -> ()", &open_peer);
   m.def("attach_peer(int comm, int peer_comm) -> ()", &attach_peer);
   m.def("all_reduce(int comm, Tensor input, Tensor(a!) out, int kernel_mode=-1) -> ()");
+  m.def(
+      "fused_allreduce_rmsnorm(int comm, Tensor input, Tensor? residual, Tensor weight, float eps, "
+      "Tensor(a!) norm_out, Tensor(b!) residual_out) -> ()");
   m.def("plan(int nbytes, int mode=-1) -> int[]", &plan);
   m.def("config_string() -> str", &config_string);
   m.def("shared_bytes_for_env() -> int", &shared_bytes_for_env);
   m.def("buffer_bytes(int comm) -> int", &buffer_bytes);
   m.def("device_calls(int comm) -> int", &device_calls);
+  m.def("device_fused_calls(int comm) -> int", &device_fused_calls);
   m.def("abort_message(int comm) -> str", &abort_message);
   m.def("handle_config(int comm) -> str", &handle_config);
   m.def("device_count() -> int", &device_count);
 }
 
-TORCH_LIBRARY_IMPL(yali, CUDA, m) { m.impl("all_reduce", &all_reduce); }
+TORCH_LIBRARY_IMPL(yali, CUDA, m) {
+  m.impl("all_reduce", &all_reduce);
+  m.impl("fused_allreduce_rmsnorm", &fused_allreduce_rmsnorm);
+}

@@ -97,14 +97,17 @@ def test_bad_or_different_settings_fail_both_ranks():
         assert "settings differ" in r["different"], r
 
 
-# Kernel paths the default table does not pick, or only lightly: two-shot, a
-# tiny stream ring (thousands of chunks per lane cycling 2 slots, so every slot
-# reuse waits on a credit), and one-shot/stream on odd CTA/lane counts.
+# Kernel paths the default table does not pick, or only lightly: flash-ll and
+# one-shot (the table before flash-push), two-shot, a tiny stream ring
+# (thousands of chunks per lane cycling 2 slots, so every slot reuse waits on a
+# credit), and push/one-shot/stream on odd CTA/lane counts.
 NONDEFAULT = {
-    "twoshot": {"YALI_DEV_ONESHOT_MAX": "0", "YALI_DEV_LL_MAX": "0"},
+    "ll-oneshot": {"YALI_DEV_PUSH_MAX": "0"},
+    "twoshot": {"YALI_DEV_PUSH_MAX": "0", "YALI_DEV_ONESHOT_MAX": "0", "YALI_DEV_LL_MAX": "0"},
     "tiny-ring": {"YALI_DEV_LANES": "3", "YALI_DEV_SLOTS": "2", "YALI_DEV_SLOT_BYTES": "4K"},
-    "odd-grids": {"YALI_DEV_LL_MAX": "0", "YALI_DEV_FLASH_CTAS": "7", "YALI_DEV_FLASH_CTA_BYTES": "4K",
-                  "YALI_DEV_LANES": "5", "YALI_DEV_SLOT_BYTES": "8K"},
+    "odd-grids": {"YALI_DEV_PUSH_MAX": "0", "YALI_DEV_LL_MAX": "0", "YALI_DEV_FLASH_CTAS": "7",
+                  "YALI_DEV_FLASH_CTA_BYTES": "4K", "YALI_DEV_LANES": "5", "YALI_DEV_SLOT_BYTES": "8K"},
+    "push-odd-grids": {"YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_PUSH_CTA_BYTES": "272"},
 }
 
 

@@ -17,6 +17,7 @@ const char* kernel_name(Kernel k) {
     case Kernel::FlashTwoShot: return "flash-twoshot";
     case Kernel::Stream: return "stream";
     case Kernel::FlashLL: return "flash-ll";
+    case Kernel::FlashPush: return "flash-push";
     default: return "none";
   }
 }
@@ -93,6 +94,8 @@ Config Config::from_env() {
   env_bytes("YALI_DEV_FLASH_BYTES", 4096, size_t(1) << 30, 4096, &c.flash_bytes);
   env_bytes("YALI_DEV_LL_MAX", 0, size_t(16) << 20, 16, &c.ll_max);
   env_bytes("YALI_DEV_LL_CTA_BYTES", 512, size_t(16) << 20, 16, &c.ll_cta_bytes);
+  env_bytes("YALI_DEV_PUSH_MAX", 0, size_t(1) << 30, 16, &c.push_max);
+  env_bytes("YALI_DEV_PUSH_CTA_BYTES", 256, size_t(16) << 20, 16, &c.push_cta_bytes);
   env_bytes("YALI_DEV_ONESHOT_MAX", 0, size_t(1) << 30, 1, &c.oneshot_max);
   env_bytes("YALI_DEV_STREAM_MIN", 0, size_t(1) << 40, 1, &c.stream_min);
   env_int("YALI_DEV_FLASH_CTAS", 1, kMaxFlashCtas, &c.flash_ctas);
@@ -116,6 +119,8 @@ void Config::validate() const {
   check_range("YALI_DEV_FLASH_BYTES", flash_bytes, 4096, size_t(1) << 30, 4096);
   check_range("YALI_DEV_LL_MAX", ll_max, 0, std::min(flash_bytes, size_t(16) << 20), 16);
   check_range("YALI_DEV_LL_CTA_BYTES", ll_cta_bytes, 512, size_t(16) << 20, 16);
+  check_range("YALI_DEV_PUSH_MAX", push_max, 0, flash_bytes, 16);
+  check_range("YALI_DEV_PUSH_CTA_BYTES", push_cta_bytes, 256, size_t(16) << 20, 16);
   check_int("YALI_DEV_FLASH_CTAS", flash_ctas, 1, kMaxFlashCtas);
   check_range("YALI_DEV_FLASH_CTA_BYTES", flash_cta_bytes, 512, size_t(64) << 20, 16);
   check_int("YALI_DEV_LANES", lanes, 1, kMaxLanes);
@@ -129,7 +134,8 @@ std::string Config::to_string() const {
   std::ostringstream o;
   o << "mode=" << (mode == KernelMode::Auto ? "auto" : mode == KernelMode::Flash ? "flash" : "stream")
     << " max_bytes=" << max_bytes << " flash_bytes=" << flash_bytes << " ll_max=" << ll_max
-    << " ll_cta_bytes=" << ll_cta_bytes << " oneshot_max=" << oneshot_max
+    << " ll_cta_bytes=" << ll_cta_bytes << " push_max=" << push_max << " push_cta_bytes=" << push_cta_bytes
+    << " oneshot_max=" << oneshot_max
     << " stream_min=" << stream_min << " flash_ctas=" << flash_ctas << " flash_cta_bytes=" << flash_cta_bytes
     << " lanes=" << lanes << " slots=" << slots << " slot_bytes=" << slot_bytes << " timeout_s=" << timeout_s;
   return o.str();
@@ -155,6 +161,14 @@ Plan plan_for(const Config& c, size_t nbytes) {
     const size_t per_lane = ceil_div(nbytes, size_t(c.lanes));
     p.chunk_bytes = std::min(c.slot_bytes, ceil_div(per_lane, 16) * 16);
     p.blocks = int(std::min<size_t>(c.lanes, ceil_div(nbytes, p.chunk_bytes)));
+    return p;
+  }
+  // flash-push first: one one-way NVLink trip with no flag words and no staging
+  // copy (sentinel-in-data, see push.cuh). flash-ll / one-shot / two-shot stay
+  // selectable (YALI_DEV_PUSH_MAX=0) for comparison and for tuning.
+  if (nbytes <= c.push_max) {
+    p.kernel = Kernel::FlashPush;
+    p.blocks = int(std::min<size_t>(c.flash_ctas, ceil_div(nbytes, c.push_cta_bytes)));
     return p;
   }
   if (nbytes <= c.ll_max) {

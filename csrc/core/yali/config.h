@@ -13,7 +13,7 @@
 namespace yali {
 
 enum class KernelMode : int { Auto = 0, Flash = 1, Stream = 2 };
-enum class Kernel : int { None = 0, FlashOneShot = 1, FlashTwoShot = 2, Stream = 3, FlashLL = 4 };
+enum class Kernel : int { None = 0, FlashOneShot = 1, FlashTwoShot = 2, Stream = 3, FlashLL = 4, FlashPush = 5 };
 enum class DType : int { F32 = 0, F16 = 1, BF16 = 2 };
 
 const char* kernel_name(Kernel k);
@@ -25,6 +25,9 @@ constexpr int kMaxLanes = 128;
 constexpr int kMaxSlots = 16;
 constexpr int kFlashThreads = 512;
 constexpr int kStreamThreads = 512;  // half senders, half receivers
+// The fused all-reduce + RMSNorm kernel keeps one row in registers: at most
+// kFlashThreads threads x 8 vectors x 16 bytes (hidden 32768 in 16-bit types).
+constexpr size_t kFusedMaxRowBytes = size_t(kFlashThreads) * 8 * 16;
 
 struct Config {
   KernelMode mode = KernelMode::Auto;  // YALI_KERNEL_MODE
@@ -32,6 +35,8 @@ struct Config {
   size_t flash_bytes = 8u << 20;       // YALI_DEV_FLASH_BYTES: largest message flash can take
   size_t ll_max = 128u << 10;          // YALI_DEV_LL_MAX: flash-ll (flag-in-data) up to here
   size_t ll_cta_bytes = 1u << 10;      // YALI_DEV_LL_CTA_BYTES: bytes per active flash-ll CTA
+  size_t push_max = 8u << 20;          // YALI_DEV_PUSH_MAX: flash-push (sentinel-in-data) up to here
+  size_t push_cta_bytes = 1u << 10;    // YALI_DEV_PUSH_CTA_BYTES: bytes per active flash-push CTA
   size_t oneshot_max = 8u << 20;       // YALI_DEV_ONESHOT_MAX: one-shot up to here, then two-shot
   size_t stream_min = 8u << 20;        // YALI_DEV_STREAM_MIN: auto picks stream above this
   int flash_ctas = 128;                // YALI_DEV_FLASH_CTAS: most CTAs of a flash launch

@@ -36,6 +36,8 @@ struct FlashArgs {
   char* my_ll;          // flash-ll words the peer writes to me
   char* peer_ll;
   size_t ll_parity_bytes;  // 2 * Config::ll_max
+  char* my_push;           // flash-push / fused area the peer writes to me (parity_bytes per parity)
+  char* peer_push;
   LocalState* state;
   uint64_t timeout_ns;
   AbortInfo* abort;

@@ -10,6 +10,22 @@
 
 namespace yali {
 
+// Records why this kernel gives up (in host-mapped memory, so the host can read
+// it after the context is lost) and traps.
+__device__ __noinline__ void abort_kernel(AbortInfo* abort, Kernel kernel, int what, uint64_t expected,
+                                          uint64_t seen) {
+  volatile AbortInfo* a = abort;
+  a->kernel = int(kernel);
+  a->block = int(blockIdx.x);
+  a->what = what;
+  a->expected = expected;
+  a->seen = seen;
+  __threadfence_system();
+  a->magic = kAbortMagic;
+  __threadfence_system();
+  __trap();
+}
+
 // Spins until *flag >= target. A peer that never arrives (crashed process,
 // mismatched call sequence) must not hang the GPU forever: after timeout_ns the
 // kernel records why in host-mapped memory and traps, so the host sees a launch
@@ -22,18 +38,8 @@ __device__ __forceinline__ void wait_flag(const uint64_t* flag, uint64_t target,
   for (uint32_t spins = 1;; ++spins) {
     seen = load_acquire_sys(flag);
     if (seen >= target) return;
-    if (timeout_ns != 0 && (spins & 1023u) == 0 && global_timer_ns() - start > timeout_ns) {
-      volatile AbortInfo* a = abort;
-      a->kernel = int(kernel);
-      a->block = int(blockIdx.x);
-      a->what = what;
-      a->expected = target;
-      a->seen = seen;
-      __threadfence_system();
-      a->magic = kAbortMagic;
-      __threadfence_system();
-      __trap();
-    }
+    if (timeout_ns != 0 && (spins & 1023u) == 0 && global_timer_ns() - start > timeout_ns)
+      abort_kernel(abort, kernel, what, target, seen);
   }
 }
 

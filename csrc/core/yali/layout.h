@@ -19,6 +19,8 @@ struct SharedLayout {
   size_t flash_stage;    // 2 parities x flash_bytes: my input, staged for the peer to read
   size_t flash_reduced;  // 2 parities x flash_bytes: two-shot, my reduced half for the peer
   size_t flash_ll;       // 2 parities x 2*ll_max: flash-ll words {data, flag}, written by the peer
+  size_t flash_push;     // 2 parities x flash_bytes: flash-push / fused data, written by the peer;
+                         // holds kPushEmpty words wherever no unread data is (see push.cuh)
   size_t stream_slots;   // lanes x slots x slot_bytes: the peer's chunks land here
   size_t total;
 
@@ -35,6 +37,7 @@ struct SharedLayout {
     stream_credit = take(sizeof(uint64_t) * kMaxLanes * kMaxSlots);
     flash_ll = take(2 * 2 * c.ll_max);
     flags_end = off;  // the LL words are flags too: they must start zeroed
+    flash_push = take(2 * c.flash_bytes);
     flash_stage = take(2 * c.flash_bytes);
     flash_reduced = take(2 * c.flash_bytes);
     stream_slots = take(size_t(c.lanes) * c.slots * c.slot_bytes);
@@ -49,6 +52,7 @@ struct LocalState {
   uint64_t flash_epoch[kMaxFlashCtas];  // per flash CTA; all advance together every flash call
   uint64_t lane_seq[kMaxLanes];         // chunks each stream lane has sent (= received)
   uint64_t calls;                       // YALI kernel launches that ran (graph replays included)
+  uint64_t fused_calls;                 // fused all-reduce + RMSNorm operations that ran
 };
 
 // Written by a kernel that gave up waiting for its peer, read by the host after
@@ -57,7 +61,8 @@ struct AbortInfo {
   uint32_t magic;  // kAbortMagic once filled
   int32_t kernel;  // Kernel enum
   int32_t block;
-  int32_t what;    // 1 = flash arrive, 2 = flash gather, 3 = stream credit, 4 = stream ready, 5 = flash-ll
+  int32_t what;    // 1 = flash arrive, 2 = flash gather, 3 = stream credit, 4 = stream ready, 5 = flash-ll,
+                   // 6 = flash-push data
   uint64_t expected;
   uint64_t seen;
 };

@@ -4,6 +4,8 @@
 #include <stdexcept>
 
 #include "flash.cuh"
+#include "fused.cuh"
+#include "push.cuh"
 #include "stream.cuh"
 
 namespace yali {
@@ -28,11 +30,18 @@ struct DeviceGuard {
   }
 };
 
+__global__ void fill_words(uint32_t* p, size_t n, uint32_t v) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) p[i] = v;
+}
+
 template <typename T>
 cudaError_t launch_typed(const Plan& p, const FlashArgs& f, const StreamArgs& s, cudaStream_t stream) {
   switch (p.kernel) {
     case Kernel::FlashLL:
       flash_ll_kernel<T><<<p.blocks, kFlashThreads, 0, stream>>>(f);
+      break;
+    case Kernel::FlashPush:
+      flash_push_kernel<T><<<p.blocks, kFlashThreads, 0, stream>>>(f);
       break;
     case Kernel::FlashOneShot:
       flash_oneshot_kernel<T><<<p.blocks, kFlashThreads, 0, stream>>>(f);
@@ -60,6 +69,9 @@ Rank::Rank(int device, int rank, const Config& config)
   if (major < 7) throw std::runtime_error("yali: needs compute capability 7.0+ (system-scope acquire/release)");
   check(cudaMalloc(&shared_, layout_.total), "cudaMalloc(shared buffer)");
   check(cudaMemset(shared_, 0, layout_.flags_end), "cudaMemset(flags)");
+  fill_words<<<256, 256>>>(reinterpret_cast<uint32_t*>(shared_ + layout_.flash_push), 2 * config_.flash_bytes / 4,
+                           kPushEmpty);
+  check(cudaGetLastError(), "fill(push area)");
   check(cudaMalloc(&state_, sizeof(LocalState)), "cudaMalloc(local state)");
   check(cudaMemset(state_, 0, sizeof(LocalState)), "cudaMemset(local state)");
   check(cudaHostAlloc(&abort_host_, sizeof(AbortInfo), cudaHostAllocMapped | cudaHostAllocPortable),
@@ -143,13 +155,7 @@ cudaError_t Rank::all_reduce(const void* in, void* out, size_t nbytes, DType dty
                    flags(shared_, layout_.stream_credit), flags(peer_shared_, layout_.stream_credit),
                    state_, timeout_ns, abort_dev_};
   } else {
-    f = FlashArgs{in, out, nbytes, config_.flash_ctas, rank_,
-                  flags(shared_, layout_.flash_arrive), flags(peer_shared_, layout_.flash_arrive),
-                  flags(shared_, layout_.flash_gather), flags(peer_shared_, layout_.flash_gather),
-                  shared_ + layout_.flash_stage, peer_shared_ + layout_.flash_stage,
-                  shared_ + layout_.flash_reduced, peer_shared_ + layout_.flash_reduced,
-                  config_.flash_bytes, shared_ + layout_.flash_ll, peer_shared_ + layout_.flash_ll,
-                  2 * config_.ll_max, state_, timeout_ns, abort_dev_};
+    f = flash_args(in, out, nbytes);
   }
   switch (dtype) {
     case DType::F32: return launch_typed<float>(p, f, s, stream);
@@ -157,6 +163,106 @@ cudaError_t Rank::all_reduce(const void* in, void* out, size_t nbytes, DType dty
     case DType::BF16: return launch_typed<__nv_bfloat16>(p, f, s, stream);
   }
   return cudaErrorInvalidValue;
+}
+
+FlashArgs Rank::flash_args(const void* in, void* out, size_t nbytes) const {
+  auto flags = [](char* base, size_t off) { return reinterpret_cast<uint64_t*>(base + off); };
+  FlashArgs f{};
+  f.in = in;
+  f.out = out;
+  f.nbytes = nbytes;
+  f.total_ctas = config_.flash_ctas;
+  f.rank = rank_;
+  f.my_arrive = flags(shared_, layout_.flash_arrive);
+  f.peer_arrive = flags(peer_shared_, layout_.flash_arrive);
+  f.my_gather = flags(shared_, layout_.flash_gather);
+  f.peer_gather = flags(peer_shared_, layout_.flash_gather);
+  f.my_stage = shared_ + layout_.flash_stage;
+  f.peer_stage = peer_shared_ + layout_.flash_stage;
+  f.my_reduced = shared_ + layout_.flash_reduced;
+  f.peer_reduced = peer_shared_ + layout_.flash_reduced;
+  f.parity_bytes = config_.flash_bytes;
+  f.my_ll = shared_ + layout_.flash_ll;
+  f.peer_ll = peer_shared_ + layout_.flash_ll;
+  f.ll_parity_bytes = 2 * config_.ll_max;
+  f.my_push = shared_ + layout_.flash_push;
+  f.peer_push = peer_shared_ + layout_.flash_push;
+  f.state = state_;
+  f.timeout_ns = uint64_t(config_.timeout_s * 1e9);
+  f.abort = abort_dev_;
+  return f;
+}
+
+namespace {
+
+template <typename T, int kV>
+cudaError_t launch_fused(const FusedArgs& a, bool one_launch, int grid, cudaStream_t stream) {
+  if (one_launch) fused_allreduce_rmsnorm_kernel<T, kV><<<grid, kFlashThreads, 0, stream>>>(a);
+  else add_rmsnorm_kernel<T, kV><<<grid, kFlashThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_fused_rows(const FusedArgs& a, bool one_launch, int grid, cudaStream_t stream) {
+  const int per_thread = (a.row_vecs + kFlashThreads - 1) / kFlashThreads;  // vectors of a row per thread
+  if (per_thread <= 1) return launch_fused<T, 1>(a, one_launch, grid, stream);
+  if (per_thread <= 2) return launch_fused<T, 2>(a, one_launch, grid, stream);
+  if (per_thread <= 4) return launch_fused<T, 4>(a, one_launch, grid, stream);
+  if (per_thread <= 8) return launch_fused<T, 8>(a, one_launch, grid, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+bool Rank::fused_one_launch(size_t rows, size_t hidden, DType dtype) const {
+  return rows * hidden * dtype_size(dtype) <= config_.flash_bytes;
+}
+
+cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, const void* weight, float eps,
+                                          void* norm_out, void* residual_out, size_t rows, size_t hidden,
+                                          DType dtype, cudaStream_t stream) const {
+  const size_t row_bytes = hidden * dtype_size(dtype);
+  const uintptr_t any = reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(residual) |
+                        reinterpret_cast<uintptr_t>(weight) | reinterpret_cast<uintptr_t>(norm_out) |
+                        reinterpret_cast<uintptr_t>(residual_out);
+  if (!peer_shared_ || rows == 0 || hidden == 0 || row_bytes % 16 != 0 || row_bytes > kFusedMaxRowBytes ||
+      any % 16 != 0 || rows > size_t(INT32_MAX))
+    return cudaErrorInvalidValue;
+  const size_t nbytes = rows * row_bytes;
+  FusedArgs a{};
+  a.f = flash_args(in, nullptr, nbytes);
+  a.residual = residual;
+  a.weight = weight;
+  a.norm_out = norm_out;
+  a.residual_out = residual_out;
+  a.rows = int(rows);
+  a.row_vecs = int(row_bytes / 16);
+  a.hidden = int(hidden);
+  a.eps = eps;
+  const bool one_launch = fused_one_launch(rows, hidden, dtype);
+  int grid = int(std::min<size_t>(rows, size_t(config_.flash_ctas)));
+  if (!one_launch) {
+    // All-reduce into norm_out (it may be `in`; never residual, which may alias
+    // residual_out), then the epilogue reads the sum from there, row by row.
+    const cudaError_t e = all_reduce(in, norm_out, nbytes, dtype, stream, config_.mode);
+    if (e != cudaSuccess) return e;
+    a.sum = norm_out;
+    grid = int(std::min<size_t>(rows, 1024));
+  }
+  switch (dtype) {
+    case DType::F32: return launch_fused_rows<float>(a, one_launch, grid, stream);
+    case DType::F16: return launch_fused_rows<__half>(a, one_launch, grid, stream);
+    case DType::BF16: return launch_fused_rows<__nv_bfloat16>(a, one_launch, grid, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+uint64_t Rank::device_fused_calls() const {
+  DeviceGuard guard(device_);
+  uint64_t v = 0;
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  check(cudaMemcpy(&v, &state_->fused_calls, sizeof(v), cudaMemcpyDeviceToHost), "cudaMemcpy(fused calls)");
+  return v;
 }
 
 uint64_t Rank::device_calls() const {
@@ -171,8 +277,8 @@ std::string Rank::abort_message() const {
   const volatile AbortInfo* a = abort_host_;
   if (a->magic != kAbortMagic) return "";
   static const char* whats[] = {"?", "flash arrive flag", "flash gather flag", "stream credit", "stream ready",
-                                "flash-ll data"};
-  const int w = (a->what >= 1 && a->what <= 5) ? a->what : 0;
+                                "flash-ll data", "flash-push data"};
+  const int w = (a->what >= 1 && a->what <= 6) ? a->what : 0;
   return "yali: rank " + std::to_string(rank_) + " " + kernel_name(Kernel(a->kernel)) + " kernel, block " +
          std::to_string(a->block) + ", gave up after YALI_TIMEOUT_S=" + std::to_string(config_.timeout_s) +
          "s waiting for the peer's " + whats[w] + " (expected >= " + std::to_string(a->expected) + ", saw " +

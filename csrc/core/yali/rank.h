@@ -13,6 +13,8 @@
 
 namespace yali {
 
+struct FlashArgs;
+
 using IpcHandleBytes = std::array<uint8_t, sizeof(cudaIpcMemHandle_t)>;
 
 class Rank {
@@ -37,7 +39,20 @@ class Rank {
                          KernelMode mode) const;
   Plan plan(size_t nbytes, KernelMode mode) const;
 
+  // Fused all-reduce + residual add + RMSNorm over rows of `hidden` elements
+  // (see fused.cuh for the exact arithmetic). `residual` may be nullptr and may
+  // alias `residual_out`; `norm_out` may alias `in`. One launch while
+  // rows * hidden * dtype size <= Config::flash_bytes (fused_one_launch), else a
+  // YALI all-reduce into norm_out followed by the add + norm kernel. Rows must be
+  // 16-byte multiples of at most kFusedMaxRowBytes and pointers 16-byte aligned;
+  // otherwise (or above YALI_MAX_BYTES) returns cudaErrorInvalidValue.
+  cudaError_t fused_allreduce_rmsnorm(const void* in, const void* residual, const void* weight, float eps,
+                                      void* norm_out, void* residual_out, size_t rows, size_t hidden, DType dtype,
+                                      cudaStream_t stream) const;
+  bool fused_one_launch(size_t rows, size_t hidden, DType dtype) const;
+
   uint64_t device_calls() const;      // synchronising read of LocalState::calls
+  uint64_t device_fused_calls() const;  // synchronising read of LocalState::fused_calls
   std::string abort_message() const;  // "" unless a kernel gave up waiting
   const Config& config() const { return config_; }
   size_t buffer_bytes() const { return layout_.total; }
@@ -46,6 +61,8 @@ class Rank {
   bool connected() const { return peer_shared_ != nullptr; }
 
  private:
+  FlashArgs flash_args(const void* in, void* out, size_t nbytes) const;
+
   int device_;
   int rank_;
   Config config_;

@@ -1,0 +1,156 @@
+// Fused all-reduce + residual add + RMSNorm, one launch (vLLM's
+// `all_reduce -> fused_add_rms_norm` / `all_reduce -> rms_norm` pair).
+//
+// The exchange is flash-push (push.cuh) with rows as the unit of work: CTA b
+// owns rows b, b + grid, ... on both ranks, sends them all, then for each row
+// receives the peer's copy, adds, and normalises the row while it is still in
+// registers. Per element, with s the all-reduce output as a plain all-reduce
+// returns it (fp32 sum rounded to T):
+//   z = float(s) + float(residual)          (z = float(s) without a residual)
+//   residual_out = T(z)
+//   norm_out = T(float(T(z * rsqrt(mean(z^2) + eps))) * float(weight))
+// which is the arithmetic of vLLM's reference fused_add_rms_norm / rms_norm
+// (vllm/ir/ops/layernorm.py). mean(z^2) is a fixed-order block reduction, so
+// both ranks produce identical bits.
+//
+// Above the one-launch size (Config::flash_bytes) the op runs a YALI all-reduce
+// into norm_out and then add_rmsnorm_kernel, the same epilogue on its own.
+#pragma once
+#include "push.cuh"
+
+namespace yali {
+
+struct FusedArgs {
+  FlashArgs f;            // exchange: f.in is the input, f.nbytes = rows * row bytes
+  const void* sum;        // add_rmsnorm_kernel: the all-reduced input (may be norm_out)
+  const void* residual;   // nullptr: no residual
+  const void* weight;     // [hidden]
+  void* norm_out;
+  void* residual_out;     // may alias residual
+  int rows;
+  int row_vecs;           // 16-byte vectors per row
+  int hidden;             // elements per row
+  float eps;
+};
+
+// Sum of v over the CTA, the same bits in every thread and on both ranks
+// (butterfly within warps, then warp sums added in warp order).
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float warp_sums[kFlashThreads / 32];
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  __syncthreads();  // the previous row's readers are done with warp_sums
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32] = v;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kFlashThreads / 32; ++w) total += warp_sums[w];
+  return total;
+}
+
+// The epilogue for one row: s[u] holds vector t + u * kFlashThreads of the
+// all-reduced row (where that vector exists). Called by all threads of the CTA.
+template <typename T, int kV>
+__device__ __forceinline__ void rmsnorm_row(const FusedArgs& a, int row, const Vec16 (&s)[kV]) {
+  constexpr int kN = 16 / sizeof(T);
+  const int t = threadIdx.x;
+  const size_t base = size_t(row) * a.row_vecs;
+  float z[kV][kN];
+  float sq = 0.f;
+#pragma unroll
+  for (int u = 0; u < kV; ++u) {
+    const int j = t + u * kFlashThreads;
+    if (j >= a.row_vecs) continue;
+    unpack<T>(s[u], z[u]);
+    if (a.residual) {
+      float r[kN];
+      unpack<T>(load_local_input(static_cast<const Vec16*>(a.residual) + base + j), r);
+#pragma unroll
+      for (int i = 0; i < kN; ++i) z[u][i] += r[i];
+    }
+    store_vec(static_cast<Vec16*>(a.residual_out) + base + j, pack<T>(z[u]));
+#pragma unroll
+    for (int i = 0; i < kN; ++i) sq = fmaf(z[u][i], z[u][i], sq);
+  }
+  const float inv_rms = rsqrtf(block_sum(sq) / float(a.hidden) + a.eps);
+#pragma unroll
+  for (int u = 0; u < kV; ++u) {
+    const int j = t + u * kFlashThreads;
+    if (j >= a.row_vecs) continue;
+    float w[kN], o[kN];
+    unpack<T>(load_local_input(static_cast<const Vec16*>(a.weight) + j), w);
+#pragma unroll
+    for (int i = 0; i < kN; ++i) o[i] = round_to<T>(z[u][i] * inv_rms) * w[i];
+    store_vec(static_cast<Vec16*>(a.norm_out) + base + j, pack<T>(o));
+  }
+}
+
+template <typename T, int kV>
+__global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kernel(FusedArgs a) {
+  const int t = threadIdx.x;
+  const uint64_t e = flash_begin(a.f);
+  if (blockIdx.x == 0 && t == 0) a.f.state->fused_calls += 1;
+  const size_t par = (e & 1) * a.f.parity_bytes;
+  Vec16* to_peer = reinterpret_cast<Vec16*>(a.f.peer_push + par);
+  Vec16* from_peer = reinterpret_cast<Vec16*>(a.f.my_push + par);
+  const Vec16* in = static_cast<const Vec16*>(a.f.in);
+
+  // 1. send all my rows
+  for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const size_t base = size_t(row) * a.row_vecs;
+    Vec16 v[kV];
+#pragma unroll
+    for (int u = 0; u < kV; ++u) {
+      const int j = t + u * kFlashThreads;
+      if (j < a.row_vecs) v[u] = load_local_input(in + base + j);
+    }
+#pragma unroll
+    for (int u = 0; u < kV; ++u) {
+      const int j = t + u * kFlashThreads;
+      if (j < a.row_vecs) store_push(to_peer + base + j, canonical<T>(v[u]));
+    }
+  }
+  // 2. per row: receive the peer's partial sums, add mine, normalise
+  for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const size_t base = size_t(row) * a.row_vecs;
+    Vec16 s[kV], theirs[kV];
+#pragma unroll
+    for (int u = 0; u < kV; ++u) {
+      const int j = t + u * kFlashThreads;
+      if (j < a.row_vecs) {
+        theirs[u] = load_push(from_peer + base + j);
+        s[u] = load_local_input(in + base + j);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kV; ++u) {
+      const int j = t + u * kFlashThreads;
+      if (j < a.row_vecs) {
+        wait_push(from_peer + base + j, theirs[u], a.f.timeout_ns, a.f.abort, Kernel::FlashPush);
+        s[u] = add_vec<T>(canonical<T>(s[u]), theirs[u]);
+        clear_push(from_peer + base + j);
+      }
+    }
+    rmsnorm_row<T, kV>(a, row, s);
+  }
+}
+
+// The epilogue alone, for messages above the one-launch size: a.sum holds the
+// all-reduce output (written by the YALI all-reduce launched just before).
+template <typename T, int kV>
+__global__ void __launch_bounds__(kFlashThreads, 1) add_rmsnorm_kernel(FusedArgs a) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) a.f.state->fused_calls += 1;
+  const Vec16* sum = static_cast<const Vec16*>(a.sum);
+  for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const size_t base = size_t(row) * a.row_vecs;
+    Vec16 s[kV];
+#pragma unroll
+    for (int u = 0; u < kV; ++u) {
+      const int j = threadIdx.x + u * kFlashThreads;
+      if (j < a.row_vecs) s[u] = load_local_input(sum + base + j);
+    }
+    rmsnorm_row<T, kV>(a, row, s);
+  }
+}
+
+}  // namespace yali
