@@ -39,7 +39,7 @@ from _results import MULTICAST_OFF_ENV  # noqa: E402
 os.environ.update(MULTICAST_OFF_ENV)
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-ALL_BACKENDS = ["yali", "yali-flash", "yali-stream", "yali-ll-oneshot", "nccl", "vllm-custom", "vllm-pynccl", "symm-one-shot",
+ALL_BACKENDS = ["yali", "yali-flash", "yali-stream", "yali-prev", "nccl", "vllm-custom", "vllm-pynccl", "symm-one-shot",
                 "symm-two-shot"]
 DEFAULT_SIZES = "2K,16K,64K,256K,1M,4M,16M,64M,256M,1G"
 
@@ -86,20 +86,23 @@ class Backends:
     def _make(self, name, rank, dev, gloo, max_bytes, torch, dist):
         import contextlib
 
-        if name == "yali-ll-oneshot":
-            # The flash table before flash-push (flash-ll, then one-shot), on its own
-            # communicator, so the same run shows what flash-push changed.
+        if name == "yali-prev":
+            # YALI's first kernels (flash-ll, one-shot, stream with ready flags) on a
+            # communicator of their own, so the same run shows what flash-push and the
+            # sentinel-in-data stream changed.
             from yali_vllm.communicator import YaliCommunicator
 
-            saved = os.environ.get("YALI_DEV_PUSH_MAX")
-            os.environ["YALI_DEV_PUSH_MAX"] = "0"
+            prev = {"YALI_DEV_PUSH_MAX": "0", "YALI_DEV_STREAM_FLAGS": "1"}
+            saved = {k: os.environ.get(k) for k in prev}
+            os.environ.update(prev)
             try:
                 self._yali_old = YaliCommunicator(gloo, dev)
             finally:
-                if saved is None:
-                    del os.environ["YALI_DEV_PUSH_MAX"]
-                else:
-                    os.environ["YALI_DEV_PUSH_MAX"] = saved
+                for k, v in saved.items():
+                    if v is None:
+                        del os.environ[k]
+                    else:
+                        os.environ[k] = v
             comm = self._yali_old
             outs = {}
 
@@ -107,10 +110,10 @@ class Backends:
                 o = outs.get((x.data_ptr(), x.numel(), x.dtype))
                 if o is None:
                     o = outs[(x.data_ptr(), x.numel(), x.dtype)] = torch.empty_like(x)
-                return comm.all_reduce(x, out=o, mode="flash")
+                return comm.all_reduce(x, out=o)
 
             self.ops[name] = op
-            self.max_bytes[name] = comm.config["flash_bytes"]
+            self.max_bytes[name] = comm.max_bytes
         elif name.startswith("yali"):
             from yali_vllm.communicator import YaliCommunicator
 

@@ -46,7 +46,18 @@ VARIANTS = {
                           "stream", MID + "," + LARGE),
     "stream-l128-s8-16K": ({"YALI_DEV_LANES": "128", "YALI_DEV_SLOTS": "8", "YALI_DEV_SLOT_BYTES": "16K"},
                            "stream", MID),
+    # Round 4: flash-push CTA size, and the sentinel-in-data stream against the flag one.
+    "push-cta512": ({"YALI_DEV_PUSH_CTA_BYTES": "512"}, "flash", SMALL + ",1M,4M,8M"),
+    "push-cta1K": ({"YALI_DEV_PUSH_CTA_BYTES": "1K"}, "flash", SMALL + ",1M,4M,8M"),
+    "push-cta4K": ({"YALI_DEV_PUSH_CTA_BYTES": "4K"}, "flash", SMALL + ",1M,4M,8M"),
+    "push-cta16K": ({"YALI_DEV_PUSH_CTA_BYTES": "16K"}, "flash", SMALL + ",1M,4M,8M"),
+    "stream-flags-s8-64K": ({"YALI_DEV_STREAM_FLAGS": "1"}, "stream", LARGE),
+    "stream-sentinel-s8-64K": ({}, "stream", LARGE),
+    "stream-sentinel-s8-32K": ({"YALI_DEV_SLOT_BYTES": "32K"}, "stream", LARGE),
+    "stream-sentinel-s16-32K": ({"YALI_DEV_SLOTS": "16", "YALI_DEV_SLOT_BYTES": "32K"}, "stream", LARGE),
+    "stream-sentinel-s4-128K": ({"YALI_DEV_SLOTS": "4", "YALI_DEV_SLOT_BYTES": "128K"}, "stream", LARGE),
 }
+ROUND4 = [k for k in VARIANTS if k.startswith(("push-", "stream-flags", "stream-sentinel"))]
 
 
 def worker(rank, port, args, q):
@@ -60,7 +71,7 @@ def worker(rank, port, args, q):
     dev = torch.device("cuda", rank)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     rows = []
-    names = args.variants.split(",") if args.variants else list(VARIANTS)
+    names = ROUND4 if args.variants == "round4" else args.variants.split(",") if args.variants else list(VARIANTS)
     base_env = {k: v for k, v in os.environ.items() if k.startswith("YALI_")}
     for vi, label in enumerate(names):
         env, mode, sizes = VARIANTS[label]
@@ -115,7 +126,7 @@ def table(rows):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--variants", default="", help="comma list of variant labels (default: all)")
+    ap.add_argument("--variants", default="", help="comma list of variant labels, or round4 (default: all)")
     ap.add_argument("--replays", type=int, default=15)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--name", default="tune-" + time.strftime("%Y%m%d-%H%M%S"))

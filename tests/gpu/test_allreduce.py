@@ -97,14 +97,16 @@ def test_bad_or_different_settings_fail_both_ranks():
         assert "settings differ" in r["different"], r
 
 
-# Kernel paths the default table does not pick, or only lightly: flash-ll and
-# one-shot (the table before flash-push), two-shot, a tiny stream ring
+# Kernel paths the default table does not pick, or only lightly: the first
+# kernels (flash-ll, one-shot, stream with ready flags), two-shot, a tiny stream ring
 # (thousands of chunks per lane cycling 2 slots, so every slot reuse waits on a
 # credit), and push/one-shot/stream on odd CTA/lane counts.
 NONDEFAULT = {
-    "ll-oneshot": {"YALI_DEV_PUSH_MAX": "0"},
+    "first-kernels": {"YALI_DEV_PUSH_MAX": "0", "YALI_DEV_STREAM_FLAGS": "1"},
     "twoshot": {"YALI_DEV_PUSH_MAX": "0", "YALI_DEV_ONESHOT_MAX": "0", "YALI_DEV_LL_MAX": "0"},
     "tiny-ring": {"YALI_DEV_LANES": "3", "YALI_DEV_SLOTS": "2", "YALI_DEV_SLOT_BYTES": "4K"},
+    "tiny-ring-flags": {"YALI_DEV_LANES": "3", "YALI_DEV_SLOTS": "2", "YALI_DEV_SLOT_BYTES": "4K",
+                        "YALI_DEV_STREAM_FLAGS": "1"},
     "odd-grids": {"YALI_DEV_PUSH_MAX": "0", "YALI_DEV_LL_MAX": "0", "YALI_DEV_FLASH_CTAS": "7",
                   "YALI_DEV_FLASH_CTA_BYTES": "4K", "YALI_DEV_LANES": "5", "YALI_DEV_SLOT_BYTES": "8K"},
     "push-odd-grids": {"YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_PUSH_CTA_BYTES": "272"},
