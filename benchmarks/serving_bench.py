@@ -540,6 +540,7 @@ ERROR_PATTERNS = [re.compile(r"\bERROR\b"), re.compile(r"Traceback")]
 # What yali_vllm/vllm_plugin.py logs once it has hooked a TP group.
 YALI_ON_RE = re.compile(r"YALI all-reduce ON")
 YALI_OFF_RE = re.compile(r"YALI all-reduce OFF")
+YALI_FUSION_ON_RE = re.compile(r"YALI fusion pass ON")
 _OWN_HEADER_PREFIXES = ("$ ", "# env: ")  # lines start_server()/run_bounded() write themselves
 
 
@@ -553,6 +554,9 @@ def yali_log_warnings(config: str, key_lines: Sequence[str]) -> list[str]:
             warnings.append("no 'YALI all-reduce ON' line in the yali server's log: is the plugin installed and active?")
         if off:
             warnings.append("the yali server logged 'YALI all-reduce OFF': " + off[0][-200:])
+        if on and not any(YALI_FUSION_ON_RE.search(ln) for ln in key_lines):
+            warnings.append("no 'YALI fusion pass ON' line in the yali server's log: the all-reduce + RMSNorm "
+                            "pairs ran through vLLM's FlashInfer fusion or unfused")
     elif on:
         warnings.append(f"'YALI all-reduce ON' in the {config} server's log: YALI_ENABLE=0 did not keep it off")
     return warnings

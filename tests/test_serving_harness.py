@@ -362,8 +362,10 @@ def test_scan_ignores_own_header_lines_and_checks_yali_state(tmp_path):
     assert len(scan["key_lines"]) == 1 and "OFF" in scan["key_lines"][0]  # our own "$ ..." / "# env:" lines skipped
     warns = sb.yali_log_warnings("yali", scan["key_lines"])
     assert len(warns) == 2 and "no 'YALI all-reduce ON'" in warns[0] and "kernels not built" in warns[1]
-    on = ["INFO [vllm_plugin.py:329] YALI all-reduce ON for group 'tp:0' (rank 0 of 2, cuda:0): x"]
+    on = ["INFO [vllm_plugin.py:329] YALI all-reduce ON for group 'tp:0' (rank 0 of 2, cuda:0): x",
+          "INFO [vllm_plugin.py:420] YALI fusion pass ON (replaces vLLM's FlashInfer all-reduce+RMSNorm fusion): x"]
     assert sb.yali_log_warnings("yali", on) == []
+    assert "no 'YALI fusion pass ON'" in sb.yali_log_warnings("yali", on[:1])[0]
     assert sb.yali_log_warnings("nccl", scan["key_lines"]) == []
     assert "did not keep it off" in sb.yali_log_warnings("vllm-default", on)[0]
 
@@ -444,6 +446,8 @@ elif argv[:1] == ["serve"]:
     if tag == "yali":
         print("INFO 05-09 12:00:01 [vllm_plugin.py:329] YALI all-reduce ON for group 'tp:0' (rank 0 of 2, "
               "cuda:0): flash+stream; tried first, other tensors use vLLM's all-reduce chain", flush=True)
+        print("INFO 05-09 12:00:01 [vllm_plugin.py:420] YALI fusion pass ON (replaces vLLM's FlashInfer "
+              "all-reduce+RMSNorm fusion): TP group served by YALI", flush=True)
     env = {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                           "NVSHMEM_DISABLE_NVLS", "VLLM_FLASHINFER_ALLREDUCE_BACKEND")}
     print("INFO fake env " + json.dumps(env, sort_keys=True), flush=True)

@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# Last gpu-stack part is here: install vLLM 0.26.0 offline, then the full all-reduce microbenchmark.
+# Last gpu-stack part is here: install vLLM 0.26.0 offline, then the full
+# all-reduce microbenchmark and the fused all-reduce + RMSNorm microbenchmark
+# (the first FlashInfer use JIT-compiles its kernels into ~/.cache/flashinfer,
+# which the later vllm-default servers on this machine reuse).
 bash .gpu-stack/install.sh .gpu-stack > /tmp/install.log 2>&1 || { tail -20 /tmp/install.log; exit 1; }
 tail -2 /tmp/install.log
 . scripts/gpu_host/env.sh
-timeout 500 python3 benchmarks/allreduce_bench.py --out "$OUT" --name "allreduce-$(date +%Y%m%d)" 2>&1 \
-  | grep -v -i warn | tee "$OUT/allreduce-bench.log" | tail -70
+day=$(date +%Y%m%d)
+timeout 240 python3 benchmarks/allreduce_bench.py --out "$OUT" --name "allreduce-$day" \
+  --sizes 2K,16K,64K,128K,256K,512K,1M,2M,4M,8M,16M,64M,256M,1G 2>&1 \
+  | grep -v -i warn > "$OUT/allreduce-$day.log"
+tail -45 "$OUT/allreduce-$day.log"
+bash scripts/gpu_host/fused.sh bench
