@@ -15,13 +15,20 @@ than once.  ``register()`` patches vLLM's ``CudaCommunicator`` class in place
   memory, PyNCCL, ...) untouched.
 * ``destroy``: close the YALI communicator, then vLLM's own clean-up.
 
+``register()`` also registers YALI's fused all-reduce+RMSNorm op
+(yali_vllm/vllm_fusion.py).  In a worker, once a CUDA TP group exists, the
+``AllReduceFusionPass`` name in vLLM's pass manager module is replaced by a
+factory (:func:`fusion_pass_factory`) that builds YALI's fusion pass instead
+of vLLM's FlashInfer one when YALI serves the group and ``YALI_FUSION`` is on.
+
 The patch is applied to the class rather than by subclassing because vLLM
 resolves the class by its qualified name and checks ``isinstance`` against it
 in ``GroupCoordinator.graph_capture``.
 
 Nothing here may take the server down: unknown vLLM internals, a missing
 extension, or a communicator that refuses (``YaliUnavailable``) only leave
-YALI off and vLLM exactly as it was.  See docs/VLLM_INTEGRATION.md.
+YALI off and vLLM exactly as it was (an invalid ``YALI_FUSION`` is the one
+start-up error, naming the variable).  See docs/VLLM_INTEGRATION.md.
 """
 
 from __future__ import annotations
@@ -217,9 +224,10 @@ def _close_quietly(yc: Any) -> None:
         logger.warning("YALI: closing the communicator failed", exc_info=True)
 
 
-def _fusion_note() -> str | None:
-    """A note when vLLM's FlashInfer all-reduce+RMSNorm fusion is configured,
-    since the all-reduces it fuses never reach the device communicator."""
+def _fusion_configured() -> bool | None:
+    """Whether vLLM will build its all-reduce+RMSNorm fusion pass: the pass
+    config asks for it and vLLM compiles (eager runs, mode NONE, and stock
+    torch.compile never apply it).  None when no vLLM config is current."""
     try:
         from vllm.config import get_current_vllm_config_or_none
 
@@ -228,18 +236,24 @@ def _fusion_note() -> str | None:
             return None
         cc = cfg.compilation_config
         if not cc.pass_config.fuse_allreduce_rms:
-            return None
-        # The fusion is an Inductor pass of vLLM's own compile mode; eager
-        # runs (mode NONE) and stock torch.compile never apply it.
-        if getattr(getattr(cc, "mode", None), "name", "VLLM_COMPILE") != "VLLM_COMPILE":
-            return None
+            return False
+        return getattr(getattr(cc, "mode", None), "name", "VLLM_COMPILE") == "VLLM_COMPILE"
     except Exception:
+        return None
+
+
+def _fusion_note() -> str | None:
+    """A note when vLLM's FlashInfer all-reduce+RMSNorm fusion is configured,
+    since the all-reduces it fuses never reach the device communicator.
+    Logged only when YALI's own fusion pass is turned off (YALI_FUSION=0)."""
+    if not _fusion_configured():
         return None
     return (
         "vLLM's all-reduce+RMSNorm fusion (compilation_config.pass_config."
-        "fuse_allreduce_rms) is on: the all-reduces it fuses run in FlashInfer's "
-        "fused kernel, not YALI; YALI serves the remaining ones "
-        "(-cc.pass_config.fuse_allreduce_rms=false routes all of them to YALI)"
+        "fuse_allreduce_rms) is on and YALI_FUSION=0 keeps vLLM's FlashInfer fusion: "
+        "the all-reduces it fuses run in FlashInfer's fused kernel, not YALI; YALI serves "
+        "the remaining ones (YALI_FUSION=1 fuses them with YALI's kernel instead, "
+        "-cc.pass_config.fuse_allreduce_rms=false routes all of them to YALI's all-reduce)"
     )
 
 
@@ -326,6 +340,14 @@ def _after_init(comm: Any, stateless: bool) -> None:
         comm, platform_is_cuda=current_platform.is_cuda(), stateless=stateless
     )
     comm.yali_comm = yc
+    _log_decision(comm, yc, reason, warn)
+    if current_platform.is_cuda() and is_tp_group(str(getattr(comm, "unique_name", ""))):
+        # In the worker, before its model is compiled; which fusion pass is
+        # built is decided when vLLM's pass manager asks for it.
+        _install_fusion_hooks()
+
+
+def _log_decision(comm: Any, yc: Any, reason: str, warn: bool) -> None:
     name = getattr(comm, "unique_name", "") or "<unnamed>"
     if yc is None:
         log = logger.warning if warn else logger.info
@@ -341,8 +363,149 @@ def _after_init(comm: Any, stateless: bool) -> None:
         _describe(yc),
     )
     note = _fusion_note()
-    if note:
+    if note and not _yali_fusion_wanted():
         logger.info("YALI: %s", note)
+
+
+def _yali_fusion_wanted() -> bool:
+    try:
+        from yali_vllm.vllm_fusion import fusion_enabled
+
+        return fusion_enabled()
+    except ValueError:
+        return True  # invalid YALI_FUSION: the fusion pass factory raises, naming it
+    except Exception:
+        return False
+
+
+# --------------------------------------------------------------------------
+# Fusion: YALI's all-reduce+RMSNorm pass instead of vLLM's FlashInfer one
+# --------------------------------------------------------------------------
+
+_PM_MODULE = "vllm.compilation.passes.pass_manager"
+_PM_SYMBOL = "AllReduceFusionPass"
+# Attribute of the factory holding the class it stands in for (marks the patch).
+_FACTORY_ORIGINAL = "_yali_original"
+# Compile-cache factor (see _register_cache_factor).
+CACHE_FACTOR = "YALI_FUSION_PASS"
+_fusion_logged: set[str] = set()
+
+
+def _log_fusion_once(level: int, msg: str, *args: Any) -> None:
+    text = msg % args
+    if text not in _fusion_logged:
+        _fusion_logged.add(text)
+        logger.log(level, "%s", text)
+
+
+def fusion_pass_factory(original: Any) -> Any:
+    """What PostGradPassManager.configure calls instead of vLLM's
+    AllReduceFusionPass(config): YALI's pass when YALI serves the TP group
+    and YALI_FUSION is on, else vLLM's pass (``original``).  Exactly one of
+    the two is built, so vLLM's pass never runs alongside ours.  A bad
+    YALI_FUSION raises ValueError naming it."""
+
+    def AllReduceFusionPass(config: Any) -> Any:
+        from yali_vllm import vllm_fusion
+
+        use, why = vllm_fusion.fusion_decision()
+        if use:
+            try:
+                pass_ = vllm_fusion.YaliAllReduceFusionPass(config)
+            except Exception as e:  # deterministic, so every rank falls back alike
+                logger.warning(
+                    "YALI fusion pass OFF: building it failed (%s: %s); using vLLM's FlashInfer fusion",
+                    type(e).__name__, e, exc_info=True,
+                )
+                return original(config)
+            _log_fusion_once(
+                logging.INFO,
+                "YALI fusion pass ON (replaces vLLM's FlashInfer all-reduce+RMSNorm fusion): %s", why,
+            )
+            return pass_
+        _log_fusion_once(
+            logging.INFO, "YALI fusion pass OFF: %s; using vLLM's FlashInfer all-reduce+RMSNorm fusion", why
+        )
+        return original(config)
+
+    setattr(AllReduceFusionPass, _FACTORY_ORIGINAL, original)
+    return AllReduceFusionPass
+
+
+def patch_fusion_pass() -> bool:
+    """Replace ``AllReduceFusionPass`` in vLLM's pass_manager module (the name
+    ``PostGradPassManager.configure`` instantiates) by fusion_pass_factory,
+    once.  False, with a log line, when the module or the name is missing."""
+    import importlib
+
+    try:
+        module = importlib.import_module(_PM_MODULE)
+    except Exception as e:
+        logger.warning(
+            "YALI: vLLM's %s cannot be loaded (%s: %s); YALI fusion pass not installed",
+            _PM_MODULE, type(e).__name__, e,
+        )
+        return False
+    current = module.__dict__.get(_PM_SYMBOL)
+    if current is None:
+        logger.warning(
+            "YALI: vLLM internals not recognised (%s.%s is missing); YALI fusion pass not "
+            "installed, vLLM's compilation passes are left unchanged", _PM_MODULE, _PM_SYMBOL,
+        )
+        return False
+    if getattr(current, _FACTORY_ORIGINAL, None) is None:
+        setattr(module, _PM_SYMBOL, fusion_pass_factory(current))
+    return True
+
+
+def unpatch_fusion_pass() -> None:
+    """Undo patch_fusion_pass (tests and debugging)."""
+    import sys
+
+    module = sys.modules.get(_PM_MODULE)
+    current = module.__dict__.get(_PM_SYMBOL) if module is not None else None
+    original = getattr(current, _FACTORY_ORIGINAL, None)
+    if original is not None:
+        setattr(module, _PM_SYMBOL, original)
+
+
+def fusion_cache_factor() -> str:
+    """Which fusion pass this process builds: "yali" or "vllm" (or "invalid")."""
+    try:
+        from yali_vllm.vllm_fusion import fusion_decision
+
+        return "yali" if fusion_decision()[0] else "vllm"
+    except Exception as e:
+        return f"invalid ({type(e).__name__})"
+
+
+def _register_cache_factor() -> None:
+    """Make vLLM's compile cache key depend on the fusion pass chosen.
+
+    vLLM keys its torch.compile caches (VllmBackend's cache directory and the
+    AOT-compiled artifact) on its config and on ``vllm.envs.compile_factors()``,
+    which hashes every entry of ``vllm.envs.environment_variables``; the
+    plugin's choice is in neither.  Without this entry a run with YALI's pass
+    would load a graph compiled with FlashInfer's fusion by an earlier run
+    without YALI (or the reverse).  The entry's getter is evaluated when vLLM
+    computes the key, in the worker, after the TP group is set up."""
+    import vllm.envs as envs
+
+    envs.environment_variables.setdefault(CACHE_FACTOR, fusion_cache_factor)
+
+
+def _install_fusion_hooks() -> None:
+    """Worker side, once a CUDA TP group exists: the pass factory and the cache
+    factor.  Skipped when vLLM will not build its fusion pass (eager, or
+    fuse_allreduce_rms off), which also spares the import of vLLM's
+    compilation passes (FlashInfer's comm module among them) in eager runs."""
+    if _fusion_configured() is False:
+        return
+    try:
+        if patch_fusion_pass():
+            _register_cache_factor()
+    except Exception:
+        logger.warning("YALI: installing the fusion pass failed; vLLM's passes unchanged", exc_info=True)
 
 
 # --------------------------------------------------------------------------
@@ -493,6 +656,22 @@ def _vllm_version() -> str:
         return "unknown"
 
 
+def _register_fusion_op() -> None:
+    """torch.ops.vllm.yali_fused_allreduce_rmsnorm, in every vLLM process (the
+    op YALI's fusion pass puts into compiled graphs).  Never raises."""
+    try:
+        from yali_vllm.vllm_fusion import register_op
+
+        register_op()
+    except Exception as e:
+        logger.warning(
+            "YALI: the fused all-reduce+RMSNorm op cannot be registered (%s: %s); "
+            "YALI's fusion pass stays off",
+            type(e).__name__,
+            e,
+        )
+
+
 def register() -> None:
     """``vllm.general_plugins`` entry point.  Idempotent; never raises."""
     try:
@@ -513,6 +692,7 @@ def register() -> None:
         already = is_patched(cls)
         if not patch_class(cls) or already:
             return
+        _register_fusion_op()
         version, series = _vllm_version(), _tested_series()
         if not version.startswith(series):
             logger.warning(
@@ -526,11 +706,20 @@ def register() -> None:
         logger.warning("YALI: plugin registration failed; YALI stays off", exc_info=True)
 
 
+def _fused_calls(yc: Any) -> int | None:
+    # None also when the built extension predates the fused kernel's counter.
+    try:
+        return int(yc.device_fused_calls()) if yc is not None else None
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def yali_tp_stats(_worker: Any = None) -> dict[str, Any]:
     """State of YALI on this worker's TP group, for ``LLM.collective_rpc``.
 
-    ``device_calls`` is YALI's device-side launch counter (it synchronises
-    the device); None when the TP group has no YALI communicator.
+    ``device_calls`` is YALI's device-side launch counter and
+    ``device_fused_calls`` that of its fused all-reduce+RMSNorm kernel (both
+    synchronise the device); None when the TP group has no YALI communicator.
     """
     from vllm.distributed.parallel_state import get_tp_group
 
@@ -542,5 +731,6 @@ def yali_tp_stats(_worker: Any = None) -> dict[str, Any]:
         "group": getattr(group, "unique_name", None),
         "yali": yc is not None,
         "device_calls": int(yc.device_calls()) if yc is not None else None,
+        "device_fused_calls": _fused_calls(yc),
         "describe": _describe(yc) if yc is not None else None,
     }

@@ -11,17 +11,27 @@ dummy (random, seeded) weights and the Tekken tokenizer; TP=2.
 * YALI's device-side kernel counter grows during generation by at least
   2 x layers per decode step: in CUDA-graph mode decode steps are graph
   replays (no Python runs), so this proves the captured graphs hold YALI's
-  kernels rather than a fallback.  The CUDA-graph runs turn vLLM's FlashInfer
-  all-reduce+RMSNorm fusion off, otherwise it would take those all-reduces
-  (see docs/VLLM_INTEGRATION.md); one more pair of runs keeps vLLM's default
-  configuration and checks tokens only.
+  kernels rather than a fallback.  These CUDA-graph runs turn vLLM's
+  all-reduce+RMSNorm fusion off, so every all-reduce is a plain one.
+* vLLM's default configuration (all-reduce+RMSNorm fusion on): with the
+  plugin, YALI's fusion pass replaces vLLM's FlashInfer one, and YALI's
+  fused-kernel counter grows by >= 2 x layers per decode step (the graphs
+  hold YALI's fused kernel); greedy tokens equal those of vLLM's FlashInfer
+  fusion (plugin off) and of no fusion (plugin off, fusion off), up to a
+  near tie (see _check_same_greedy).
 * `vllm serve` starts with the plugin from its entry point, logs the YALI
   selection line, and answers /v1/completions and /v1/chat/completions.
 
 Every configuration runs in a fresh subprocess (tests/gpu/vllm_generate.py),
-bounded by a timeout, with NVLink multicast off.  About 8 vLLM start-ups in
-all; each is kept small (max_model_len 2048, 4 prompts x 32 tokens,
-gpu_memory_utilization 0.5, 4 CUDA-graph sizes).
+bounded by a timeout, with NVLink multicast off, and each runs once per
+module (results are shared between tests).  About 8 vLLM start-ups in all;
+each is kept small (max_model_len 2048, 4 prompts x 32 tokens,
+gpu_memory_utilization 0.5, 4 CUDA-graph sizes).  The runs share one fresh
+vLLM compile cache (VLLM_CACHE_ROOT in a temporary directory): a compiled
+graph is never carried over from an earlier invocation, so each compiled
+run builds its fusion pass and logs which one, and a graph compiled by one
+configuration is found by another only if the cache key fails to tell them
+apart (which the fusion test would catch).
 """
 
 from __future__ import annotations
@@ -121,9 +131,23 @@ def plugin_path(tmp_path_factory) -> str:
     return os.pathsep.join(paths)
 
 
+_CACHE_ROOT: str | None = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_compile_cache(tmp_path_factory):
+    """One vLLM cache directory for this module's runs (see the module docstring)."""
+    global _CACHE_ROOT
+    _CACHE_ROOT = str(tmp_path_factory.mktemp("vllm-cache"))
+    yield
+    _CACHE_ROOT = None
+
+
 def _env(plugin_path: str, yali: bool) -> dict[str, str]:
     env = dict(os.environ)
     env.update(MULTICAST_OFF)
+    if _CACHE_ROOT:
+        env["VLLM_CACHE_ROOT"] = _CACHE_ROOT
     env["YALI_ENABLE"] = "1" if yali else "0"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (plugin_path, env.get("PYTHONPATH", "")) if p)
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -227,12 +251,14 @@ def _generate(
     return result
 
 
-def _yali_calls(result: dict) -> list[int] | None:
-    """Per-rank growth of YALI's device counter during generate()."""
+def _yali_calls(result: dict, counter: str = "device_calls") -> list[int] | None:
+    """Per-rank growth of one of YALI's device counters during generate()
+    (device_calls: all-reduce launches; device_fused_calls: fused
+    all-reduce+RMSNorm launches)."""
     before, after = result["stats_before"], result["stats_after"]
-    if not all(s["yali"] for s in after):
+    if not all(s["yali"] and s.get(counter) is not None for s in after):
         return None
-    return [a["device_calls"] - b["device_calls"] for a, b in zip(after, before, strict=True)]
+    return [a[counter] - b[counter] for a, b in zip(after, before, strict=True)]
 
 
 def _check_trio(model_dir: Path, plugin_path: str, tmp: Path, *, eager: bool, fuse: str) -> None:
@@ -270,18 +296,90 @@ def test_cuda_graph_tokens_match_and_graphs_run_yali(model_dir, plugin_path, tmp
     _check_trio(model_dir, plugin_path, tmp_path_factory.mktemp("graph"), eager=False, fuse="off")
 
 
-@_timeout(2 * RUN_TIMEOUT_S + 60)
-def test_vllm_default_config_tokens_match(model_dir, plugin_path, tmp_path_factory):
-    """vLLM's default compile config (FlashInfer AR+RMSNorm fusion as vLLM
-    sets it): YALI gets the all-reduces the fusion leaves, possibly none."""
-    tmp = tmp_path_factory.mktemp("default")
+# Largest logprob gap (nats, in the reference run) between the two tokens at
+# the position where two configurations first choose differently, for the
+# divergence to count as a near tie that rounding decided.
+TIE_GAP = 0.05
+# Largest difference of a chosen token's logprob between two configurations
+# while their token sequences are still identical.
+LOGPROB_TOL = 0.05
+
+
+def _check_same_greedy(name: str, got: dict, ref: dict) -> list[tuple[int, int, float]]:
+    """Greedy tokens of two runs, expected equal.
+
+    YALI's fused op computes the same all-reduce sum and residual as the
+    unfused sequence, bit for bit (two ranks: a + b once per element), but
+    each RMSNorm kernel (YALI's, FlashInfer's, vLLM's) sums the variance in
+    its own order (and FlashInfer's adds in fp32 before rounding), so a
+    normalised value can round to a neighbouring bf16 number.  That is far
+    below what usually moves a greedy choice, so the tokens are expected to
+    be equal, and are asserted equal except in one case: at the first position where a
+    prompt's tokens differ, the two runs must each rank the other's token in
+    their top 2, within TIE_GAP of their own choice (a near tie, which
+    rounding may decide either way; after it the contexts differ and the rest
+    is not compared).  A wrong fused result changes the logits wholesale and
+    fails this at once.  Returns (prompt, position, gap) per divergence, for
+    the log.  Before any divergence, the chosen tokens' logprobs agree within
+    LOGPROB_TOL.
+    """
+    divergences = []
+    assert len(got["token_ids"]) == len(ref["token_ids"])
+    for p, (a, b) in enumerate(zip(got["token_ids"], ref["token_ids"], strict=True)):
+        la, lb = got["logprobs"][p], ref["logprobs"][p]
+        assert len(a) == len(b) == len(la) == len(lb), (name, p)
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        for i in range(len(a) if first is None else first):
+            diff = abs(la[i][str(a[i])] - lb[i][str(b[i])])
+            assert diff <= LOGPROB_TOL, f"{name}: prompt {p} token {i}: logprob differs by {diff}"
+        if first is None:
+            continue
+        ta, tb = str(a[first]), str(b[first])
+        tie = tb in la[first] and ta in lb[first]
+        gap = max(lb[first][tb] - lb[first][ta], la[first][ta] - la[first][tb]) if tie else float("inf")
+        assert tie and gap <= TIE_GAP, (
+            f"{name}: prompt {p} diverges at token {first} ({ta} vs {tb}) and it is not a near "
+            f"tie: top-2 logprobs {la[first]} vs {lb[first]}"
+        )
+        divergences.append((p, first, gap))
+    return divergences
+
+
+@_timeout(3 * RUN_TIMEOUT_S + 60)
+def test_yali_fusion_tokens_match_flashinfer_and_unfused(model_dir, plugin_path, tmp_path_factory):
+    """vLLM's default compile config (all-reduce+RMSNorm fusion on, CUDA
+    graphs).  With YALI, YALI's fusion pass replaces FlashInfer's; without the
+    plugin's all-reduce (YALI_ENABLE=0), vLLM's FlashInfer fusion runs; the
+    third run has no fusion at all.  (The last run is shared with
+    test_cuda_graph_tokens_match_and_graphs_run_yali.)"""
+    tmp = tmp_path_factory.mktemp("fusion")
     yali = _generate(model_dir, plugin_path, tmp, yali=True, eager=False)
-    custom = _generate(model_dir, plugin_path, tmp, yali=False, eager=False)
-    assert [s["yali"] for s in yali["stats_after"]] == [True, True]
-    assert yali["token_ids"] == custom["token_ids"]
+    flashinfer = _generate(model_dir, plugin_path, tmp, yali=False, eager=False)
+    unfused = _generate(model_dir, plugin_path, tmp, yali=False, eager=False, fuse="off")
+
+    assert [s["yali"] for s in yali["stats_after"]] == [True, True], yali["stats_after"]
+    assert [s["yali"] for s in flashinfer["stats_after"]] == [False, False]
+    # Which fusion pass each run built (each compiles: fresh compile cache).
+    assert "YALI fusion pass ON (replaces vLLM's FlashInfer all-reduce+RMSNorm fusion): " \
+        "YALI serves TP group 'tp:0'" in yali["log"], yali["log"][-6000:]
+    assert "YALI fusion pass OFF" not in yali["log"]
+    assert "YALI fusion pass OFF: YALI all-reduce is OFF for group 'tp:0'; using vLLM's FlashInfer " \
+        "all-reduce+RMSNorm fusion" in flashinfer["log"], flashinfer["log"][-6000:]
+    assert "YALI fusion pass ON" not in flashinfer["log"]
+    assert "YALI fusion pass" not in unfused["log"]  # no fusion pass is built at all
+
+    # The captured graphs replay YALI's fused kernel: in a Llama decoder every
+    # all-reduce is followed by an RMSNorm, 2 per layer plus the embedding's.
+    minimum = 2 * yali["num_layers"] * (yali["max_tokens"] - 1)
+    fused = _yali_calls(yali, "device_fused_calls")
+    assert fused is not None and all(c >= minimum for c in fused), (fused, minimum)
+
+    assert all(len(t) == yali["max_tokens"] for t in yali["token_ids"])
+    vs_fi = _check_same_greedy("YALI fusion vs FlashInfer fusion", yali, flashinfer)
+    vs_unfused = _check_same_greedy("YALI fusion vs no fusion", yali, unfused)
     print(
-        f"default config: YALI device calls during generate: {_yali_calls(yali)} "
-        f"(the rest went through vLLM's fused all-reduce+RMSNorm)"
+        f"YALI fused calls during generate: {fused}; plain YALI all-reduces: {_yali_calls(yali)}; "
+        f"near-tie divergences (prompt, token, gap): vs FlashInfer {vs_fi}, vs unfused {vs_unfused}"
     )
 
 

@@ -7,10 +7,11 @@ YALI_ENABLE environment variable, as in production.
     python tests/gpu/vllm_generate.py --model-dir DIR --out result.json \\
         [--eager] [--nccl] [--fuse default|off] [--max-tokens 32]
 
-The JSON has: token_ids (one list per prompt), stats_before / stats_after
-(per TP rank: whether YALI serves the group and its device-side kernel
-counter, from yali_vllm.vllm_plugin.yali_tp_stats), num_layers, and the
-configuration.  The same JSON is printed on the last stdout line after the
+The JSON has: token_ids (one list per prompt), logprobs (per prompt and
+position: {token id: logprob} for the top 2 tokens and the chosen one),
+stats_before / stats_after (per TP rank: whether YALI serves the group and
+its device-side kernel counters, from yali_vllm.vllm_plugin.yali_tp_stats),
+num_layers, and the configuration.  The same JSON is printed on the last stdout line after the
 marker "YALI_RESULT ".
 """
 
@@ -96,7 +97,9 @@ def main() -> int:
         PROMPTS,
         # ignore_eos: every prompt yields exactly max_tokens tokens (random
         # weights may emit </s> early), so the step count is known.
-        SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True),
+        # logprobs=2: the runner-up at each position, so a test can tell a
+        # near tie from a real difference when two configurations diverge.
+        SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=2),
         use_tqdm=False,
     )
     generate_s = time.monotonic() - t0
@@ -104,6 +107,13 @@ def main() -> int:
 
     result = {
         "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+        "logprobs": [
+            [
+                {str(t): float(lp.logprob) for t, lp in dict(pos or {}).items()}
+                for pos in (o.outputs[0].logprobs or [])
+            ]
+            for o in outputs
+        ],
         "stats_before": before,
         "stats_after": after,
         "num_layers": int(hf_config.num_hidden_layers),

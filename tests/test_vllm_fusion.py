@@ -1,0 +1,566 @@
+"""CPU tests of YALI's vLLM fusion pass and op (yali_vllm/vllm_fusion.py) and of
+the plugin's wiring of it (yali_vllm/vllm_plugin.py), against the real vLLM.
+
+Real vLLM throughout: its IR norm ops, its pattern matcher pass base class, its
+PostGradPassManager, and, in the two-rank tests, its distributed set-up (a TP
+group of two spawned CPU processes over gloo) with vLLM's own
+``torch.ops.vllm.all_reduce`` in the traced graphs.  Stand-ins, each named
+where used:
+
+* ``StandInPass`` for vLLM's ``AllReduceFusionPass``: the real class lives in
+  a module that needs vLLM's CUDA ops (``torch.ops._C``) to import, and vLLM's
+  pass manager only imports it on a CUDA platform.
+* ``StandInYali`` for a YaliCommunicator (needs two GPUs): it says whether it
+  fuses and records the calls; its "fused" result is vLLM's unfused sequence.
+* ``StandInGroup`` (single-process op tests): an object with ``all_reduce``.
+
+The real fused kernel inside a real compiled vLLM model is covered by
+tests/gpu/test_vllm_e2e.py::test_yali_fusion_tokens_match_flashinfer_and_unfused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+import vllm.ir.ops  # noqa: E402
+
+from yali_vllm import vllm_fusion, vllm_plugin  # noqa: E402
+
+EPS = 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reference(ar: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """vLLM's native (fused-add) RMSNorm (vllm/ir/ops/layernorm.py), written
+    out op for op, applied to the all-reduce output `ar`."""
+    dtype = ar.dtype
+    z = ar.to(torch.float32)
+    if residual is not None:
+        z = z + residual.to(torch.float32)
+    res_out = z.to(dtype)
+    var = z.pow(2).mean(dim=-1, keepdim=True)
+    z = z * torch.rsqrt(var + eps)
+    norm = (z.to(weight.dtype) * weight).to(dtype)
+    return norm, (res_out if residual is not None else ar)
+
+
+class StandInPass:
+    """Stand-in for vLLM's AllReduceFusionPass (CUDA-only module, see above)."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def is_applicable_for_range(self, compile_range):
+        return True
+
+    def uuid(self):
+        return "stand-in"
+
+
+class StandInYali:
+    """Stand-in for a YaliCommunicator: can_fuse() answers `fuse`; the fused
+    call records its arguments and returns vLLM's unfused result computed on
+    `group`, so a graph using it must still produce the reference numbers."""
+
+    def __init__(self, fuse: bool, group=None):
+        self.fuse, self.group, self.calls = fuse, group, []
+
+    def can_fuse(self, x, residual, weight):
+        return self.fuse
+
+    def fused_allreduce_rmsnorm(self, x, residual, weight, eps):
+        self.calls.append({"shape": list(x.shape), "residual": residual is not None, "eps": eps})
+        return vllm_fusion.unfused(self.group, x, residual, weight, eps)
+
+
+class StandInGroup:
+    """Stand-in for a GroupCoordinator: all_reduce adds a fixed 'peer' tensor."""
+
+    def __init__(self, peer: torch.Tensor, yali=None):
+        self.peer, self.calls = peer, 0
+        self.device_communicator = type("Comm", (), {"yali_comm": yali})()
+
+    def all_reduce(self, x):
+        self.calls += 1
+        return x + self.peer
+
+
+def _tensors(dtype=torch.bfloat16, tokens=3, hidden=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, peer, res = (torch.randn(tokens, hidden, generator=g).to(dtype) for _ in range(3))
+    w = torch.randn(hidden, generator=g).to(dtype)
+    return x, peer, res, w
+
+
+# ------------------------------------------------------------------ YALI_FUSION
+@pytest.mark.parametrize("raw, value", [(None, True), ("", True), ("1", True), ("on", True),
+                                        ("0", False), ("false", False), (" OFF ", False)])
+def test_fusion_flag(raw, value):
+    env = {} if raw is None else {"YALI_FUSION": raw}
+    assert vllm_fusion.fusion_enabled(env) is value
+
+
+@pytest.mark.parametrize("raw", ["2", "maybe", "fused"])
+def test_fusion_flag_bad_value_names_variable(raw):
+    with pytest.raises(ValueError, match=f"invalid YALI_FUSION={raw!r}"):
+        vllm_fusion.fusion_enabled({"YALI_FUSION": raw})
+
+
+def test_factory_raises_naming_bad_yali_fusion(monkeypatch):
+    monkeypatch.setenv("YALI_FUSION", "sometimes")
+    factory = vllm_plugin.fusion_pass_factory(StandInPass)
+    with pytest.raises(ValueError, match="YALI_FUSION='sometimes'"):
+        factory(object())
+
+
+def test_factory_off_without_tp_group(monkeypatch, caplog):
+    """In a process without a TP group (no distributed set-up here) the factory
+    builds vLLM's pass and says why."""
+    monkeypatch.delenv("YALI_FUSION", raising=False)
+    vllm_plugin._fusion_logged.clear()
+    factory = vllm_plugin.fusion_pass_factory(StandInPass)
+    cfg = object()
+    with caplog.at_level(logging.INFO, logger="vllm.yali"):
+        built = factory(cfg)
+    assert type(built) is StandInPass and built.config is cfg
+    lines = [r.getMessage() for r in caplog.records if "YALI fusion pass" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("YALI fusion pass OFF: no tensor-parallel group")
+    assert lines[0].endswith("using vLLM's FlashInfer all-reduce+RMSNorm fusion")
+    monkeypatch.setenv("YALI_FUSION", "0")
+    assert vllm_fusion.fusion_decision() == (False, "disabled by YALI_FUSION")
+
+
+# ------------------------------------------------------------------- the op
+def test_op_registered_once_functional_schema():
+    vllm_fusion.register_op()
+    vllm_fusion.register_op()  # idempotent
+    vllm_plugin._register_fusion_op()
+    op = torch.ops.vllm.yali_fused_allreduce_rmsnorm.default
+    schema = op._schema
+    assert str(schema) == (
+        "vllm::yali_fused_allreduce_rmsnorm(Tensor input, Tensor? residual, Tensor weight, "
+        "float eps, str group_name) -> (Tensor, Tensor)"
+    )
+    assert not schema.is_mutable
+
+
+def test_op_fake_impl_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    vllm_fusion.register_op()
+    with FakeTensorMode():
+        x = torch.empty(7, 32, dtype=torch.bfloat16)
+        w = torch.empty(32, dtype=torch.bfloat16)
+        norm, res = torch.ops.vllm.yali_fused_allreduce_rmsnorm(x, None, w, EPS, "tp:0")
+    assert norm.shape == res.shape == (7, 32) and norm.dtype == res.dtype == torch.bfloat16
+
+
+def test_op_names_unknown_group():
+    vllm_fusion.register_op()
+    x = torch.zeros(2, 16)
+    with pytest.raises(ValueError, match="'no-such-group' is not found"):
+        torch.ops.vllm.yali_fused_allreduce_rmsnorm(x, x, torch.ones(16), EPS, "no-such-group")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_fallback_is_the_unfused_sequence(dtype, with_residual):
+    """No YALI communicator: all-reduce through the group, then vLLM's norm;
+    bit-identical to vLLM's native (fused-add) RMSNorm of the all-reduce output."""
+    x, peer, res, w = _tensors(dtype)
+    res_in = res.clone() if with_residual else None
+    group = StandInGroup(peer)
+    norm, res_out = vllm_fusion.run_on_group(group, x, res_in, w, EPS)
+    exp_norm, exp_res = reference(x + peer, res if with_residual else None, w, EPS)
+    assert group.calls == 1
+    assert torch.equal(norm, exp_norm) and torch.equal(res_out, exp_res)
+    if with_residual:
+        assert torch.equal(res_in, res)  # functional: the residual input is untouched
+    # The same through vLLM's IR ops themselves.
+    ar = x + peer
+    if with_residual:
+        ir = vllm.ir.ops.fused_add_rms_norm(ar, res, w, EPS)
+    else:
+        ir = (vllm.ir.ops.rms_norm(ar, w, EPS), ar)
+    assert torch.equal(norm, ir[0]) and torch.equal(res_out, ir[1])
+
+
+def test_fallback_when_yali_refuses_the_tensors():
+    """Stand-in YALI communicator (see module docstring) that refuses: the
+    unfused sequence runs, the fused call does not."""
+    x, peer, res, w = _tensors()
+    yali = StandInYali(fuse=False)
+    group = StandInGroup(peer, yali)
+    norm, res_out = vllm_fusion.run_on_group(group, x, res, w, 1e-6)
+    exp = reference(x + peer, res, w, 1e-6)
+    assert yali.calls == [] and group.calls == 1
+    assert torch.equal(norm, exp[0]) and torch.equal(res_out, exp[1])
+
+
+def test_yali_serves_when_it_can_fuse():
+    """Stand-in YALI communicator that fuses: its result is returned and the
+    group's all-reduce is not called again."""
+    x, peer, res, w = _tensors()
+
+    class Marked(StandInYali):
+        def fused_allreduce_rmsnorm(self, x, residual, weight, eps):
+            self.calls.append((residual is not None, eps))
+            return torch.full_like(x, 1.0), torch.full_like(x, 2.0)
+
+    yali = Marked(fuse=True)
+    group = StandInGroup(peer, yali)
+    norm, res_out = vllm_fusion.run_on_group(group, x, None, w, 1e-6)
+    assert yali.calls == [(False, 1e-6)] and group.calls == 0
+    assert torch.equal(norm, torch.ones_like(x)) and torch.equal(res_out, torch.full_like(x, 2.0))
+
+
+# ------------------------------------------------------------ patching vLLM
+@pytest.fixture
+def pass_manager_module():
+    """vLLM's real pass_manager module; its AllReduceFusionPass name and the
+    plugin's compile-cache factor are restored afterwards."""
+    from vllm import envs
+    from vllm.compilation.passes import pass_manager
+
+    original = pass_manager.__dict__.get("AllReduceFusionPass")
+    factor = envs.environment_variables.pop(vllm_plugin.CACHE_FACTOR, None)
+    yield pass_manager
+    if original is None:
+        pass_manager.__dict__.pop("AllReduceFusionPass", None)
+    else:
+        pass_manager.AllReduceFusionPass = original
+    envs.environment_variables.pop(vllm_plugin.CACHE_FACTOR, None)
+    if factor is not None:
+        envs.environment_variables[vllm_plugin.CACHE_FACTOR] = factor
+
+
+def test_patch_skips_missing_symbol(pass_manager_module, caplog):
+    pass_manager_module.__dict__.pop("AllReduceFusionPass", None)  # as on a CPU platform
+    with caplog.at_level(logging.WARNING, logger="vllm.yali"):
+        assert vllm_plugin.patch_fusion_pass() is False
+    assert "AllReduceFusionPass" not in pass_manager_module.__dict__
+    assert any("AllReduceFusionPass is missing" in r.getMessage() for r in caplog.records)
+
+
+def test_patch_replaces_symbol_once_and_unpatch_restores(pass_manager_module):
+    pass_manager_module.AllReduceFusionPass = StandInPass
+    assert vllm_plugin.patch_fusion_pass() is True
+    factory = pass_manager_module.AllReduceFusionPass
+    assert factory is not StandInPass and factory._yali_original is StandInPass
+    assert vllm_plugin.patch_fusion_pass() is True  # idempotent: not wrapped twice
+    assert pass_manager_module.AllReduceFusionPass is factory
+    vllm_plugin.unpatch_fusion_pass()
+    assert pass_manager_module.AllReduceFusionPass is StandInPass
+
+
+def test_install_hooks_follow_vllm_config(pass_manager_module, monkeypatch):
+    """Eager / fusion off: nothing is patched; VLLM_COMPILE with the fusion on:
+    the factory and the compile-cache factor are installed."""
+    from vllm import envs
+    from vllm.config import CompilationConfig, DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.config.compilation import CompilationMode, PassConfig
+
+    pass_manager_module.AllReduceFusionPass = StandInPass
+
+    def install(mode, fuse):
+        cfg = VllmConfig(
+            device_config=DeviceConfig(device="cpu"),
+            compilation_config=CompilationConfig(mode=mode, pass_config=PassConfig(fuse_allreduce_rms=fuse)),
+        )
+        with set_current_vllm_config(cfg):
+            vllm_plugin._install_fusion_hooks()
+
+    install(CompilationMode.NONE, True)
+    install(CompilationMode.VLLM_COMPILE, False)
+    assert pass_manager_module.AllReduceFusionPass is StandInPass
+    assert vllm_plugin.CACHE_FACTOR not in envs.environment_variables
+    install(CompilationMode.VLLM_COMPILE, True)
+    assert pass_manager_module.AllReduceFusionPass._yali_original is StandInPass
+    # No TP group in this process: vLLM's pass, and the cache key says so.
+    assert envs.compile_factors()[vllm_plugin.CACHE_FACTOR] == "vllm"
+    monkeypatch.setenv("YALI_FUSION", "bogus")
+    assert envs.compile_factors()[vllm_plugin.CACHE_FACTOR] == "invalid (ValueError)"
+
+
+# ------------------------------------------- two real ranks on CPU (gloo)
+def _write_model_config(path: Path) -> str:
+    from yali_vllm.models import model_config
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model_config("8b")))
+    return str(path)
+
+
+def _node_targets(gm) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _count(targets: list[str], name: str) -> int:
+    return sum(1 for t in targets if t == name)
+
+
+def _two_rank_worker(rank: int, port: int, model_dir: str, outdir: str) -> None:
+    """Spawned twice: a real vLLM TP group of 2 CPU ranks (gloo).  Records the
+    factory's choices, what vLLM's pass manager builds, and what YALI's pass
+    does to traced graphs; written to rank<N>.json."""
+    os.environ["VLLM_DISABLE_PYNCCL"] = "1"  # no NCCL library on a CPU box
+    os.environ.pop("YALI_FUSION", None)
+    res: dict = {}
+    try:
+        import copy
+
+        import vllm.ir.ops
+        from torch.fx.experimental.proxy_tensor import make_fx
+        from vllm.compilation.passes import pass_manager
+        from vllm.config import (
+            CompilationConfig,
+            DeviceConfig,
+            ModelConfig,
+            VllmConfig,
+            set_current_vllm_config,
+        )
+        from vllm.config.compilation import CompilationMode, PassConfig
+        from vllm.distributed import tensor_model_parallel_all_reduce
+        from vllm.distributed.parallel_state import (
+            get_tp_group,
+            init_distributed_environment,
+            initialize_model_parallel,
+        )
+
+        cfg = VllmConfig(
+            model_config=ModelConfig(model=model_dir, dtype="bfloat16", skip_tokenizer_init=True),
+            device_config=DeviceConfig(device="cpu"),
+            compilation_config=CompilationConfig(
+                mode=CompilationMode.VLLM_COMPILE, pass_config=PassConfig(fuse_allreduce_rms=True)
+            ),
+        )
+        with set_current_vllm_config(cfg):
+            init_distributed_environment(
+                world_size=2, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                local_rank=rank, backend="gloo",
+            )
+            initialize_model_parallel(tensor_model_parallel_size=2)
+        tp = get_tp_group()
+        # As on the CUDA platform (use_custom_op_collectives): collectives are
+        # traced as torch.ops.vllm.all_reduce, the op vLLM's patterns match.
+        tp.use_custom_op_call = True
+        comm = tp.device_communicator
+        vllm_plugin.register()  # registers the op, as in every vLLM process
+
+        factory = vllm_plugin.fusion_pass_factory(StandInPass)
+        handler_lines: list[str] = []
+
+        class H(logging.Handler):
+            def emit(self, record):
+                handler_lines.append(record.getMessage())
+
+        logging.getLogger("vllm.yali").addHandler(H())
+        logging.getLogger("vllm.yali").setLevel(logging.INFO)
+
+        # 1. The factory's choice.
+        comm.yali_comm = None
+        res["off_decision"] = list(vllm_fusion.fusion_decision())
+        res["off_pass"] = type(factory(cfg)).__name__
+        res["off_factor"] = vllm_plugin.fusion_cache_factor()
+        comm.yali_comm = StandInYali(fuse=False, group=tp)
+        res["on_decision"] = list(vllm_fusion.fusion_decision())
+        res["on_pass"] = type(factory(cfg)).__name__
+        res["on_factor"] = vllm_plugin.fusion_cache_factor()
+        os.environ["YALI_FUSION"] = "0"
+        res["disabled_pass"] = type(factory(cfg)).__name__
+        res["disabled_factor"] = vllm_plugin.fusion_cache_factor()
+        del os.environ["YALI_FUSION"]
+        res["log"] = [ln for ln in handler_lines if ln.startswith(("YALI fusion pass ON", "YALI fusion pass OFF"))]
+        res["patterns_log"] = [ln for ln in handler_lines if ln.startswith("YALI fusion pass: patterns")]
+
+        # 2. vLLM's own pass manager, with the symbol patched (a stand-in
+        # original: see the module docstring), builds YALI's pass only.
+        pass_manager.AllReduceFusionPass = StandInPass
+        vllm_plugin.patch_fusion_pass()
+        pm = pass_manager.PostGradPassManager()
+        pm.configure(cfg)
+        res["configured"] = [type(p).__name__ for p in pm.passes]
+
+        # 3. The rewrite.  A three-norm stretch of a decoder: embedding
+        # all-reduce -> rms_norm, then all_reduce -> fused_add_rms_norm twice,
+        # the last with its residual output dead (as at the final norm).
+        yali_pass = vllm_fusion.YaliAllReduceFusionPass(cfg)
+
+        def model(x, w0, w1, w2):
+            a = tensor_model_parallel_all_reduce(x)
+            h = vllm.ir.ops.rms_norm(a, w0, 1e-5)
+            res_ = a
+            b = tensor_model_parallel_all_reduce(h * 2)
+            h, res_ = vllm.ir.ops.fused_add_rms_norm(b, res_, w1, 1e-5)
+            c = tensor_model_parallel_all_reduce(h + 1)
+            h, _ = vllm.ir.ops.fused_add_rms_norm(c, res_, w2, 1e-6)
+            return h, res_
+
+        g = torch.Generator().manual_seed(rank)  # different per rank: a real sum
+        hidden = 64
+        args = [torch.randn(5, hidden, generator=g).bfloat16()]
+        args += [torch.randn(hidden, generator=torch.Generator().manual_seed(10 + i)).bfloat16() for i in range(3)]
+
+        def fresh():  # vLLM's CPU device communicator all-reduces in place
+            return [a.clone() for a in args]
+
+        expected = model(*fresh())
+
+        def trace(fn):
+            gm = make_fx(fn, tracing_mode="fake")(*fresh())
+            gm.graph.eliminate_dead_code()  # the unused residual of the last norm goes
+            gm.recompile()
+            return gm
+
+        gm = trace(model)
+        res["before"] = _node_targets(gm)
+        unchanged = copy.deepcopy(gm)
+        yali_pass(gm.graph)
+        gm.recompile()
+        res["after"] = _node_targets(gm)
+        res["matched"] = yali_pass.matched_count
+        res["uuid"] = yali_pass.uuid()  # part of Inductor's cache key
+
+        comm.yali_comm = StandInYali(fuse=False, group=tp)  # refuses: unfused fallback
+        out = gm(*fresh())
+        res["fallback_equal"] = [torch.equal(o, e) for o, e in zip(out, expected)]
+        res["unchanged_equal"] = [torch.equal(o, e) for o, e in zip(unchanged(*fresh()), expected)]
+        yali = StandInYali(fuse=True, group=tp)
+        comm.yali_comm = yali
+        out = gm(*fresh())
+        res["fused_equal"] = [torch.equal(o, e) for o, e in zip(out, expected)]
+        res["fused_calls"] = yali.calls
+
+        # 4. What stays unfused: an eps vLLM has no pattern for, and a
+        # Gemma-style fp32 weight (input/weight dtypes differ).
+        def odd(x, w):
+            a = tensor_model_parallel_all_reduce(x)
+            return vllm.ir.ops.rms_norm(a, w, 1e-4), a
+
+        def gemma(x, w):
+            a = tensor_model_parallel_all_reduce(x)
+            return vllm.ir.ops.rms_norm(a, w.float() + 1.0, 1e-6), a
+
+        for name, fn in (("odd_eps", odd), ("gemma", gemma)):
+            gm2 = make_fx(fn, tracing_mode="fake")(args[0].clone(), args[1])
+            yali_pass(gm2.graph)
+            res[name] = [yali_pass.matched_count, _node_targets(gm2)]
+    except Exception as e:  # reported to the parent
+        import traceback
+
+        res["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    finally:
+        Path(outdir, f"rank{rank}.json").write_text(json.dumps(res))
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    outdir = tmp_path_factory.mktemp("fusion_two_ranks")
+    model_dir = _write_model_config(outdir / "model")
+    ctx = mp.start_processes(
+        _two_rank_worker,
+        args=(_free_port(), model_dir, str(outdir)),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
+    )
+    try:
+        for _ in range(60):  # bounded: 60 x 5 s
+            if ctx.join(timeout=5):
+                break
+        else:
+            pytest.fail("two-rank CPU workers did not finish in 300 s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    results = [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in results:
+        assert "error" not in r, r["error"]
+    return results
+
+
+def test_two_ranks_factory_follows_yali_and_yali_fusion(two_ranks):
+    for res in two_ranks:
+        assert res["off_decision"] == [False, "YALI all-reduce is OFF for group 'tp:0'"]
+        assert res["off_pass"] == "StandInPass" and res["off_factor"] == "vllm"
+        assert res["on_decision"] == [True, "YALI serves TP group 'tp:0'"]
+        assert res["on_pass"] == "YaliAllReduceFusionPass" and res["on_factor"] == "yali"
+        assert res["disabled_pass"] == "StandInPass" and res["disabled_factor"] == "vllm"
+        assert res["log"] == [
+            "YALI fusion pass OFF: YALI all-reduce is OFF for group 'tp:0'; "
+            "using vLLM's FlashInfer all-reduce+RMSNorm fusion",
+            "YALI fusion pass ON (replaces vLLM's FlashInfer all-reduce+RMSNorm fusion): "
+            "YALI serves TP group 'tp:0'",
+            "YALI fusion pass OFF: disabled by YALI_FUSION; "
+            "using vLLM's FlashInfer all-reduce+RMSNorm fusion",
+        ]
+        assert len(res["patterns_log"]) == 1, res["patterns_log"]
+        assert "all_reduce+fused_add_rms_norm[norm only]" in res["patterns_log"][0]
+        assert "eps 1e-05, 1e-06" in res["patterns_log"][0]
+
+
+def test_two_ranks_vllm_pass_manager_builds_yali_pass_only(two_ranks):
+    for res in two_ranks:
+        assert "YaliAllReduceFusionPass" in res["configured"], res["configured"]
+        assert "StandInPass" not in res["configured"]
+
+
+def test_two_ranks_rewrite_replaces_all_reduce_and_norms(two_ranks):
+    op = "vllm.yali_fused_allreduce_rmsnorm.default"
+    for res in two_ranks:
+        before, after = res["before"], res["after"]
+        assert _count(before, "vllm.all_reduce.default") == 3
+        assert _count(before, "vllm_ir.rms_norm.default") == 1
+        assert _count(before, "vllm_ir.fused_add_rms_norm.default") == 2
+        assert _count(before, op) == 0
+        # One YALI op per all-reduce; no all-reduce or norm left: the first
+        # (rms_norm), the second (fused add, both outputs used) and the third
+        # (fused add, residual dead: the first-return-only pattern, eps 1e-6).
+        assert res["matched"] == 3
+        assert len(res["uuid"]) == 64 and res["uuid"] == two_ranks[0]["uuid"]
+        assert _count(after, op) == 3
+        for gone in ("vllm.all_reduce.default", "vllm_ir.rms_norm.default",
+                     "vllm_ir.fused_add_rms_norm.default"):
+            assert _count(after, gone) == 0, after
+
+
+def test_two_ranks_rewritten_graph_computes_the_same(two_ranks):
+    for res in two_ranks:
+        assert res["unchanged_equal"] == [True, True]
+        assert res["fallback_equal"] == [True, True]  # op's unfused fallback, real gloo sums
+        assert res["fused_equal"] == [True, True]  # stand-in YALI called with the right arguments
+        assert res["fused_calls"] == [
+            {"shape": [5, 64], "residual": False, "eps": 1e-5},
+            {"shape": [5, 64], "residual": True, "eps": 1e-5},
+            {"shape": [5, 64], "residual": True, "eps": 1e-6},
+        ]
+
+
+def test_two_ranks_unmatched_variants_stay_unfused(two_ranks):
+    for res in two_ranks:
+        for name in ("odd_eps", "gemma"):
+            matched, targets = res[name]
+            assert matched == 0, name
+            assert "vllm.yali_fused_allreduce_rmsnorm.default" not in targets, name
+            assert _count(targets, "vllm.all_reduce.default") == 1, name
