@@ -37,7 +37,9 @@ def all_reduce(comm: int, x: torch.Tensor, out: torch.Tensor | None = None, mode
     """Sum of `x` over the two ranks of communicator handle `comm`, into `out` (new tensor by default)."""
     if out is None:
         out = torch.empty_like(x)
-    _ext.ops().all_reduce(comm, x, out, mode)
+    # torch.ops.yali directly (the library is loaded: `comm` exists), so that
+    # torch.compile(fullgraph=True) can trace through this wrapper.
+    torch.ops.yali.all_reduce(comm, x, out, mode)
     return out
 
 
@@ -55,5 +57,5 @@ def fused_allreduce_rmsnorm(comm: int, x: torch.Tensor, residual: torch.Tensor |
         norm_out = torch.empty_like(x)
     if residual_out is None:
         residual_out = torch.empty_like(x)
-    _ext.ops().fused_allreduce_rmsnorm(comm, x, residual, weight, float(eps), norm_out, residual_out)
+    torch.ops.yali.fused_allreduce_rmsnorm(comm, x, residual, weight, float(eps), norm_out, residual_out)
     return norm_out, residual_out

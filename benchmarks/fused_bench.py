@@ -1,0 +1,804 @@
+#!/usr/bin/env python3
+"""Fused all-reduce + residual add + RMSNorm on 2 GPUs: YALI's fused op against vLLM's
+FlashInfer fusion (trtllm backend) and the unfused sequence vLLM runs without the fusion, in
+the same process pair on the same machine.
+
+Backends (each op: x [tokens, hidden] summed over both ranks, + residual, RMSNorm):
+  yali-fused         YaliCommunicator.fused_allreduce_rmsnorm (residual updated in place)
+  flashinfer-trtllm  torch.ops.vllm.flashinfer_trtllm_fused_allreduce_norm, called exactly as
+                     vLLM's AllReduceFusionPass does (kARResidualRMSNorm, FlashInfer workspace
+                     from get_fi_ar_workspace; backend trtllm only, never mnnvl)
+  unfused            get_tp_group().device_communicator.all_reduce(x) (vLLM's own dispatch: its
+                     custom all-reduce below 8 MiB, PyNCCL above) + torch.ops._C.fused_add_rms_norm
+
+Every backend's output is checked against the fp32 reference (vLLM's native fused_add_rms_norm
+of the fp32 all-reduce sum) once per size before it is timed; then per-op time inside a CUDA
+graph of --graph-ops back-to-back ops, p50/p99 over --replays replays. The target
+"YALI <= 0.8 x FlashInfer at <= 32 tokens, never slower" is evaluated per row.
+
+Per dtype and hidden size, YALI and the unfused sequence are measured first and FlashInfer after
+them: on a fresh host FlashInfer JIT-builds its kernels (minutes of CPU), in a background thread
+started at set-up. --budget-s bounds the run: no measurement starts after it (counted from the
+ranks' start); rank 0 checkpoints its rows, so a pair that hangs or is killed still leaves a
+result file (marked incomplete).
+
+Writes <out>/<name>.json (kind fused-allreduce-rmsnorm), <name>.md and <name>.png.
+
+  python benchmarks/fused_bench.py                          # hidden 8192, bf16, 1..512 tokens
+  python benchmarks/fused_bench.py --hidden 4096,8192 --dtypes bf16,fp16 --budget-s 300
+  python benchmarks/fused_bench.py --report-only benchmarks/results/fused-20261122.json
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _results import MULTICAST_OFF_ENV, results_header, write_results  # noqa: E402
+from allreduce_bench import pct, run_two_ranks, time_graph  # noqa: E402
+
+os.environ.update(MULTICAST_OFF_ENV)
+
+KIND = "fused-allreduce-rmsnorm"
+BACKENDS = ["yali-fused", "flashinfer-trtllm", "unfused"]
+DTYPE_NAMES = ["bf16", "fp16", "fp32"]
+ELEMENT_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+DEFAULT_TOKENS = "1,2,4,8,16,32,64,128,256,512"
+# vLLM serves the FlashInfer fusion up to this many bytes per input at TP=2 on Hopper
+# (FI_ALLREDUCE_FUSION_MAX_SIZE_MB[90][2]); its workspace is sized from it.
+FLASHINFER_MAX_BYTES = 64 << 20
+# Output tolerances for `correct` (norm_out and residual_out against the fp32 reference):
+# |out - ref| <= atol + rtol * |ref|. They admit the roundings the three implementations place
+# differently (vLLM's CUDA kernel normalises the rounded residual, FlashInfer adds in another
+# order), i.e. a couple of ulps of the dtype; a wrong sum or a missing residual is far outside.
+TOLERANCE = {"bf16": (2 ** -6, 2 ** -6), "fp16": (2 ** -9, 2 ** -8), "fp32": (1e-5, 1e-4)}
+
+
+# ----------------------------------------------------------------------------- arguments
+def parse_int_list(text: str, what: str = "value") -> list[int]:
+    """"1,2,4" -> [1, 2, 4]: positive integers, sorted, duplicates dropped."""
+    out = set()
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            v = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what}: {part!r} is not an integer") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"{what}: {v} is not positive")
+        out.add(v)
+    if not out:
+        raise argparse.ArgumentTypeError(f"{what}: empty list")
+    return sorted(out)
+
+
+def parse_choice_list(text: str, choices: list[str], what: str) -> list[str]:
+    """"bf16,fp16" -> ["bf16", "fp16"] in the order of `choices`; unknown names are an error."""
+    names = [p.strip() for p in str(text).split(",") if p.strip()]
+    bad = [n for n in names if n not in choices]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{what}: unknown {', '.join(bad)} (choose from {', '.join(choices)})")
+    if not names:
+        raise argparse.ArgumentTypeError(f"{what}: empty list")
+    return [c for c in choices if c in names]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", default="8192", type=lambda s: parse_int_list(s, "--hidden"),
+                    help="hidden sizes, comma list (default %(default)s)")
+    ap.add_argument("--tokens", default=DEFAULT_TOKENS, type=lambda s: parse_int_list(s, "--tokens"),
+                    help="token counts, comma list (default %(default)s)")
+    ap.add_argument("--dtypes", default="bf16", type=lambda s: parse_choice_list(s, DTYPE_NAMES, "--dtypes"),
+                    help="comma list of bf16, fp16, fp32 (default %(default)s)")
+    ap.add_argument("--backends", default=",".join(BACKENDS),
+                    type=lambda s: parse_choice_list(s, BACKENDS, "--backends"))
+    ap.add_argument("--eps", type=float, default=1e-5, help="RMSNorm epsilon (default %(default)s)")
+    ap.add_argument("--fi-max-tokens", type=int, default=2048,
+                    help="FlashInfer workspace max_token_num at least this (vLLM: min(64 MiB / row bytes, "
+                         "max_num_batched_tokens)); default %(default)s")
+    ap.add_argument("--graph-ops", type=int, default=50, help="fused ops per CUDA graph (default %(default)s)")
+    ap.add_argument("--replays", type=int, default=200, help="timed graph replays = samples (default %(default)s)")
+    ap.add_argument("--budget-s", type=float, default=420.0,
+                    help="stop starting measurements after this many seconds (default %(default)s)")
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="kill the ranks after this many seconds (default budget + 150)")
+    ap.add_argument("--target-ratio", type=float, default=0.8, help="YALI / FlashInfer target (default %(default)s)")
+    ap.add_argument("--target-tokens", type=int, default=32,
+                    help="the target ratio applies up to this many tokens; above, YALI must not be slower")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--name", default=None, help="result file stem (default fused-<date>)")
+    ap.add_argument("--quick", action="store_true", help="tokens 1,8,32,128, 50 replays")
+    ap.add_argument("--report-only", metavar="JSON", help="rebuild the table and plot from a result file")
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tokens, args.replays = [1, 8, 32, 128], min(args.replays, 50)
+    for name in ("graph_ops", "replays"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.budget_s <= 0:
+        ap.error("--budget-s must be > 0")
+    if args.timeout is None:
+        args.timeout = args.budget_s + 150.0
+    args.name = args.name or "fused-" + time.strftime("%Y%m%d-%H%M%S")
+    return args
+
+
+def flashinfer_max_tokens(hidden: int, dname: str, tokens_list, at_least: int = 2048) -> int:
+    """max_token_num of the FlashInfer workspace: like vLLM's AllReduceFusionPass,
+    min(64 MiB / row bytes, a max_num_batched_tokens-like bound), and at least the largest
+    token count measured when that fits in 64 MiB."""
+    cap = FLASHINFER_MAX_BYTES // (hidden * ELEMENT_SIZE[dname])
+    return max(1, min(max(max(tokens_list), at_least), cap))
+
+
+# ----------------------------------------------------------------------------- reference and checks
+def reference(x0, x1, residual, weight, eps: float):
+    """(norm_out, residual_out) of all_reduce -> vLLM's native fused_add_rms_norm, all-reduce
+    sum in fp32 rounded once (vllm/ir/ops/layernorm.py)."""
+    import torch
+
+    dtype = x0.dtype
+    s = (x0.float() + x1.float()).to(dtype)
+    z = s.float() + residual.float() if residual is not None else s.float()
+    residual_out = z.to(dtype)
+    variance = z.pow(2).mean(dim=-1, keepdim=True)
+    norm_out = ((z * torch.rsqrt(variance + eps)).to(weight.dtype) * weight).to(dtype)
+    return norm_out, residual_out
+
+
+def check_result(norm, residual_out, ref_norm, ref_residual, dname: str) -> dict:
+    """Compares one backend's outputs with the reference under TOLERANCE[dname]."""
+    atol, rtol = TOLERANCE[dname]
+    out = {}
+    ok = True
+    for key, got, ref in (("norm", norm, ref_norm), ("residual", residual_out, ref_residual)):
+        got64, ref64 = got.double(), ref.double()
+        finite = bool(got64.isfinite().all().item())
+        diff = (got64 - ref64).abs()
+        err = float(diff.max().item()) if diff.numel() else 0.0
+        within = finite and bool((diff <= atol + rtol * ref64.abs()).all().item())
+        out[f"max_abs_err_{key}"] = err if finite else None  # None: NaN/inf in the output
+        ok = ok and within
+    out["residual_bitwise"] = bool(torch_equal_bits(residual_out, ref_residual))
+    out["correct"] = ok
+    return out
+
+
+def torch_equal_bits(a, b) -> bool:
+    import torch
+
+    iv = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[a.dtype]
+    return a.shape == b.shape and bool((a.contiguous().view(iv) == b.contiguous().view(iv)).all().item())
+
+
+# ----------------------------------------------------------------------------- report
+def target_verdict(tokens: int, yali: dict | None, flashinfer: dict | None, target_ratio: float = 0.8,
+                   target_tokens: int = 32) -> tuple[str, float]:
+    """("pass" | "FAIL" | "FAIL (wrong result)" | "n/a ...", the ratio limit of this row).
+
+    The limit is target_ratio up to target_tokens and 1.0 (never slower) above."""
+    limit = target_ratio if tokens <= target_tokens else 1.0
+    if yali is None or flashinfer is None:
+        return "n/a (missing)", limit
+    if not yali.get("correct", False):
+        return "FAIL (wrong result)", limit
+    if not flashinfer.get("correct", False):
+        return "n/a (FlashInfer wrong)", limit
+    ratio = yali["us_p50"] / flashinfer["us_p50"]
+    return ("pass" if ratio <= limit else "FAIL"), limit
+
+
+def summarize(records: list[dict], target_ratio: float = 0.8, target_tokens: int = 32) -> list[dict]:
+    """One row per (dtype, hidden, tokens): each backend's record, the ratios and the verdict."""
+    cells: dict[tuple, dict] = {}
+    for r in records:
+        cells.setdefault((r["dtype"], int(r["hidden"]), int(r["tokens"])), {})[r["backend"]] = r
+    order = {d: i for i, d in enumerate(DTYPE_NAMES)}
+    rows = []
+    for key in sorted(cells, key=lambda k: (order.get(k[0], 99), k[1], k[2])):
+        dname, hidden, tokens = key
+        c = cells[key]
+        y, f, u = c.get("yali-fused"), c.get("flashinfer-trtllm"), c.get("unfused")
+        verdict, limit = target_verdict(tokens, y, f, target_ratio, target_tokens)
+        rows.append({
+            "dtype": dname, "hidden": hidden, "tokens": tokens, "backends": c,
+            "yali_vs_flashinfer": y["us_p50"] / f["us_p50"] if y and f else None,
+            "yali_vs_unfused": y["us_p50"] / u["us_p50"] if y and u else None,
+            "limit": limit, "verdict": verdict,
+        })
+    return rows
+
+
+def target_summary(rows: list[dict]) -> dict:
+    judged = [r for r in rows if r["verdict"] in ("pass", "FAIL", "FAIL (wrong result)")]
+    failed = [r for r in judged if r["verdict"] != "pass"]
+    return {"rows": len(rows), "judged": len(judged), "passed": len(judged) - len(failed),
+            "met": bool(judged) and not failed,
+            "failed": [f"{r['dtype']} hidden {r['hidden']} tokens {r['tokens']}: {r['verdict']}" for r in failed]}
+
+
+def _us(r: dict | None) -> str:
+    if r is None:
+        return "–"
+    mark = "" if r.get("correct", False) else " ✗"
+    p99 = r.get("us_p99")
+    return f"{r['us_p50']:.2f} ({p99:.2f}){mark}" if p99 is not None else f"{r['us_p50']:.2f}{mark}"
+
+
+def _ratio(v) -> str:
+    return f"{v:.3f}×" if v is not None else "–"
+
+
+def markdown_table(res: dict) -> str:
+    target = res.get("target", {"ratio": 0.8, "tokens": 32})
+    rows = summarize(res["records"], target["ratio"], target["tokens"])
+    summary = target_summary(rows)
+    out = [f"# Fused all-reduce + residual add + RMSNorm ({res.get('host')})\n",
+           f"{res.get('date')} · `{res.get('command')}`\n",
+           "Per-op time inside CUDA graphs, µs: p50 (p99) over replays; ✗ = output outside the tolerance.\n",
+           f"**Target: YALI ≤ {target['ratio']} × FlashInfer at ≤ {target['tokens']} tokens, never slower above: "
+           f"{'met' if summary['met'] else 'NOT met'}** ({summary['passed']} of {summary['judged']} judged rows pass"
+           f"{'; failing: ' + '; '.join(summary['failed']) if summary['failed'] else ''}).\n"]
+    groups: dict[tuple, list] = {}
+    for r in rows:
+        groups.setdefault((r["dtype"], r["hidden"]), []).append(r)
+    for (dname, hidden), grows in groups.items():
+        out += [f"\n## {dname}, hidden {hidden}\n",
+                "| tokens | bytes | yali-fused | flashinfer-trtllm | unfused | yali / FlashInfer | yali / unfused "
+                "| target | verdict |",
+                "|---:|---:|---:|---:|---:|---:|---:|---:|:---|"]
+        for r in grows:
+            b = r["backends"]
+            nbytes = r["tokens"] * hidden * ELEMENT_SIZE.get(dname, 2)
+            out.append(f"| {r['tokens']} | {nbytes} | {_us(b.get('yali-fused'))} | {_us(b.get('flashinfer-trtllm'))} "
+                       f"| {_us(b.get('unfused'))} | {_ratio(r['yali_vs_flashinfer'])} | {_ratio(r['yali_vs_unfused'])} "
+                       f"| ≤ {r['limit']:.2f}× | {r['verdict']} |")
+    paths = sorted({(r["dtype"], r["hidden"], r["tokens"], r.get("ar_path")) for r in res["records"]
+                    if r["backend"] == "unfused" and r.get("ar_path")})
+    if paths:
+        by = {}
+        for d, h, t, p in paths:
+            by.setdefault(p, []).append(t)
+        out.append("\nUnfused all-reduce path (vLLM's dispatch): "
+                   + "; ".join(f"{p} at {', '.join(str(t) for t in sorted(set(ts)))} tokens" for p, ts in by.items()))
+    if res.get("skipped_backends"):
+        out.append("\nSkipped backends: " + "; ".join(f"{k}: {v}" for k, v in res["skipped_backends"].items()))
+    if res.get("skipped"):
+        out.append("\nSkipped measurements: " + "; ".join(
+            f"{s['backend']} {s['dtype']} hidden {s['hidden']} tokens {s['tokens']}: {s['reason']}"
+            for s in res["skipped"]))
+    return "\n".join(out) + "\n"
+
+
+def plot(res: dict, out_dir: str, name: str) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return None
+    target = res.get("target", {"ratio": 0.8, "tokens": 32})
+    rows = summarize(res["records"], target["ratio"], target["tokens"])
+    groups: dict[tuple, list] = {}
+    for r in rows:
+        groups.setdefault((r["dtype"], r["hidden"]), []).append(r)
+    if not groups:
+        return None
+    fig, axes = plt.subplots(len(groups), 2, figsize=(14, 4.5 * len(groups)), squeeze=False)
+    for (ax_t, ax_r), ((dname, hidden), grows) in zip(axes, groups.items()):
+        for b in BACKENDS:
+            pts = [(r["tokens"], r["backends"][b]) for r in grows if b in r["backends"]]
+            if pts:
+                ax_t.plot([p[0] for p in pts], [p[1]["us_p50"] for p in pts], marker="o", label=b)
+                bad = [p for p in pts if not p[1].get("correct", False)]
+                if bad:
+                    ax_t.scatter([p[0] for p in bad], [p[1]["us_p50"] for p in bad], marker="x", color="r", s=80,
+                                 zorder=5, label=f"{b}: wrong result")
+        ax_t.set(title=f"fused all-reduce + RMSNorm, {dname}, hidden {hidden} (CUDA graph p50)",
+                 xlabel="tokens", ylabel="µs per op")
+        for key, label in (("yali_vs_flashinfer", "yali / flashinfer-trtllm"), ("yali_vs_unfused", "yali / unfused")):
+            pts = [(r["tokens"], r[key]) for r in grows if r[key] is not None]
+            if pts:
+                ax_r.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        ts = [r["tokens"] for r in grows]
+        ax_r.step(ts, [r["limit"] for r in grows], where="mid", color="k", ls="--", lw=1, label="target (vs FlashInfer)")
+        ax_r.set(title="time ratio (lower is better for YALI)", xlabel="tokens", ylabel="×")
+        for ax in (ax_t, ax_r):
+            ax.set_xscale("log", base=2)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return path
+
+
+def write_outputs(args, res: dict) -> str:
+    """Result JSON + markdown + PNG under args.out."""
+    hdr = results_header(KIND, {
+        "target": {"ratio": args.target_ratio, "tokens": args.target_tokens,
+                   "text": f"YALI <= {args.target_ratio} x FlashInfer at <= {args.target_tokens} tokens, "
+                           f"never slower"},
+        "eps": args.eps, "graph_ops": args.graph_ops, "replays": args.replays,
+        "method": "per-op time = CUDA graph replay time / ops per graph (back-to-back fused ops on the same "
+                  "buffers), p50/p99 over replays; each backend checked once per size against the fp32 "
+                  "reference before timing (correct: within tolerance of the dtype)",
+        "tolerance": {d: {"atol": a, "rtol": r} for d, (a, r) in TOLERANCE.items()},
+        "skipped_backends": res.get("skipped_backends", {}),
+        "skipped": res.get("skipped", []),
+        "budget_exhausted": res.get("budget_exhausted", False),
+        "incomplete": res.get("incomplete"),
+        "setup": res.get("setup", {}),
+        "yali_config": res.get("yali_config"),
+    })
+    hdr["records"] = res["rows"]
+    hdr["summary"] = target_summary(summarize(res["rows"], args.target_ratio, args.target_tokens))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{args.name}.json")
+    write_results(path, hdr)
+    md = markdown_table(hdr)
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
+        f.write(md)
+    plot(hdr, args.out, args.name)
+    print(md)
+    print(f"wrote {path}")
+    return path
+
+
+def report_only(path: str) -> tuple[str, str | None]:
+    with open(path) as f:
+        res = json.load(f)
+    if res.get("kind") != KIND:
+        raise SystemExit(f"{path}: kind {res.get('kind')!r}, expected {KIND!r}")
+    out = os.path.dirname(os.path.abspath(path))
+    stem = os.path.splitext(os.path.basename(path))[0]
+    md_path = os.path.join(out, stem + ".md")
+    with open(md_path, "w") as f:
+        f.write(markdown_table(res))
+    return md_path, plot(res, out, stem)
+
+
+# ----------------------------------------------------------------------------- GPU worker
+def unfused_path(dc, x) -> str:
+    """Which all-reduce vLLM's CudaCommunicator.all_reduce picks for x (its own dispatch order)."""
+    fi = getattr(dc, "fi_ar_comm", None)
+    if fi is not None and not fi.disabled and fi.should_use_fi_ar(x):
+        return "flashinfer-ar"
+    ca = getattr(dc, "ca_comm", None)
+    if ca is not None and not ca.disabled and ca.should_custom_ar(x):
+        return "custom"
+    sm = getattr(dc, "symm_mem_comm", None)
+    if sm is not None and sm.should_use_symm_mem(x):
+        return "symm-mem"
+    return "pynccl"
+
+
+class Backends:
+    """Creates each backend once per rank. make(name, x, residual, weight, eps) returns
+    (op, outputs): op(_) launches one fused op on the current stream (it may update x and the
+    residual in place, as the backend does in vLLM), outputs() gives (norm_out, residual_out)."""
+
+    def __init__(self, rank, dev, gloo, names, vllm_ok, agree, fi_min_tokens=2048):
+        self.rank, self.dev, self.gloo = rank, dev, gloo
+        self.fi_min_tokens = fi_min_tokens
+        self.names, self.skipped, self.capture_ctx = [], {}, {}
+        self.setup = {}
+        self._agree = agree
+        for name in names:
+            t0 = time.time()
+            reason = None
+            try:
+                if name != "yali-fused" and not vllm_ok:
+                    raise RuntimeError(f"vLLM's distributed state is not available ({vllm_ok!r})")
+                getattr(self, "_init_" + name.replace("-", "_"))()
+            except Exception as e:
+                reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                if os.environ.get("YALI_BENCH_DEBUG"):
+                    traceback.print_exc()
+            if not agree(reason is None):  # both ranks keep a backend only if both could create it
+                self.skipped[name] = reason or "the other rank could not create it"
+                if rank == 0:
+                    print(f"[fused-bench] {name} skipped: {self.skipped[name]}", flush=True)
+                continue
+            self.names.append(name)
+            self.setup[name] = {"init_s": round(time.time() - t0, 1)}
+
+    # yali
+    def _init_yali_fused(self):
+        from yali_vllm.communicator import YaliCommunicator
+
+        self.yali = YaliCommunicator(self.gloo, self.dev)
+        self.yali_config = dict(self.yali.config)
+
+    def _make_yali_fused(self, x, res, w, eps):
+        import torch
+
+        if not self.yali.can_fuse(x, res, w):
+            return None, "YaliCommunicator.can_fuse() refuses this shape"
+        norm = torch.empty_like(x)
+        comm = self.yali
+
+        def op(_=None):
+            comm.fused_allreduce_rmsnorm(x, res, w, eps, norm_out=norm, residual_out=res)
+
+        return (op, lambda: (norm, res)), None
+
+    # flashinfer (trtllm)
+    def _init_flashinfer_trtllm(self):
+        if os.environ.get("VLLM_FLASHINFER_ALLREDUCE_BACKEND") != "trtllm":
+            raise RuntimeError("VLLM_FLASHINFER_ALLREDUCE_BACKEND must be trtllm (mnnvl is never used here)")
+        import vllm.compilation.passes.fusion.allreduce_rms_fusion as arf
+
+        if arf.flashinfer_comm is None:
+            raise RuntimeError("flashinfer.comm with allreduce_fusion is not importable")
+        from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
+
+        self.arf = arf
+        self.fi_ws_key = None
+        self.fi_max_tokens = 0
+        self.fi_build = {"error": None, "seconds": None}
+
+        def build():  # JIT-builds FlashInfer's kernels on a fresh host (CPU minutes) while YALI is measured
+            t0 = time.time()
+            try:
+                get_trtllm_comm_module()
+            except Exception as e:
+                self.fi_build["error"] = f"FlashInfer JIT build failed: {type(e).__name__}: {e}".splitlines()[0][:300]
+            self.fi_build["seconds"] = round(time.time() - t0, 1)
+
+        self.fi_thread = threading.Thread(target=build, name="flashinfer-jit", daemon=True)
+        self.fi_thread.start()
+
+    def flashinfer_ready(self, wait_s: float) -> str | None:
+        """Waits up to wait_s for FlashInfer's JIT build (a collective: both ranks agree);
+        returns why FlashInfer cannot be measured, or None. A failure drops the backend."""
+        if "flashinfer-trtllm" not in self.names:
+            return self.skipped.get("flashinfer-trtllm", "not created")
+        self.fi_thread.join(timeout=max(0.0, wait_s))
+        if self.fi_thread.is_alive():
+            reason = f"FlashInfer JIT build not finished within the budget ({wait_s:.0f}s left)"
+        else:
+            reason = self.fi_build["error"]
+        if not self._agree(reason is None):
+            self.names.remove("flashinfer-trtllm")
+            self.skipped["flashinfer-trtllm"] = reason or "not ready on the other rank"
+            return self.skipped["flashinfer-trtllm"]
+        self.setup["flashinfer-trtllm"]["jit_build_s"] = self.fi_build["seconds"]
+        return None
+
+    def flashinfer_workspace(self, dtype, dname, hidden, tokens_list) -> str | None:
+        """(Re)creates FlashInfer's workspace for this dtype and hidden size (a collective);
+        returns why it is unavailable, or None."""
+        if "flashinfer-trtllm" not in self.names:
+            return self.skipped.get("flashinfer-trtllm", "not created")
+        key = (dname, hidden)
+        if self.fi_ws_key == key:
+            return None if self.fi_max_tokens else "workspace unavailable"
+        from vllm.distributed.device_communicators.flashinfer_all_reduce import (
+            destroy_fi_ar_workspace,
+            get_fi_ar_workspace,
+        )
+        from vllm.distributed.parallel_state import get_tp_group
+
+        destroy_fi_ar_workspace()
+        max_tokens = flashinfer_max_tokens(hidden, dname, tokens_list, self.fi_min_tokens)
+        ws, err = None, None
+        try:
+            ws = get_fi_ar_workspace(world_size=2, rank=self.rank, max_token_num=max_tokens, hidden_dim=hidden,
+                                     dtype=dtype, group=get_tp_group().device_group)
+            if ws is not None and ws.backend != "trtllm":
+                err = f"workspace backend is {ws.backend}, not trtllm: refused"
+                destroy_fi_ar_workspace()
+                ws = None
+        except Exception as e:
+            err = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        ok = self._agree(ws is not None)
+        self.fi_ws_key = key
+        self.fi_max_tokens = max_tokens if ok else 0
+        if not ok:
+            return err or "get_fi_ar_workspace returned None (see vLLM's warning above)"
+        self.fi_params = self.arf.FlashInferFusedAllReduceParams(world_size=2, max_token_num=max_tokens)
+        return None
+
+    def _make_flashinfer_trtllm(self, x, res, w, eps):
+        import torch
+
+        if not self.fi_max_tokens:
+            return None, "no FlashInfer workspace"
+        if x.shape[0] > self.fi_max_tokens:
+            return None, f"above the FlashInfer workspace's max_token_num {self.fi_max_tokens} (64 MiB, as vLLM caps it)"
+        kwargs = self.fi_params.get_trtllm_fused_allreduce_kwargs()
+        pattern = self.arf.flashinfer_comm.AllReduceFusionPattern.kARResidualRMSNorm
+
+        def op(_=None):
+            # As AllReduceFusedAddRMSNormPattern's replacement: norm_out=None, so the norm is
+            # written into allreduce_in and residual_out into residual (both in place).
+            torch.ops.vllm.flashinfer_trtllm_fused_allreduce_norm(
+                allreduce_in=x, residual=res, norm_out=None, quant_out=None, scale_out=None,
+                rms_gamma=w, rms_eps=eps, pattern_code=pattern, **kwargs)
+
+        return (op, lambda: (x, res)), None
+
+    # unfused: vLLM's all-reduce + vLLM's fused_add_rms_norm kernel
+    def _init_unfused(self):
+        import importlib
+
+        import torch
+        from vllm.distributed.parallel_state import get_tp_group
+
+        importlib.import_module("vllm._custom_ops")  # loads vllm._C: registers torch.ops._C
+
+        self.dc = get_tp_group().device_communicator
+        if self.dc is None:
+            raise RuntimeError("the TP group has no device communicator")
+        if getattr(self.dc, "yali_comm", None) is not None:
+            raise RuntimeError("vLLM's all-reduce is patched to YALI here (YALI_ENABLE must be 0)")
+        if not hasattr(torch.ops._C, "fused_add_rms_norm"):
+            raise RuntimeError("torch.ops._C.fused_add_rms_norm is missing")
+        ca = getattr(self.dc, "ca_comm", None)
+        self.capture_ctx["unfused"] = ca.capture if ca is not None and not ca.disabled else None
+
+    def _make_unfused(self, x, res, w, eps):
+        import torch
+
+        dc, held = self.dc, {}
+
+        def op(_=None):
+            out = dc.all_reduce(x)
+            torch.ops._C.fused_add_rms_norm(out, res, w, eps)  # out <- norm, res <- out + res
+            held["out"] = out
+
+        return (op, lambda: (held["out"], res)), None
+
+    def make(self, name, x, res, w, eps):
+        return getattr(self, "_make_" + name.replace("-", "_"))(x, res, w, eps)
+
+    def close(self):
+        if hasattr(self, "yali"):
+            self.yali.close()
+        if hasattr(self, "arf"):
+            with contextlib.suppress(Exception):
+                from vllm.distributed.device_communicators.flashinfer_all_reduce import destroy_fi_ar_workspace
+
+                destroy_fi_ar_workspace()
+
+
+def _init_dist(rank, port):
+    """vLLM's distributed state (world 2, TP 2) when vLLM is importable, else a plain NCCL world;
+    returns (gloo group, vllm_ok or the reason it is not, context to keep open)."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.distributed.parallel_state import (
+            get_tp_group,
+            init_distributed_environment,
+            initialize_model_parallel,
+        )
+    except Exception as e:
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                device_id=torch.device("cuda", rank))
+        return dist.new_group(backend="gloo"), f"vLLM not importable: {type(e).__name__}: {e}"[:300], None
+    stack = contextlib.ExitStack()
+    try:
+        stack.enter_context(set_current_vllm_config(VllmConfig()))
+    except Exception as e:  # vLLM's parallel state mostly works without a current config
+        print(f"[fused-bench] rank {rank}: no VllmConfig ({type(e).__name__}: {e})", flush=True)
+    init_distributed_environment(world_size=2, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                 local_rank=rank, backend="nccl")
+    initialize_model_parallel(tensor_model_parallel_size=2)
+    return get_tp_group().cpu_group, True, stack
+
+
+class _BudgetSpent(Exception):
+    pass
+
+
+def _partial_path(args) -> str:
+    return os.path.join(args.out, f".{args.name}.partial.json")
+
+
+def _checkpoint(args, state: dict) -> None:
+    with contextlib.suppress(OSError):
+        write_results(_partial_path(args), state)
+
+
+def _fmt_err(v) -> str:
+    return "non-finite" if v is None else f"{v:.3g}"
+
+
+def _rand(shape, seed, scale, dtype, dev, offset=0.0):
+    import torch
+
+    g = torch.Generator(device=dev).manual_seed(seed)
+    return torch.randn(shape, generator=g, device=dev, dtype=torch.float32).mul_(scale).add_(offset).to(dtype)
+
+
+def worker(rank, port, args, q):
+    os.environ.update(MULTICAST_OFF_ENV)
+    os.environ["YALI_ENABLE"] = "0"  # the unfused baseline is vLLM's own all-reduce, never YALI
+    import torch
+    import torch.distributed as dist
+
+    t_start = time.time()
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    gloo, vllm_ok, stack = _init_dist(rank, port)
+
+    def agree(flag: bool) -> bool:
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=gloo)
+        return bool(t.item())
+
+    be = Backends(rank, dev, gloo, args.backends, vllm_ok, agree, args.fi_max_tokens)
+    rows, skipped, budget_exhausted = [], [], False
+    setup = {"backends": be.setup, "vllm": vllm_ok if vllm_ok is not True else "ok",
+             "setup_s": round(time.time() - t_start, 1)}
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    plan_total = len(args.dtypes) * len(args.hidden) * len(args.tokens) * len(be.names)
+    if rank == 0:
+        print(f"[fused-bench] set-up {setup['setup_s']:.0f}s; backends {be.names}; {plan_total} measurements",
+              flush=True)
+    counter = {"done": 0}
+
+    def measure(name, dname, dtype, hidden, tokens, weight, w_time):
+        """One backend at one size: check against the reference, then time it in a CUDA graph.
+        Every step that decides between ranks is agreed on, so both ranks stay in step."""
+        counter["done"] += 1
+        done = counter["done"]
+        if not agree(time.time() - t_start < args.budget_s):
+            raise _BudgetSpent
+        base = {"backend": name, "dtype": dname, "hidden": hidden, "tokens": tokens}
+        if rank == 0:  # what is measured so far survives a hang or a kill of the pair
+            _checkpoint(args, {"rows": rows, "skipped": skipped, "skipped_backends": be.skipped, "setup": setup,
+                               "yali_config": getattr(be, "yali_config", None)})
+        shape = (tokens, hidden)
+        seed = 1000 * tokens + hidden
+        x0, x1 = _rand(shape, seed, 2.0, dtype, dev), _rand(shape, seed + 1, 2.0, dtype, dev)
+        res = _rand(shape, seed + 2, 4.0, dtype, dev)
+        mine = x0 if rank == 0 else x1
+        ref_norm, ref_res = reference(x0, x1, res, weight, args.eps)
+        # timing inputs: small x, so the residual (updated in place by every op) stays bounded
+        x_time = _rand(shape, seed + 3 + rank, 1e-3, dtype, dev)
+        r_time = _rand(shape, seed + 5, 1.0, dtype, dev)
+        row, err = None, None
+        try:
+            made, why = be.make(name, mine.clone(), res.clone(), weight, args.eps)
+            if made is None:  # decided from shapes alone: the same on both ranks
+                skipped.append({**base, "reason": why})
+                if rank == 0:
+                    print(f"[fused-bench {done}/{plan_total}] {name} {dname} h{hidden} t{tokens}: skipped: {why}",
+                          flush=True)
+                return
+            op, outputs = made
+            op()
+            torch.cuda.synchronize()
+            chk = check_result(*outputs(), ref_norm, ref_res, dname)
+            del made, op, outputs
+            made, _ = be.make(name, x_time.clone(), r_time.clone(), w_time, args.eps)
+            op, _ = made
+            per_op = time_graph(torch, op, None, args.graph_ops, args.replays, be.capture_ctx.get(name))
+            row = {**base, "bytes": tokens * hidden * ELEMENT_SIZE[dname], "timing": "graph",
+                   "us_p50": round(statistics.median(per_op), 3), "us_p99": round(pct(per_op, 99), 3),
+                   "samples": len(per_op), **chk}
+            if name == "unfused":
+                row["ar_path"] = unfused_path(be.dc, mine)
+            del made, op
+        except Exception as e:
+            err = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            if os.environ.get("YALI_BENCH_DEBUG"):
+                traceback.print_exc()
+        both_ok = agree(row is not None)
+        both_correct = agree(row is not None and row["correct"])
+        if not both_ok:
+            skipped.append({**base, "reason": f"failed: {err or 'on the other rank'}"})
+            if rank == 0:
+                print(f"[fused-bench {done}/{plan_total}] {name} {dname} h{hidden} t{tokens}: "
+                      f"FAILED {err or 'on the other rank'}", flush=True)
+            return
+        row["correct"] = both_correct  # correct on both ranks
+        rows.append(row)
+        if rank == 0:
+            print(f"[fused-bench {done}/{plan_total} {time.time() - t_start:5.0f}s] {name:17s} {dname} h{hidden:<6d} "
+                  f"t{tokens:<5d} p50 {row['us_p50']:8.2f} us  p99 {row['us_p99']:8.2f} us  "
+                  f"err {_fmt_err(row['max_abs_err_norm'])}{'' if row['correct'] else '  WRONG RESULT'}"
+                  f"{'  [' + row['ar_path'] + ']' if 'ar_path' in row else ''}", flush=True)
+
+    try:
+        for dname in args.dtypes:
+            dtype = dtypes[dname]
+            for hidden in args.hidden:
+                weight = _rand((hidden,), 7, 0.5, dtype, dev, offset=1.0)
+                w_time = _rand((hidden,), 8, 0.01, dtype, dev)  # small: repeated in-place ops stay bounded
+                # YALI and the unfused sequence first, FlashInfer after them: its JIT build (on a
+                # fresh host) runs in the background meanwhile.
+                for phase in (["yali-fused", "unfused"], ["flashinfer-trtllm"]):
+                    names = [n for n in phase if n in be.names]
+                    if not names:
+                        continue
+                    if phase == ["flashinfer-trtllm"]:
+                        t0 = time.time()
+                        reason = be.flashinfer_ready(args.budget_s - (time.time() - t_start)) or \
+                            be.flashinfer_workspace(dtype, dname, hidden, args.tokens)
+                        if rank == 0:
+                            print(f"[fused-bench] FlashInfer {dname} hidden {hidden}: {reason or 'ready'} "
+                                  f"({time.time() - t0:.1f}s)", flush=True)
+                        if reason:
+                            skipped.extend({"backend": "flashinfer-trtllm", "dtype": dname, "hidden": hidden,
+                                            "tokens": t, "reason": reason} for t in args.tokens)
+                            continue
+                    for tokens in args.tokens:
+                        for name in names:
+                            measure(name, dname, dtype, hidden, tokens, weight, w_time)
+                        torch.cuda.empty_cache()
+    except _BudgetSpent:
+        if rank == 0:
+            print(f"[fused-bench] budget of {args.budget_s:.0f}s spent: stopping after {len(rows)} measurements",
+                  flush=True)
+    q.put((rank, {"rows": rows, "skipped": skipped, "skipped_backends": be.skipped, "setup": setup,
+                  "budget_exhausted": budget_exhausted,
+                  "yali_config": getattr(be, "yali_config", None)}))
+    be.close()
+    dist.barrier(group=gloo)
+    with contextlib.suppress(Exception):
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    if stack is not None:
+        stack.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.report_only:
+        md, png = report_only(args.report_only)
+        print(f"wrote {md}" + (f" and {png}" if png else ""))
+        return 0
+    print(f"[fused-bench] hidden {args.hidden}, tokens {args.tokens}, dtypes {args.dtypes}, backends {args.backends}, "
+          f"budget {args.budget_s:.0f}s", flush=True)
+    partial = _partial_path(args)
+    try:
+        res = run_two_ranks(worker, args, args.timeout, "fused benchmark")
+        rc = 0
+    except SystemExit as e:  # the pair failed or hung: keep what rank 0 measured before
+        if not os.path.exists(partial):
+            raise
+        with open(partial) as f:
+            res = json.load(f)
+        res["incomplete"] = f"{e}; the measurements before it are kept"
+        print(f"[fused-bench] {res['incomplete']}", flush=True)
+        rc = 1
+    write_outputs(args, res)
+    with contextlib.suppress(OSError):
+        os.remove(partial)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Fused all-reduce + residual add + RMSNorm on 2 GPUs (skipped without them).
+
+All scenarios run in one process pair on one YaliCommunicator (scenarios.fused_suite), so the
+start-up cost is paid once; each test below asserts on its own part of that run. Budget: about
+a minute and a half of GPU time for the whole file (the pair is killed after 150 s).
+"""
+import pytest
+
+from . import scenarios
+from .pair import run_pair
+
+pytestmark = pytest.mark.gpu
+
+HIDDEN = (2048, 4096, 5120, 8192, 16384)
+# 513 x 8192 x bf16 = 8.02 MiB crosses the one-launch limit (YALI_DEV_FLASH_BYTES, 8 MiB).
+TOKENS = (1, 2, 7, 32, 64, 256, 513, 1024)
+FP32_HIDDEN = (2048, 5120, 16384)
+FP32_TOKENS = (1, 7, 64, 513)
+EPS = (1e-5, 1e-6)
+INTERLEAVED_CALLS = 320
+GRAPH_REPLAYS = 1000
+
+
+def fused_plan():
+    """Every dtype x hidden x tokens x with/without residual; eps alternates between 1e-5 and
+    1e-6 and the residual is updated in place in every other pair of checks. (Its coverage is
+    checked on CPU: tests/test_fused_bench.py::test_gpu_fused_plan_covers_the_spec.)"""
+    plan = []
+    for dname, hiddens, tokens in (("bf16", HIDDEN, TOKENS), ("fp16", HIDDEN, TOKENS),
+                                   ("fp32", FP32_HIDDEN, FP32_TOKENS)):
+        for hidden in hiddens:
+            for t in tokens:
+                j = len(plan) // 2
+                for with_res in (True, False):
+                    plan.append({"dtype": dname, "tokens": t, "hidden": hidden, "residual": with_res,
+                                 "eps": EPS[(j + with_res) % 2], "inplace": with_res and (j // 2) % 2 == 0})
+    return plan
+
+
+@pytest.fixture(scope="module")
+def suite():
+    # A kernel that waits for a peer that never comes gives up after 60 s (and says why) instead
+    # of holding the pair until its 150 s limit.
+    return run_pair(scenarios.fused_suite, fused_plan(), INTERLEAVED_CALLS, GRAPH_REPLAYS, 2024, timeout=150,
+                    env={"YALI_TIMEOUT_S": "60"})
+
+
+def _part(suite, name):
+    parts = [r[name] for r in suite]
+    for rank, p in enumerate(parts):
+        assert "error" not in p, f"rank {rank} {name}:\n{p['error']}"
+    return parts
+
+
+@pytest.mark.timeout(170)
+def test_fused_sweep_matches_vllm_reference(suite):
+    parts = _part(suite, "sweep")
+    plan = fused_plan()
+    for rank, r in enumerate(parts):
+        assert not r["failures"], f"rank {rank}: {len(r['failures'])} failed checks:\n" + "\n".join(r["failures"][:20])
+        assert r["launched"] == len(plan) == len(r["stats"])
+        # the device counter proves every check ran a fused operation
+        assert r["device_fused_calls"] == r["launched"]
+        one = [s for s in r["stats"] if s["one_launch"]]
+        assert one and len(one) < len(r["stats"]), "the sweep must cover both sides of the one-launch limit"
+    assert parts[0]["digests"] == parts[1]["digests"], "the ranks' outputs differ"
+    # What the tolerance allowed (shown with -rA / on failure): worst norm_out distance.
+    stats = parts[0]["stats"]
+    worst = max(stats, key=lambda s: s["norm_max_ulp"] if "fp32" not in s["tag"] else 0)
+    print(f"\nfused sweep: {len(stats)} checks in {parts[0]['elapsed_s']:.1f}s; worst fp16/bf16 norm_out "
+          f"{worst['norm_max_ulp']} ulp ({worst['tag']}); min bitwise-equal share "
+          f"{min(s['norm_equal_frac'] for s in stats):.4f}; max abs err {max(s['norm_max_abs'] for s in stats):.3g}")
+
+
+@pytest.mark.timeout(170)
+def test_fused_interleaved_with_plain_all_reduce(suite):
+    parts = _part(suite, "interleaved")
+    for rank, r in enumerate(parts):
+        assert not r["failures"], f"rank {rank}:\n" + "\n".join(r["failures"][:20])
+        assert r["checked"] == INTERLEAVED_CALLS
+        assert r["fused_launched"] > INTERLEAVED_CALLS // 4
+        assert r["device_fused_calls"] == r["fused_launched"]
+        assert r["elapsed_s"] < 120
+    assert parts[0]["digests"] == parts[1]["digests"], "the ranks' outputs differ"
+
+
+@pytest.mark.timeout(170)
+def test_fused_cuda_graph_1000_replays(suite):
+    parts = _part(suite, "graph")
+    for rank, r in enumerate(parts):
+        n = len(r["specs"])
+        assert r["bad_residual"] == [0] * n, f"rank {rank} residual_out mismatches per op {r['specs']}: {r}"
+        assert r["bad_norm"] == [0] * n, f"rank {rank} norm_out out of tolerance per op: {r}"
+        assert r["nondeterministic"] == [0] * n, f"rank {rank} norm_out bits changed between replays: {r}"
+        assert r["bad_all_reduce"] == 0
+        assert r["device_fused_calls"] == r["expected_fused_calls"] == GRAPH_REPLAYS * n
+    assert parts[0]["digests"] == parts[1]["digests"], "the ranks' outputs differ"
+
+
+@pytest.mark.timeout(170)
+def test_fused_torch_compile_fullgraph(suite):
+    for rank, r in enumerate(_part(suite, "compiled")):
+        assert not r["failures"], f"rank {rank}: {r['failures']}"
+
+
+@pytest.mark.timeout(170)
+def test_fused_suite_time_bound(suite):
+    for r in suite:
+        total = sum(r[k]["wall_s"] for k in ("sweep", "interleaved", "graph", "compiled"))
+        assert total < 120, {k: r[k]["wall_s"] for k in ("sweep", "interleaved", "graph", "compiled")}
