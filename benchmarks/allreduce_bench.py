@@ -87,12 +87,13 @@ class Backends:
         import contextlib
 
         if name == "yali-prev":
-            # YALI's first kernels (flash-ll, one-shot, stream with ready flags) on a
-            # communicator of their own, so the same run shows what flash-push and the
-            # sentinel-in-data stream changed.
+            # YALI's first small/mid-size kernels (flash-ll, then one-shot) on a
+            # communicator of their own, so the same run shows what flash-push changed.
+            # (The run of 2026-11-22 also set YALI_DEV_STREAM_FLAGS=1, a switch of a
+            # sentinel-in-data stream variant that measured slower and was removed.)
             from yali_vllm.communicator import YaliCommunicator
 
-            prev = {"YALI_DEV_PUSH_MAX": "0", "YALI_DEV_STREAM_FLAGS": "1"}
+            prev = {"YALI_DEV_PUSH_MAX": "0"}
             saved = {k: os.environ.get(k) for k in prev}
             os.environ.update(prev)
             try:

@@ -103,7 +103,6 @@ def test_stream_chunks_fit_slots(monkeypatch):
     ("YALI_DEV_SLOT_BYTES", "5000", "multiple of 4096"),
     ("YALI_DEV_FLASH_CTAS", "x", "integer"),
     ("YALI_DEV_LL_MAX", "64M", "byte count"),
-    ("YALI_DEV_STREAM_FLAGS", "2", "integer in [0, 1]"),
     ("YALI_DEV_PUSH_CTA_BYTES", "100", "byte count"),
     ("YALI_TIMEOUT_S", "-1", "seconds"),
 ])

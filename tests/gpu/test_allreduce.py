@@ -98,15 +98,13 @@ def test_bad_or_different_settings_fail_both_ranks():
 
 
 # Kernel paths the default table does not pick, or only lightly: the first
-# kernels (flash-ll, one-shot, stream with ready flags), two-shot, a tiny stream ring
+# small/mid-size kernels (flash-ll, one-shot), two-shot, a tiny stream ring
 # (thousands of chunks per lane cycling 2 slots, so every slot reuse waits on a
 # credit), and push/one-shot/stream on odd CTA/lane counts.
 NONDEFAULT = {
-    "first-kernels": {"YALI_DEV_PUSH_MAX": "0", "YALI_DEV_STREAM_FLAGS": "1"},
+    "first-kernels": {"YALI_DEV_PUSH_MAX": "0"},
     "twoshot": {"YALI_DEV_PUSH_MAX": "0", "YALI_DEV_ONESHOT_MAX": "0", "YALI_DEV_LL_MAX": "0"},
     "tiny-ring": {"YALI_DEV_LANES": "3", "YALI_DEV_SLOTS": "2", "YALI_DEV_SLOT_BYTES": "4K"},
-    "tiny-ring-flags": {"YALI_DEV_LANES": "3", "YALI_DEV_SLOTS": "2", "YALI_DEV_SLOT_BYTES": "4K",
-                        "YALI_DEV_STREAM_FLAGS": "1"},
     "odd-grids": {"YALI_DEV_PUSH_MAX": "0", "YALI_DEV_LL_MAX": "0", "YALI_DEV_FLASH_CTAS": "7",
                   "YALI_DEV_FLASH_CTA_BYTES": "4K", "YALI_DEV_LANES": "5", "YALI_DEV_SLOT_BYTES": "8K"},
     "push-odd-grids": {"YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_PUSH_CTA_BYTES": "272"},

@@ -35,8 +35,7 @@ __global__ void fill_words(uint32_t* p, size_t n, uint32_t v) {
 }
 
 template <typename T>
-cudaError_t launch_typed(const Plan& p, const FlashArgs& f, const StreamArgs& s, bool stream_flags,
-                         cudaStream_t stream) {
+cudaError_t launch_typed(const Plan& p, const FlashArgs& f, const StreamArgs& s, cudaStream_t stream) {
   switch (p.kernel) {
     case Kernel::FlashLL:
       flash_ll_kernel<T><<<p.blocks, kFlashThreads, 0, stream>>>(f);
@@ -51,8 +50,7 @@ cudaError_t launch_typed(const Plan& p, const FlashArgs& f, const StreamArgs& s,
       flash_twoshot_kernel<T><<<p.blocks, kFlashThreads, 0, stream>>>(f);
       break;
     case Kernel::Stream:
-      if (stream_flags) stream_kernel<T, false><<<p.blocks, kStreamThreads, 0, stream>>>(s);
-      else stream_kernel<T, true><<<p.blocks, kStreamThreads, 0, stream>>>(s);
+      stream_kernel<T><<<p.blocks, kStreamThreads, 0, stream>>>(s);
       break;
     default: return cudaErrorInvalidValue;
   }
@@ -71,12 +69,10 @@ Rank::Rank(int device, int rank, const Config& config)
   if (major < 7) throw std::runtime_error("yali: needs compute capability 7.0+ (system-scope acquire/release)");
   check(cudaMalloc(&shared_, layout_.total), "cudaMalloc(shared buffer)");
   check(cudaMemset(shared_, 0, layout_.flags_end), "cudaMemset(flags)");
-  // Sentinel-in-data areas start empty (push.cuh).
+  // The flash-push area starts empty (push.cuh).
   fill_words<<<256, 256>>>(reinterpret_cast<uint32_t*>(shared_ + layout_.flash_push), 2 * config_.flash_bytes / 4,
                            kPushEmpty);
-  fill_words<<<1024, 256>>>(reinterpret_cast<uint32_t*>(shared_ + layout_.stream_slots),
-                            size_t(config_.lanes) * config_.slots * config_.slot_bytes / 4, kPushEmpty);
-  check(cudaGetLastError(), "fill(push area, stream slots)");
+  check(cudaGetLastError(), "fill(push area)");
   check(cudaMalloc(&state_, sizeof(LocalState)), "cudaMalloc(local state)");
   check(cudaMemset(state_, 0, sizeof(LocalState)), "cudaMemset(local state)");
   check(cudaHostAlloc(&abort_host_, sizeof(AbortInfo), cudaHostAllocMapped | cudaHostAllocPortable),
@@ -163,9 +159,9 @@ cudaError_t Rank::all_reduce(const void* in, void* out, size_t nbytes, DType dty
     f = flash_args(in, out, nbytes);
   }
   switch (dtype) {
-    case DType::F32: return launch_typed<float>(p, f, s, config_.stream_flags != 0, stream);
-    case DType::F16: return launch_typed<__half>(p, f, s, config_.stream_flags != 0, stream);
-    case DType::BF16: return launch_typed<__nv_bfloat16>(p, f, s, config_.stream_flags != 0, stream);
+    case DType::F32: return launch_typed<float>(p, f, s, stream);
+    case DType::F16: return launch_typed<__half>(p, f, s, stream);
+    case DType::BF16: return launch_typed<__nv_bfloat16>(p, f, s, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -7,17 +7,13 @@
 //
 // Flow control, per lane and slot, with 64-bit sequence numbers that only grow
 // (so nothing is ever reset and consecutive calls cannot race):
-//   arrival: by default (kSentinel) the receiver sees the chunk arrive in the data
-//     words themselves, as flash-push does (push.cuh): the slots start empty
-//     (kPushEmpty) and the receiver empties every word it consumed before it
-//     returns the credit. With YALI_DEV_STREAM_FLAGS=1 a flag says it instead:
 //   ready[lane][s]  (in the receiver's memory) = g : "chunk with sequence g is in slot s"
 //   credit[lane][s] (in the sender's memory)   = g : "I am done with your chunk g in slot s"
 // A sender may fill slot s with sequence g only once credit >= g - slots.
 // LocalState::lane_seq holds each lane's sequence across calls; both ranks
 // launch identical plans, so their counters stay equal.
 #pragma once
-#include "push.cuh"
+#include "kernel_common.cuh"
 
 namespace yali {
 
@@ -44,7 +40,7 @@ struct StreamArgs {
 // warps) each move whole chunks together and meet at named barriers. (A
 // variant with one independent pipeline per warp measured slower at every size:
 // benchmarks/results/tune-*.md.)
-template <typename T, bool kSentinel>
+template <typename T>
 __global__ void __launch_bounds__(kStreamThreads, 1) stream_kernel(StreamArgs a) {
   constexpr int kGroup = kStreamThreads / 2;
   __shared__ uint64_t s_base;
@@ -78,79 +74,31 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_kernel(StreamArgs a)
         wait_flag(a.my_credit + flag, g - a.slots, a.timeout_ns, a.abort, Kernel::Stream, 3);
       group_barrier(1, kGroup);
       Vec16* dst = reinterpret_cast<Vec16*>(a.peer_slots + slot_off);
-      if constexpr (kSentinel) {
-        // Data only: the receiver sees arrival in the words themselves (push.cuh),
-        // so no release fence waits for these stores to land before the next chunk.
-        constexpr int kU = 8;
-        const size_t nvec = (len + 15) / 16;
-        for (size_t i = t; i < nvec; i += size_t(kU) * kGroup) {
-          Vec16 v[kU];
-#pragma unroll
-          for (int u = 0; u < kU; ++u) {
-            const size_t j = i + size_t(u) * kGroup;
-            if (j < nvec) v[u] = load_input_vector<T>(in, j, len);
-          }
-#pragma unroll
-          for (int u = 0; u < kU; ++u) {
-            const size_t j = i + size_t(u) * kGroup;
-            if (j < nvec) store_push(dst + j, canonical<T>(v[u]));
-          }
-        }
-        group_barrier(1, kGroup);
-        if (t == 0) s_sent = k + 1;
-      } else {
-        copy_vectors<8>(dst, in, vecs, t, kGroup);
-        if (t < tail.count)
-          reinterpret_cast<T*>(dst)[tail.first + t] = reinterpret_cast<const T*>(in)[tail.first + t];
-        group_barrier(1, kGroup);
-        if (t == 0) {
-          store_release_sys(a.peer_ready + flag, g);
-          s_sent = k + 1;
-        }
+      copy_vectors<8>(dst, in, vecs, t, kGroup);
+      if (t < tail.count)
+        reinterpret_cast<T*>(dst)[tail.first + t] = reinterpret_cast<const T*>(in)[tail.first + t];
+      group_barrier(1, kGroup);
+      if (t == 0) {
+        store_release_sys(a.peer_ready + flag, g);
+        s_sent = k + 1;
       }
     } else {
       if (t == 0) {
-        if (!kSentinel) wait_flag(a.my_ready + flag, g, a.timeout_ns, a.abort, Kernel::Stream, 4);
+        wait_flag(a.my_ready + flag, g, a.timeout_ns, a.abort, Kernel::Stream, 4);
         while (s_sent < k + 1) {  // in-place: my senders must have read this chunk first
         }
       }
       group_barrier(2, kGroup);
-      Vec16* theirs = reinterpret_cast<Vec16*>(a.my_slots + slot_off);
+      const Vec16* theirs = reinterpret_cast<const Vec16*>(a.my_slots + slot_off);
       Vec16* out = reinterpret_cast<Vec16*>(static_cast<char*>(a.out) + begin);
-      if constexpr (kSentinel) {
-        constexpr int kU = 4;  // 8 spills registers (two vectors per slot)
-        const size_t nvec = (len + 15) / 16;
-        for (size_t i = t; i < nvec; i += size_t(kU) * kGroup) {
-          Vec16 mine[kU], peer[kU];
-#pragma unroll
-          for (int u = 0; u < kU; ++u) {
-            const size_t j = i + size_t(u) * kGroup;
-            if (j < nvec) {
-              peer[u] = load_push(theirs + j);
-              mine[u] = load_input_vector<T>(in, j, len);
-            }
-          }
-#pragma unroll
-          for (int u = 0; u < kU; ++u) {
-            const size_t j = i + size_t(u) * kGroup;
-            if (j < nvec) {
-              wait_push(theirs + j, peer[u], a.timeout_ns, a.abort, Kernel::Stream);
-              store_output_vector<T>(out, j, len, add_vec<T>(canonical<T>(mine[u]), peer[u]));
-              clear_push(theirs + j);
-            }
-          }
-        }
-      } else {
-        reduce_vectors<T, 8>(out, nullptr, in, theirs, vecs, t, kGroup);
-        if (t < tail.count) {
-          const size_t i = tail.first + t;
-          reinterpret_cast<T*>(out)[i] = Elem<T>::add(reinterpret_cast<const T*>(in)[i],
-                                                      reinterpret_cast<const volatile T*>(theirs)[i]);
-        }
+      reduce_vectors<T, 8>(out, nullptr, in, theirs, vecs, t, kGroup);
+      if (t < tail.count) {
+        const size_t i = tail.first + t;
+        reinterpret_cast<T*>(out)[i] = Elem<T>::add(reinterpret_cast<const T*>(in)[i],
+                                                    reinterpret_cast<const volatile T*>(theirs)[i]);
       }
       group_barrier(2, kGroup);
-      // Orders my reads of the slot (and, with sentinels, its clearing) before the credit.
-      if (t == 0) store_release_sys(a.peer_credit + flag, g);
+      if (t == 0) store_release_sys(a.peer_credit + flag, g);  // orders my reads of the slot before it
     }
   }
   __syncthreads();
