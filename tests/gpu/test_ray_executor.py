@@ -75,17 +75,24 @@ import json, sys
 from vllm import LLM, SamplingParams
 from yali_vllm.vllm_plugin import yali_tp_stats
 
-backend, model, prompts, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
-llm = LLM(model=model, tokenizer_mode="mistral", load_format="dummy",
-          tensor_parallel_size=2, distributed_executor_backend=backend, seed=0,
-          max_model_len=1024, gpu_memory_utilization=0.5,
-          max_num_seqs=8)  # few CUDA-graph sizes: a shorter start-up
-outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
-stats = llm.collective_rpc(yali_tp_stats)
-with open(out, "w") as f:
-    json.dump({"token_ids": [list(o.outputs[0].token_ids) for o in outputs],
-               "stats": stats}, f)
-print("CHILD DONE", flush=True)
+
+def main():  # guarded: vLLM's engine processes re-import this file under spawn
+
+    backend, model, prompts, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+    llm = LLM(model=model, tokenizer_mode="mistral", load_format="dummy",
+              tensor_parallel_size=2, distributed_executor_backend=backend, seed=0,
+              max_model_len=1024, gpu_memory_utilization=0.5,
+              max_num_seqs=8)  # few CUDA-graph sizes: a shorter start-up
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+    stats = llm.collective_rpc(yali_tp_stats)
+    with open(out, "w") as f:
+        json.dump({"token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+                   "stats": stats}, f)
+    print("CHILD DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main()
 """
 
 
