@@ -568,7 +568,7 @@ def _wrap_all_reduce(orig_all_reduce: Any) -> Any:
         if yc is None:
             return orig_all_reduce(self, input_)
         # YALI first for every size it serves: it measured faster than vLLM's custom
-        # all-reduce and NCCL at every size and dtype (benchmarks/results/allreduce-20261122.md).
+        # all-reduce and NCCL at every size and dtype (benchmarks/results/allreduce-20261122-r2.md).
         if yc.should_use(input_):
             if logger.isEnabledFor(logging.INFO):
                 _log_first_dispatch(self, input_, _yali_kernel(input_.numel() * input_.element_size()))
