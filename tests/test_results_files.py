@@ -16,7 +16,8 @@ ROW_KEYS = {
                   "itl_ms_p50", "itl_ms_p99"],
     "fused-allreduce-rmsnorm": ["backend", "dtype", "hidden", "tokens", "us_p50"],
     "gpu-test-run": ["test", "outcome", "duration_s"],
-    "allreduce-tuning": ["variant", "bytes"],  # the project's own kind (benchmarks/tune.py)
+    "allreduce-tuning": ["variant", "bytes"],  # the project's own kinds: benchmarks/tune.py,
+    "decode-profile": ["config", "rank", "kernel_class", "count", "mean_us"],  # benchmarks/decode_profile.py
 }
 FILES = sorted(f for f in glob.glob(os.path.join(RESULTS, "**", "*.json"), recursive=True)
                if os.sep + "raw" + os.sep not in f)  # raw/: vllm bench serve's own output

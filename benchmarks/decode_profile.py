@@ -1,0 +1,200 @@
+#!/usr/bin/env python3
+"""Where a decode step's time goes, per configuration: vLLM's torch profiler
+around one streamed request on the embedded dummy model, then the GPU kernels
+of the trace grouped by class (YALI, FlashInfer all-reduce fusion, vLLM custom
+all-reduce, NCCL, GEMM, attention, other) with their time and the idle gap
+before and after each kernel on its stream.
+
+Why: the 70B serving run (benchmarks/results/serving-70b-20261122) shows the
+yali server about 1 ms per token slower than vllm-default although the fused
+microbenchmark puts the two fused kernels within 0.1 us of each other; the gaps
+around the fused kernels inside the model are what this measures.
+
+  python benchmarks/decode_profile.py --model-size 70b --out /tmp/prof   # on the GPU host
+  python benchmarks/decode_profile.py --report-only DIR/traces --out DIR  # analyse traces again
+
+Writes decode-profile.json (kind decode-profile: one row per config x rank x
+kernel class) and decode-profile.md under --out; the traces stay in --out/traces.
+Every server start and request is bounded (serving_bench's helpers).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serving_bench as sb  # noqa: E402
+from _results import results_header, write_results  # noqa: E402
+
+KIND = "decode-profile"
+# First match wins; names are CUDA kernel names as the profiler records them.
+KERNEL_CLASSES = [
+    ("yali", re.compile(r"yali", re.I)),
+    ("flashinfer-allreduce", re.compile(r"allreduce_fusion|allreduce.*lamport|lamport|trtllm.*allreduce", re.I)),
+    ("vllm-custom-allreduce", re.compile(r"cross_device_reduce", re.I)),
+    ("nccl", re.compile(r"nccl", re.I)),
+    ("attention", re.compile(r"flash_fwd|fmha|attn|attention", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|sm90_xmma|cutlass|cublas", re.I)),
+]
+
+
+def kernel_class(name: str) -> str:
+    for cls, rx in KERNEL_CLASSES:
+        if rx.search(name):
+            return cls
+    return "other"
+
+
+def load_trace(path: str) -> dict:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def analyze(trace: dict) -> dict:
+    """Per kernel class: count, total and mean duration, and the mean idle gap on
+    the same stream before and after (µs). Plus the span of all kernels."""
+    kernels = [e for e in trace.get("traceEvents", [])
+               if e.get("ph") == "X" and e.get("cat") == "kernel" and "dur" in e]
+    by_stream = defaultdict(list)
+    for e in kernels:
+        by_stream[(e.get("pid"), e.get("tid"))].append(e)
+    stats: dict = defaultdict(lambda: {"count": 0, "total_us": 0.0, "gap_before": [], "gap_after": []})
+    for evs in by_stream.values():
+        evs.sort(key=lambda e: e["ts"])
+        for i, e in enumerate(evs):
+            s = stats[kernel_class(e["name"])]
+            s["count"] += 1
+            s["total_us"] += float(e["dur"])
+            if i > 0:
+                s["gap_before"].append(float(e["ts"]) - (float(evs[i - 1]["ts"]) + float(evs[i - 1]["dur"])))
+            if i + 1 < len(evs):
+                s["gap_after"].append(float(evs[i + 1]["ts"]) - (float(e["ts"]) + float(e["dur"])))
+    out = {}
+    for cls, s in stats.items():
+        mean = lambda xs: round(sum(xs) / len(xs), 3) if xs else None  # noqa: E731
+        out[cls] = {"count": s["count"], "total_us": round(s["total_us"], 1),
+                    "mean_us": round(s["total_us"] / s["count"], 3), "gap_before_us": mean(s["gap_before"]),
+                    "gap_after_us": mean(s["gap_after"])}
+    span = 0.0
+    if kernels:
+        span = max(float(e["ts"]) + float(e["dur"]) for e in kernels) - min(float(e["ts"]) for e in kernels)
+    return {"classes": out, "kernels": len(kernels), "span_us": round(span, 1)}
+
+
+def rank_of(path: str) -> int | None:
+    m = re.search(r"rank[_-]?(\d+)", os.path.basename(path))
+    return int(m.group(1)) if m else None
+
+
+def rows_from_traces(trace_root: Path, tokens: int) -> list[dict]:
+    """One row per config (the trace sub-directory) x rank x kernel class."""
+    rows = []
+    for cfg_dir in sorted(p for p in trace_root.iterdir() if p.is_dir()):
+        files = sorted(glob.glob(str(cfg_dir / "**" / "*.json*"), recursive=True))
+        for i, path in enumerate(files):
+            res = analyze(load_trace(path))
+            if not res["kernels"]:
+                continue  # the API server's CPU-only trace
+            rank = rank_of(path)
+            for cls, s in sorted(res["classes"].items()):
+                rows.append({"config": cfg_dir.name, "rank": i if rank is None else rank, "kernel_class": cls,
+                             "trace": os.path.relpath(path, trace_root), "tokens": tokens,
+                             "per_token_count": round(s["count"] / tokens, 2),
+                             "per_token_us": round(s["total_us"] / tokens, 1), **s,
+                             "span_us": res["span_us"]})
+    return rows
+
+
+def markdown(doc: dict) -> str:
+    lines = [f"# Decode profile ({doc['host']})", "", f"{doc['date']} · `{doc['command']}`", "",
+             "GPU kernels of one streamed request (torch profiler, rank 0), grouped by class; gaps are the idle "
+             "time on the kernel's stream before / after it, averaged over that class.", "",
+             "| config | class | kernels / token | µs / token | mean µs | gap before µs | gap after µs |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in doc["records"]:
+        if r["rank"] != 0:
+            continue
+        lines.append(f"| {r['config']} | {r['kernel_class']} | {r['per_token_count']} | {r['per_token_us']} | "
+                     f"{r['mean_us']} | {r['gap_before_us']} | {r['gap_after_us']} |")
+    return "\n".join(lines) + "\n"
+
+
+def post(url: str, payload: dict | None, timeout_s: float) -> bytes:
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(payload or {}).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=timeout_s) as r:
+        return r.read()
+
+
+def profile_config(args, cfg: str, model_dir: Path, out: Path, deadline: "sb.Deadline", say) -> None:
+    trace_dir = (out / "traces" / cfg).resolve()
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    port = sb.pick_port(args.port)
+    profiler = {"profiler": "torch", "torch_profiler_dir": str(trace_dir), "torch_profiler_with_stack": False,
+                "ignore_frontend": True}
+    cmd = sb.server_command_for(args, model_dir, cfg, port) + ["--profiler-config", json.dumps(profiler)]
+    env = sb.server_env(sb.SERVER_CONFIGS[cfg])
+    if args.dry_run:
+        print("$ " + " ".join(cmd))
+        return
+    say(f"{cfg}: starting server on port {port}")
+    with sb.running_server(cmd, env, out / "server-logs" / f"{cfg}.log", port, cfg,
+                           startup_timeout_s=deadline.clip(args.startup_timeout_s, 60)) as srv:
+        say(f"{cfg}: healthy; warm-up")
+        sb.warmup_server(srv.base_url, str(model_dir), args.warmup_requests)
+        post(srv.base_url + "/start_profile", None, deadline.clip(60))
+        t = time.monotonic()
+        post(srv.base_url + "/v1/completions", {"model": str(model_dir), "prompt": "Profile this decode: " * 16,
+                                               "max_tokens": args.tokens, "ignore_eos": True},
+             deadline.clip(120))
+        say(f"{cfg}: request done in {time.monotonic() - t:.1f}s; writing the trace")
+        post(srv.base_url + "/stop_profile", None, deadline.clip(300, 20))
+    say(f"{cfg}: server stopped; traces: {len(list(trace_dir.rglob('*.json*')))} files")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sb.add_server_args(ap)
+    ap.add_argument("--configs", default="yali,vllm-default")
+    ap.add_argument("--tokens", type=int, default=32, help="tokens generated in the profiled request")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--report-only", type=Path, default=None, metavar="TRACES_DIR",
+                    help="analyse TRACES_DIR/<config>/... again, run nothing")
+    args = ap.parse_args()
+    out = args.out or sb.default_out("decode-profile")
+    out.mkdir(parents=True, exist_ok=True)
+    trace_root = args.report_only or out / "traces"
+    if args.report_only is None:
+        deadline = sb.Deadline(args.budget_s)
+        say = sb.Progress("decode-profile", deadline)
+        model_dir = sb.prepare_model(args.model_size, args.model_dir or Path(f"/tmp/serving-bench-model-{args.model_size}"))
+        for cfg in sb.parse_csv_list(args.configs):
+            if cfg not in sb.SERVER_CONFIGS:
+                ap.error(f"--configs: unknown configuration {cfg!r} (known: {', '.join(sb.SERVER_CONFIGS)})")
+            try:
+                profile_config(args, cfg, model_dir, out, deadline, say)
+            except Exception as e:  # keep the other configuration's profile
+                say(f"{cfg}: FAILED: {type(e).__name__}: {e}")
+        if args.dry_run:
+            return 0
+    doc = results_header(KIND, {"tokens": args.tokens, "model_size": args.model_size})
+    doc["records"] = rows_from_traces(trace_root, args.tokens)
+    write_results(str(out / "decode-profile.json"), doc)
+    (out / "decode-profile.md").write_text(markdown(doc))
+    print(markdown(doc))
+    return 0 if doc["records"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
