@@ -53,8 +53,14 @@ VARIANTS = {
     "push-cta1K": ({"YALI_DEV_PUSH_CTA_BYTES": "1K"}, "flash", SMALL + ",1M,4M,8M"),
     "push-cta4K": ({"YALI_DEV_PUSH_CTA_BYTES": "4K"}, "flash", SMALL + ",1M,4M,8M"),
     "push-cta16K": ({"YALI_DEV_PUSH_CTA_BYTES": "16K"}, "flash", SMALL + ",1M,4M,8M"),
+    # Round 5: programmatic dependent launch (YALI_DEV_PDL=1) against plain launches.
+    "push-nopdl": ({}, "flash", SMALL + ",1M,4M,8M"),
+    "push-pdl": ({"YALI_DEV_PDL": "1"}, "flash", SMALL + ",1M,4M,8M"),
+    "stream-nopdl": ({}, "stream", "16M,64M"),
+    "stream-pdl": ({"YALI_DEV_PDL": "1"}, "stream", "16M,64M"),
 }
-ROUND4 = [k for k in VARIANTS if k.startswith("push-")]
+ROUND4 = [k for k in VARIANTS if k.startswith("push-cta")]
+ROUND5 = ["push-nopdl", "push-pdl", "stream-nopdl", "stream-pdl"]
 
 
 def worker(rank, port, args, q):
@@ -68,7 +74,8 @@ def worker(rank, port, args, q):
     dev = torch.device("cuda", rank)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     rows = []
-    names = ROUND4 if args.variants == "round4" else args.variants.split(",") if args.variants else list(VARIANTS)
+    rounds = {"round4": ROUND4, "round5": ROUND5}
+    names = rounds.get(args.variants) or (args.variants.split(",") if args.variants else list(VARIANTS))
     base_env = {k: v for k, v in os.environ.items() if k.startswith("YALI_")}
     for vi, label in enumerate(names):
         env, mode, sizes = VARIANTS[label]
@@ -123,7 +130,7 @@ def table(rows):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--variants", default="", help="comma list of variant labels, or round4 (default: all)")
+    ap.add_argument("--variants", default="", help="comma list of variant labels, or round4 / round5 (default: all)")
     ap.add_argument("--replays", type=int, default=15)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--name", default="tune-" + time.strftime("%Y%m%d-%H%M%S"))

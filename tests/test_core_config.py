@@ -104,6 +104,7 @@ def test_stream_chunks_fit_slots(monkeypatch):
     ("YALI_DEV_FLASH_CTAS", "x", "integer"),
     ("YALI_DEV_LL_MAX", "64M", "byte count"),
     ("YALI_DEV_PUSH_CTA_BYTES", "100", "byte count"),
+    ("YALI_DEV_PDL", "2", "integer in [0, 1]"),
     ("YALI_TIMEOUT_S", "-1", "seconds"),
 ])
 def test_bad_values_name_the_variable(monkeypatch, var, value, fragment):

@@ -73,6 +73,7 @@ __device__ __forceinline__ void flash_handshake(uint64_t* peer_word, const uint6
 
 template <typename T>
 __global__ void __launch_bounds__(kFlashThreads, 1) flash_oneshot_kernel(FlashArgs a) {
+  wait_prior_grids();
   const uint64_t e = flash_begin(a);
   const int b = blockIdx.x, active = gridDim.x;
   const size_t par = (e & 1) * a.parity_bytes;
@@ -103,6 +104,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) flash_oneshot_kernel(FlashAr
 // reduced half). Rank 0 owns vectors [0, n/2), rank 1 the rest plus the tail.
 template <typename T>
 __global__ void __launch_bounds__(kFlashThreads, 1) flash_twoshot_kernel(FlashArgs a) {
+  wait_prior_grids();
   const uint64_t e = flash_begin(a);
   const int b = blockIdx.x, active = gridDim.x;
   const size_t par = (e & 1) * a.parity_bytes;
@@ -177,6 +179,7 @@ __device__ __forceinline__ void store_output_vector(void* out, size_t k, size_t 
 
 template <typename T>
 __global__ void __launch_bounds__(kFlashThreads, 1) flash_ll_kernel(FlashArgs a) {
+  wait_prior_grids();
   constexpr int kU = 4;
   const int t = threadIdx.x;
   const Range r = split_range(0, (a.nbytes + 15) / 16, gridDim.x, blockIdx.x);

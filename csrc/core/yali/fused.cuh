@@ -87,6 +87,7 @@ __device__ __forceinline__ void rmsnorm_row(const FusedArgs& a, int row, const V
 
 template <typename T, int kV>
 __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kernel(FusedArgs a) {
+  wait_prior_grids();
   const int t = threadIdx.x;
   const uint64_t e = flash_begin(a.f);
   if (blockIdx.x == 0 && t == 0) a.f.state->fused_calls += 1;
@@ -139,6 +140,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kern
 // all-reduce output (written by the YALI all-reduce launched just before).
 template <typename T, int kV>
 __global__ void __launch_bounds__(kFlashThreads, 1) add_rmsnorm_kernel(FusedArgs a) {
+  wait_prior_grids();
   if (blockIdx.x == 0 && threadIdx.x == 0) a.f.state->fused_calls += 1;
   const Vec16* sum = static_cast<const Vec16*>(a.sum);
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {

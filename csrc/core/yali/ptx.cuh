@@ -64,6 +64,21 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
+// Programmatic dependent launch (sm_90+). A kernel launched with it
+// (Config::pdl) may start while the kernel before it on the stream is still
+// draining; griddepcontrol.wait then blocks until that kernel completed and its
+// memory is visible, so everything after it is ordered exactly as without PDL:
+// only the launch latency is hidden. Every YALI kernel calls it first, before
+// touching its input or its device state (a no-op when launched without PDL).
+// launch_dependents lets the next PDL-launched kernel be scheduled early in turn
+// (it waits for our completion the same way).
+__device__ __forceinline__ void wait_prior_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Named barrier for a subset of the CTA's warps (warp-specialised kernels).
 __device__ __forceinline__ void group_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");

@@ -75,6 +75,7 @@ __device__ __forceinline__ void wait_push(const Vec16* p, Vec16& v, uint64_t tim
 // ranks: it sends them, then receives the peer's copies of the same vectors.
 template <typename T>
 __global__ void __launch_bounds__(kFlashThreads, 1) flash_push_kernel(FlashArgs a) {
+  wait_prior_grids();
   constexpr int kU = 4;  // vectors in flight per thread
   const int t = threadIdx.x;
   const Range r = split_range(0, (a.nbytes + 15) / 16, gridDim.x, blockIdx.x);

@@ -34,27 +34,33 @@ __global__ void fill_words(uint32_t* p, size_t n, uint32_t v) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) p[i] = v;
 }
 
+// One launch, with programmatic dependent launch when `pdl` (see ptx.cuh:
+// wait_prior_grids, which every YALI kernel runs first).
+template <typename Args>
+cudaError_t launch(void (*kernel)(Args), int grid, int threads, cudaStream_t stream, bool pdl, const Args& args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(grid));
+  cfg.blockDim = dim3(unsigned(threads));
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, args);
+}
+
 template <typename T>
-cudaError_t launch_typed(const Plan& p, const FlashArgs& f, const StreamArgs& s, cudaStream_t stream) {
+cudaError_t launch_typed(const Plan& p, const FlashArgs& f, const StreamArgs& s, bool pdl, cudaStream_t stream) {
   switch (p.kernel) {
-    case Kernel::FlashLL:
-      flash_ll_kernel<T><<<p.blocks, kFlashThreads, 0, stream>>>(f);
-      break;
-    case Kernel::FlashPush:
-      flash_push_kernel<T><<<p.blocks, kFlashThreads, 0, stream>>>(f);
-      break;
-    case Kernel::FlashOneShot:
-      flash_oneshot_kernel<T><<<p.blocks, kFlashThreads, 0, stream>>>(f);
-      break;
-    case Kernel::FlashTwoShot:
-      flash_twoshot_kernel<T><<<p.blocks, kFlashThreads, 0, stream>>>(f);
-      break;
-    case Kernel::Stream:
-      stream_kernel<T><<<p.blocks, kStreamThreads, 0, stream>>>(s);
-      break;
+    case Kernel::FlashLL: return launch(flash_ll_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
+    case Kernel::FlashPush: return launch(flash_push_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
+    case Kernel::FlashOneShot: return launch(flash_oneshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
+    case Kernel::FlashTwoShot: return launch(flash_twoshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
+    case Kernel::Stream: return launch(stream_kernel<T>, p.blocks, kStreamThreads, stream, pdl, s);
     default: return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 }  // namespace
@@ -159,9 +165,9 @@ cudaError_t Rank::all_reduce(const void* in, void* out, size_t nbytes, DType dty
     f = flash_args(in, out, nbytes);
   }
   switch (dtype) {
-    case DType::F32: return launch_typed<float>(p, f, s, stream);
-    case DType::F16: return launch_typed<__half>(p, f, s, stream);
-    case DType::BF16: return launch_typed<__nv_bfloat16>(p, f, s, stream);
+    case DType::F32: return launch_typed<float>(p, f, s, config_.pdl != 0, stream);
+    case DType::F16: return launch_typed<__half>(p, f, s, config_.pdl != 0, stream);
+    case DType::BF16: return launch_typed<__nv_bfloat16>(p, f, s, config_.pdl != 0, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -197,19 +203,18 @@ FlashArgs Rank::flash_args(const void* in, void* out, size_t nbytes) const {
 namespace {
 
 template <typename T, int kV>
-cudaError_t launch_fused(const FusedArgs& a, bool one_launch, int grid, cudaStream_t stream) {
-  if (one_launch) fused_allreduce_rmsnorm_kernel<T, kV><<<grid, kFlashThreads, 0, stream>>>(a);
-  else add_rmsnorm_kernel<T, kV><<<grid, kFlashThreads, 0, stream>>>(a);
-  return cudaGetLastError();
+cudaError_t launch_fused(const FusedArgs& a, bool one_launch, int grid, bool pdl, cudaStream_t stream) {
+  return launch(one_launch ? fused_allreduce_rmsnorm_kernel<T, kV> : add_rmsnorm_kernel<T, kV>, grid, kFlashThreads,
+                stream, pdl, a);
 }
 
 template <typename T>
-cudaError_t launch_fused_rows(const FusedArgs& a, bool one_launch, int grid, cudaStream_t stream) {
+cudaError_t launch_fused_rows(const FusedArgs& a, bool one_launch, int grid, bool pdl, cudaStream_t stream) {
   const int per_thread = (a.row_vecs + kFlashThreads - 1) / kFlashThreads;  // vectors of a row per thread
-  if (per_thread <= 1) return launch_fused<T, 1>(a, one_launch, grid, stream);
-  if (per_thread <= 2) return launch_fused<T, 2>(a, one_launch, grid, stream);
-  if (per_thread <= 4) return launch_fused<T, 4>(a, one_launch, grid, stream);
-  if (per_thread <= 8) return launch_fused<T, 8>(a, one_launch, grid, stream);
+  if (per_thread <= 1) return launch_fused<T, 1>(a, one_launch, grid, pdl, stream);
+  if (per_thread <= 2) return launch_fused<T, 2>(a, one_launch, grid, pdl, stream);
+  if (per_thread <= 4) return launch_fused<T, 4>(a, one_launch, grid, pdl, stream);
+  if (per_thread <= 8) return launch_fused<T, 8>(a, one_launch, grid, pdl, stream);
   return cudaErrorInvalidValue;
 }
 
@@ -251,9 +256,9 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
     grid = int(std::min<size_t>(rows, 1024));
   }
   switch (dtype) {
-    case DType::F32: return launch_fused_rows<float>(a, one_launch, grid, stream);
-    case DType::F16: return launch_fused_rows<__half>(a, one_launch, grid, stream);
-    case DType::BF16: return launch_fused_rows<__nv_bfloat16>(a, one_launch, grid, stream);
+    case DType::F32: return launch_fused_rows<float>(a, one_launch, grid, config_.pdl != 0, stream);
+    case DType::F16: return launch_fused_rows<__half>(a, one_launch, grid, config_.pdl != 0, stream);
+    case DType::BF16: return launch_fused_rows<__nv_bfloat16>(a, one_launch, grid, config_.pdl != 0, stream);
   }
   return cudaErrorInvalidValue;
 }
