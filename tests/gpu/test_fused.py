@@ -108,3 +108,21 @@ def test_fused_suite_time_bound(suite):
     for r in suite:
         total = sum(r[k]["wall_s"] for k in ("sweep", "interleaved", "graph", "compiled"))
         assert total < 120, {k: r[k]["wall_s"] for k in ("sweep", "interleaved", "graph", "compiled")}
+
+
+# Rows split over thread-block clusters (YALI_DEV_FUSED_CLUSTER, an experiment):
+# the same checks on a smaller plan, each cluster size in its own pair.
+CLUSTER_PLAN_HIDDEN = (2048, 5120, 8192)
+CLUSTER_PLAN_TOKENS = (1, 3, 32, 513)
+
+
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize("cluster", ["2", "8"])
+def test_fused_sweep_with_row_clusters(cluster):
+    plan = [p for p in fused_plan() if p["hidden"] in CLUSTER_PLAN_HIDDEN and p["tokens"] in CLUSTER_PLAN_TOKENS]
+    res = run_pair(scenarios.fused_sweep, plan, 4242, timeout=150,
+                   env={"YALI_TIMEOUT_S": "60", "YALI_DEV_FUSED_CLUSTER": cluster})
+    for rank, r in enumerate(res):
+        assert not r["failures"], f"rank {rank}: " + "\n".join(r["failures"][:20])
+        assert r["launched"] == len(plan) == r["device_fused_calls"]
+    assert res[0]["digests"] == res[1]["digests"], "the ranks' outputs differ"

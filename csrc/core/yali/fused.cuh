@@ -15,7 +15,15 @@
 //
 // Above the one-launch size (Config::flash_bytes) the op runs a YALI all-reduce
 // into norm_out and then add_rmsnorm_kernel, the same epilogue on its own.
+//
+// With Config::fused_cluster = C > 1 (an experiment, off by default) a row is
+// split over the C CTAs of a thread-block cluster instead of one CTA, so a few
+// tokens spread their NVLink stores and polls over C SMs; the row's sum of
+// squares is then each CTA's block sum, added in cluster-rank order through
+// distributed shared memory (the same order on both ranks: identical bits).
 #pragma once
+#include <cooperative_groups.h>
+
 #include "push.cuh"
 
 namespace yali {
@@ -31,7 +39,36 @@ struct FusedArgs {
   int row_vecs;           // 16-byte vectors per row
   int hidden;             // elements per row
   float eps;
+  int cluster;            // CTAs per row (a thread-block cluster when > 1)
 };
+
+// Which 16-byte vectors of a row this CTA owns: all of them, or its cluster
+// rank's contiguous share when a row is split over a cluster.
+struct RowSlice {
+  int group, groups;  // row groups: rows group, group + groups, ...
+  int begin, end;     // vectors [begin, end) of each row
+};
+
+__device__ __forceinline__ RowSlice row_slice(const FusedArgs& a) {
+  const int c = a.cluster;
+  const int rank = c > 1 ? int(cooperative_groups::this_cluster().block_rank()) : 0;
+  const int per = (a.row_vecs + c - 1) / c;
+  const int begin = min(a.row_vecs, rank * per);
+  return {int(blockIdx.x) / c, int(gridDim.x) / c, begin, min(a.row_vecs, begin + per)};
+}
+
+// The row's total from each CTA's part, in cluster-rank order (c == 1: the part).
+__device__ __forceinline__ float cluster_sum(float part, int c) {
+  if (c == 1) return part;
+  __shared__ float s_part;
+  auto cluster = cooperative_groups::this_cluster();
+  if (threadIdx.x == 0) s_part = part;
+  cluster.sync();
+  float total = 0.f;
+  for (int r = 0; r < c; ++r) total += *cluster.map_shared_rank(&s_part, r);
+  cluster.sync();  // every CTA has read every part before the next row overwrites them
+  return total;
+}
 
 // Sum of v over the CTA, the same bits in every thread and on both ranks
 // (butterfly within warps, then warp sums added in warp order).
@@ -48,10 +85,11 @@ __device__ __forceinline__ float block_sum(float v) {
   return total;
 }
 
-// The epilogue for one row: s[u] holds vector t + u * kFlashThreads of the
-// all-reduced row (where that vector exists). Called by all threads of the CTA.
+// The epilogue for one row: s[u] holds vector sl.begin + t + u * kFlashThreads of
+// the all-reduced row (where that vector is in the slice). Called by all threads
+// of the CTA (and of its cluster).
 template <typename T, int kV>
-__device__ __forceinline__ void rmsnorm_row(const FusedArgs& a, int row, const Vec16 (&s)[kV]) {
+__device__ __forceinline__ void rmsnorm_row(const FusedArgs& a, int row, const Vec16 (&s)[kV], const RowSlice& sl) {
   constexpr int kN = 16 / sizeof(T);
   const int t = threadIdx.x;
   const size_t base = size_t(row) * a.row_vecs;
@@ -59,8 +97,8 @@ __device__ __forceinline__ void rmsnorm_row(const FusedArgs& a, int row, const V
   float sq = 0.f;
 #pragma unroll
   for (int u = 0; u < kV; ++u) {
-    const int j = t + u * kFlashThreads;
-    if (j >= a.row_vecs) continue;
+    const int j = sl.begin + t + u * kFlashThreads;
+    if (j >= sl.end) continue;
     unpack<T>(s[u], z[u]);
     if (a.residual) {
       float r[kN];
@@ -72,11 +110,11 @@ __device__ __forceinline__ void rmsnorm_row(const FusedArgs& a, int row, const V
 #pragma unroll
     for (int i = 0; i < kN; ++i) sq = fmaf(z[u][i], z[u][i], sq);
   }
-  const float inv_rms = rsqrtf(block_sum(sq) / float(a.hidden) + a.eps);
+  const float inv_rms = rsqrtf(cluster_sum(block_sum(sq), a.cluster) / float(a.hidden) + a.eps);
 #pragma unroll
   for (int u = 0; u < kV; ++u) {
-    const int j = t + u * kFlashThreads;
-    if (j >= a.row_vecs) continue;
+    const int j = sl.begin + t + u * kFlashThreads;
+    if (j >= sl.end) continue;
     float w[kN], o[kN];
     unpack<T>(load_local_input(static_cast<const Vec16*>(a.weight) + j), w);
 #pragma unroll
@@ -95,44 +133,45 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kern
   Vec16* to_peer = reinterpret_cast<Vec16*>(a.f.peer_push + par);
   Vec16* from_peer = reinterpret_cast<Vec16*>(a.f.my_push + par);
   const Vec16* in = static_cast<const Vec16*>(a.f.in);
+  const RowSlice sl = row_slice(a);
 
-  // 1. send all my rows
-  for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
+  // 1. send all my rows (my slice of them)
+  for (int row = sl.group; row < a.rows; row += sl.groups) {
     const size_t base = size_t(row) * a.row_vecs;
     Vec16 v[kV];
 #pragma unroll
     for (int u = 0; u < kV; ++u) {
-      const int j = t + u * kFlashThreads;
-      if (j < a.row_vecs) v[u] = load_local_input(in + base + j);
+      const int j = sl.begin + t + u * kFlashThreads;
+      if (j < sl.end) v[u] = load_local_input(in + base + j);
     }
 #pragma unroll
     for (int u = 0; u < kV; ++u) {
-      const int j = t + u * kFlashThreads;
-      if (j < a.row_vecs) store_push(to_peer + base + j, canonical<T>(v[u]));
+      const int j = sl.begin + t + u * kFlashThreads;
+      if (j < sl.end) store_push(to_peer + base + j, canonical<T>(v[u]));
     }
   }
   // 2. per row: receive the peer's partial sums, add mine, normalise
-  for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
+  for (int row = sl.group; row < a.rows; row += sl.groups) {
     const size_t base = size_t(row) * a.row_vecs;
     Vec16 s[kV], theirs[kV];
 #pragma unroll
     for (int u = 0; u < kV; ++u) {
-      const int j = t + u * kFlashThreads;
-      if (j < a.row_vecs) {
+      const int j = sl.begin + t + u * kFlashThreads;
+      if (j < sl.end) {
         theirs[u] = load_push(from_peer + base + j);
         s[u] = load_local_input(in + base + j);
       }
     }
 #pragma unroll
     for (int u = 0; u < kV; ++u) {
-      const int j = t + u * kFlashThreads;
-      if (j < a.row_vecs) {
+      const int j = sl.begin + t + u * kFlashThreads;
+      if (j < sl.end) {
         wait_push(from_peer + base + j, theirs[u], a.f.timeout_ns, a.f.abort, Kernel::FlashPush);
         s[u] = add_vec<T>(canonical<T>(s[u]), theirs[u]);
         clear_push(from_peer + base + j);
       }
     }
-    rmsnorm_row<T, kV>(a, row, s);
+    rmsnorm_row<T, kV>(a, row, s, sl);
   }
 }
 
@@ -143,6 +182,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) add_rmsnorm_kernel(FusedArgs
   wait_prior_grids();
   if (blockIdx.x == 0 && threadIdx.x == 0) a.f.state->fused_calls += 1;
   const Vec16* sum = static_cast<const Vec16*>(a.sum);
+  const RowSlice sl{0, 1, 0, a.row_vecs};  // launched with a.cluster == 1: a CTA per row
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const size_t base = size_t(row) * a.row_vecs;
     Vec16 s[kV];
@@ -151,7 +191,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) add_rmsnorm_kernel(FusedArgs
       const int j = threadIdx.x + u * kFlashThreads;
       if (j < a.row_vecs) s[u] = load_local_input(sum + base + j);
     }
-    rmsnorm_row<T, kV>(a, row, s);
+    rmsnorm_row<T, kV>(a, row, s, sl);
   }
 }
 
