@@ -223,18 +223,8 @@ __global__ void __launch_bounds__(kFlashThreads, 1) flash_ll_kernel(FlashArgs a)
         if (((w[0] & w[1] & w[2] & w[3]) >> 32) == (f >> 32) &&
             ((w[0] | w[1] | w[2] | w[3]) >> 32) == (f >> 32))
           break;
-        if (a.timeout_ns != 0 && (spins & 1023u) == 0 && global_timer_ns() - start > a.timeout_ns) {
-          volatile AbortInfo* ab = a.abort;
-          ab->kernel = int(Kernel::FlashLL);
-          ab->block = int(blockIdx.x);
-          ab->what = 5;
-          ab->expected = f >> 32;
-          ab->seen = w[0] >> 32;
-          __threadfence_system();
-          ab->magic = kAbortMagic;
-          __threadfence_system();
-          __trap();
-        }
+        if (a.timeout_ns != 0 && (spins & 1023u) == 0 && global_timer_ns() - start > a.timeout_ns)
+          abort_kernel(a.abort, Kernel::FlashLL, 5, f >> 32, w[0] >> 32);
       }
       const Vec16 theirs{uint32_t(w[0]), uint32_t(w[1]), uint32_t(w[2]), uint32_t(w[3])};
       store_output_vector<T>(a.out, k, a.nbytes, add_vec<T>(v[u], theirs));

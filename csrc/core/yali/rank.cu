@@ -30,6 +30,9 @@ struct DeviceGuard {
   }
 };
 
+// The 64-bit flag words at byte offset `off` of a shared buffer.
+uint64_t* flag_words(char* base, size_t off) { return reinterpret_cast<uint64_t*>(base + off); }
+
 __global__ void fill_words(uint32_t* p, size_t n, uint32_t v) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) p[i] = v;
 }
@@ -163,14 +166,13 @@ cudaError_t Rank::all_reduce(const void* in, void* out, size_t nbytes, DType dty
       (reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(out)) % 16 != 0)
     return cudaErrorInvalidValue;
   const uint64_t timeout_ns = uint64_t(config_.timeout_s * 1e9);
-  auto flags = [](char* base, size_t off) { return reinterpret_cast<uint64_t*>(base + off); };
   FlashArgs f{};
   StreamArgs s{};
   if (p.kernel == Kernel::Stream) {
     s = StreamArgs{in, out, nbytes, p.chunk_bytes, p.blocks, config_.slots, config_.slot_bytes,
                    shared_ + layout_.stream_slots, peer_shared_ + layout_.stream_slots,
-                   flags(shared_, layout_.stream_ready), flags(peer_shared_, layout_.stream_ready),
-                   flags(shared_, layout_.stream_credit), flags(peer_shared_, layout_.stream_credit),
+                   flag_words(shared_, layout_.stream_ready), flag_words(peer_shared_, layout_.stream_ready),
+                   flag_words(shared_, layout_.stream_credit), flag_words(peer_shared_, layout_.stream_credit),
                    state_, timeout_ns, abort_dev_};
   } else {
     f = flash_args(in, out, nbytes);
@@ -184,17 +186,16 @@ cudaError_t Rank::all_reduce(const void* in, void* out, size_t nbytes, DType dty
 }
 
 FlashArgs Rank::flash_args(const void* in, void* out, size_t nbytes) const {
-  auto flags = [](char* base, size_t off) { return reinterpret_cast<uint64_t*>(base + off); };
   FlashArgs f{};
   f.in = in;
   f.out = out;
   f.nbytes = nbytes;
   f.total_ctas = config_.flash_ctas;
   f.rank = rank_;
-  f.my_arrive = flags(shared_, layout_.flash_arrive);
-  f.peer_arrive = flags(peer_shared_, layout_.flash_arrive);
-  f.my_gather = flags(shared_, layout_.flash_gather);
-  f.peer_gather = flags(peer_shared_, layout_.flash_gather);
+  f.my_arrive = flag_words(shared_, layout_.flash_arrive);
+  f.peer_arrive = flag_words(peer_shared_, layout_.flash_arrive);
+  f.my_gather = flag_words(shared_, layout_.flash_gather);
+  f.peer_gather = flag_words(peer_shared_, layout_.flash_gather);
   f.my_stage = shared_ + layout_.flash_stage;
   f.peer_stage = peer_shared_ + layout_.flash_stage;
   f.my_reduced = shared_ + layout_.flash_reduced;
