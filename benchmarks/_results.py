@@ -244,6 +244,15 @@ def write_results(path: str | os.PathLike[str], obj: dict[str, Any]) -> Path:
     return path
 
 
+def write_json_and_markdown(out_dir: str | os.PathLike[str], stem: str, obj: dict[str, Any], md: str) -> Path:
+    """OUT_DIR/STEM.json (the result, as write_results) and OUT_DIR/STEM.md beside it; returns the JSON path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = write_results(os.path.join(out_dir, stem + ".json"), obj)
+    with open(os.path.join(out_dir, stem + ".md"), "w") as f:
+        f.write(md)
+    return path
+
+
 def load_results(path: str | os.PathLike[str]) -> dict[str, Any]:
     with open(path, encoding="utf-8") as f:
         return json.load(f)

@@ -22,6 +22,7 @@ table and PNG plots.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -65,6 +66,21 @@ def pct(xs, q):
 
 
 # ----------------------------------------------------------------------------- backends
+@contextlib.contextmanager
+def _env_set(overrides: dict):
+    """os.environ with `overrides` inside the block, restored after."""
+    saved = {k: os.environ.get(k) for k in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+
+
 class Backends:
     """Creates each backend once per rank; .ops[name](x) launches one all-reduce
     of x on the current stream and returns the output tensor."""
@@ -84,44 +100,21 @@ class Backends:
                     traceback.print_exc()
 
     def _make(self, name, rank, dev, gloo, max_bytes, torch, dist):
-        import contextlib
-
-        if name == "yali-prev":
-            # YALI's first small/mid-size kernels (flash-ll, then one-shot) on a
-            # communicator of their own, so the same run shows what flash-push changed.
-            # (The run of 2026-11-22 also set YALI_DEV_STREAM_FLAGS=1, a switch of a
-            # sentinel-in-data stream variant that measured slower and was removed.)
+        if name.startswith("yali"):
             from yali_vllm.communicator import YaliCommunicator
 
-            prev = {"YALI_DEV_PUSH_MAX": "0"}
-            saved = {k: os.environ.get(k) for k in prev}
-            os.environ.update(prev)
-            try:
-                self._yali_old = YaliCommunicator(gloo, dev)
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        del os.environ[k]
-                    else:
-                        os.environ[k] = v
-            comm = self._yali_old
-            outs = {}
-
-            def op(x, comm=comm, outs=outs):
-                o = outs.get((x.data_ptr(), x.numel(), x.dtype))
-                if o is None:
-                    o = outs[(x.data_ptr(), x.numel(), x.dtype)] = torch.empty_like(x)
-                return comm.all_reduce(x, out=o)
-
-            self.ops[name] = op
-            self.max_bytes[name] = comm.max_bytes
-        elif name.startswith("yali"):
-            from yali_vllm.communicator import YaliCommunicator
-
-            if not hasattr(self, "_yali"):
-                self._yali = YaliCommunicator(gloo, dev)
-            comm = self._yali
-            mode = {"yali": "config", "yali-flash": "flash", "yali-stream": "stream"}[name]
+            if name == "yali-prev":
+                # YALI's first small/mid-size kernels (flash-ll, then one-shot) on a
+                # communicator of their own, so the same run shows what flash-push changed.
+                # (The run of 2026-11-22 also set YALI_DEV_STREAM_FLAGS=1, a switch of a
+                # sentinel-in-data stream variant that measured slower and was removed.)
+                with _env_set({"YALI_DEV_PUSH_MAX": "0"}):
+                    self._yali_old = comm = YaliCommunicator(gloo, dev)
+            else:
+                if not hasattr(self, "_yali"):
+                    self._yali = YaliCommunicator(gloo, dev)
+                comm = self._yali
+            mode = {"yali": "config", "yali-prev": "config", "yali-flash": "flash", "yali-stream": "stream"}[name]
             outs = {}
 
             def op(x, comm=comm, mode=mode, outs=outs):
@@ -386,7 +379,7 @@ def run_two_ranks(worker, args, timeout: float, what: str):
 
 
 def write_outputs(args, res):
-    from _results import results_header, write_results
+    from _results import results_header, write_json_and_markdown
 
     import torch
 
@@ -398,12 +391,8 @@ def write_outputs(args, res):
         "yali_config": _yali_config(),
     })
     hdr["records"] = res["rows"]
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{args.name}.json")
-    write_results(path, hdr)
     md = markdown_table(hdr)
-    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
-        f.write(md)
+    path = write_json_and_markdown(args.out, args.name, hdr, md)
     plot(hdr, args.out, args.name)
     print(md)
     print(f"wrote {path}")

@@ -128,15 +128,6 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def post(url: str, payload: dict | None, timeout_s: float) -> bytes:
-    import urllib.request
-
-    req = urllib.request.Request(url, data=json.dumps(payload or {}).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=timeout_s) as r:
-        return r.read()
-
-
 def profile_config(args, cfg: str, model_dir: Path, out: Path, deadline: "sb.Deadline", say) -> None:
     trace_dir = (out / "traces" / cfg).resolve()
     trace_dir.mkdir(parents=True, exist_ok=True)
@@ -153,13 +144,13 @@ def profile_config(args, cfg: str, model_dir: Path, out: Path, deadline: "sb.Dea
                            startup_timeout_s=deadline.clip(args.startup_timeout_s, 60)) as srv:
         say(f"{cfg}: healthy; warm-up")
         sb.warmup_server(srv.base_url, str(model_dir), args.warmup_requests)
-        post(srv.base_url + "/start_profile", None, deadline.clip(60))
+        sb.http_post(srv.base_url + "/start_profile", {}, deadline.clip(60))
         t = time.monotonic()
-        post(srv.base_url + "/v1/completions", {"model": str(model_dir), "prompt": "Profile this decode: " * 16,
-                                               "max_tokens": args.tokens, "ignore_eos": True},
-             deadline.clip(120))
+        request = {"model": str(model_dir), "prompt": "Profile this decode: " * 16, "max_tokens": args.tokens,
+                   "ignore_eos": True}
+        sb.http_post(srv.base_url + "/v1/completions", request, deadline.clip(120))
         say(f"{cfg}: request done in {time.monotonic() - t:.1f}s; writing the trace")
-        post(srv.base_url + "/stop_profile", None, deadline.clip(300, 20))
+        sb.http_post(srv.base_url + "/stop_profile", {}, deadline.clip(300, 20))
     say(f"{cfg}: server stopped; traces: {len(list(trace_dir.rglob('*.json*')))} files")
 
 

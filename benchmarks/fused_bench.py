@@ -43,7 +43,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _results import MULTICAST_OFF_ENV, results_header, write_results  # noqa: E402
+from _results import MULTICAST_OFF_ENV, results_header, write_json_and_markdown, write_results  # noqa: E402
 from allreduce_bench import pct, run_two_ranks, time_graph  # noqa: E402
 
 os.environ.update(MULTICAST_OFF_ENV)
@@ -355,12 +355,8 @@ def write_outputs(args, res: dict) -> str:
     })
     hdr["records"] = res["rows"]
     hdr["summary"] = target_summary(summarize(res["rows"], args.target_ratio, args.target_tokens))
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{args.name}.json")
-    write_results(path, hdr)
     md = markdown_table(hdr)
-    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
-        f.write(md)
+    path = str(write_json_and_markdown(args.out, args.name, hdr, md))
     plot(hdr, args.out, args.name)
     print(md)
     print(f"wrote {path}")

@@ -55,7 +55,6 @@ from serving_bench import (  # noqa: E402
     tail_lines,
     wait_healthy,
     warmup_server,
-    yali_log_warnings,
 )
 
 KIND = "load-test"
@@ -422,7 +421,6 @@ def run(args: argparse.Namespace) -> int:
             finally:
                 say(f"{cfg}: stopping server (pid {server.proc.pid}, process group)")
                 entry = {"config": cfg, **stop_and_scan(server, out, args.stop_grace_s)}
-                entry["warnings"] = yali_log_warnings(cfg, entry["key_lines"])
                 for w in entry["warnings"]:
                     say(f"{cfg}: WARNING: {w}")
                 doc["server_logs"].append(entry)

@@ -327,7 +327,8 @@ def http_status(url: str, timeout_s: float = 2.0) -> int | None:
         return None
 
 
-def http_post_json(url: str, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+def http_post(url: str, payload: dict[str, Any], timeout_s: float) -> bytes:
+    """POSTs `payload` as JSON (no proxy); returns the response body."""
     req = urllib.request.Request(
         url,
         data=json.dumps(payload).encode(),
@@ -335,7 +336,11 @@ def http_post_json(url: str, payload: dict[str, Any], timeout_s: float) -> dict[
         method="POST",
     )
     with _NO_PROXY_OPENER.open(req, timeout=timeout_s) as r:
-        return json.loads(r.read().decode("utf-8", "replace"))
+        return r.read()
+
+
+def http_post_json(url: str, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    return json.loads(http_post(url, payload, timeout_s).decode("utf-8", "replace"))
 
 
 # ================================================================== servers
@@ -438,12 +443,14 @@ def stop_server(server: Server, grace_s: float = 30.0, gpu_free_timeout_s: float
 
 def stop_and_scan(server: Server, out: Path, grace_s: float) -> dict[str, Any]:
     """Stops the server, then scans its log up to the stop (shutdown noise excluded):
-    log file (relative to ``out``), key lines, errors, and whether YALI was on."""
+    log file (relative to ``out``), key lines, errors, whether YALI was on, and the
+    warnings of yali_log_warnings() for the server's configuration."""
     stop_offset = server.log_size()
     stop_server(server, grace_s=grace_s)
     scan = scan_server_log(server.log_path, 0, stop_offset)
     entry = {"log_file": str(server.log_path.relative_to(out)), **scan}
     entry["yali_on"] = any(YALI_ON_RE.search(ln) for ln in scan["key_lines"])
+    entry["warnings"] = yali_log_warnings(server.config, scan["key_lines"])
     return entry
 
 
@@ -1443,7 +1450,6 @@ def _run_all(
             finally:
                 say(f"{tag}: stopping server (pid {server.proc.pid}, process group)")
                 entry = {"config": cfg, "repeat": rep, **stop_and_scan(server, out, args.stop_grace_s)}
-                entry["warnings"] = yali_log_warnings(cfg, entry["key_lines"])
                 for w in entry["warnings"]:
                     say(f"{tag}: WARNING: {w}")
                 doc["server_logs"].append(entry)

@@ -15,7 +15,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _results import MULTICAST_OFF_ENV, results_header, write_results  # noqa: E402
+from _results import MULTICAST_OFF_ENV, results_header, write_json_and_markdown  # noqa: E402
 from allreduce_bench import fmt_size, parse_size, run_two_ranks, time_graph  # noqa: E402
 
 os.environ.update(MULTICAST_OFF_ENV)
@@ -138,11 +138,9 @@ def main():
     rows = run_two_ranks(worker, args, 900, "tuning")
     hdr = results_header("allreduce-tuning", {"method": "bf16, per-op time in CUDA graphs, p50 of replays"})
     hdr["records"] = rows
-    os.makedirs(args.out, exist_ok=True)
-    write_results(os.path.join(args.out, args.name + ".json"), hdr)
     md = table(rows)
-    with open(os.path.join(args.out, args.name + ".md"), "w") as f:
-        f.write(f"# YALI tuning ({hdr['host']})\n\n{hdr['date']} · `{hdr['command']}`\n\n" + md)
+    title = f"# YALI tuning ({hdr['host']})\n\n{hdr['date']} · `{hdr['command']}`\n\n"
+    write_json_and_markdown(args.out, args.name, hdr, title + md)
     print(md)
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -34,14 +33,9 @@ import torch  # noqa: E402
 import vllm.ir.ops  # noqa: E402
 
 from yali_vllm import vllm_fusion, vllm_plugin  # noqa: E402
+from .cpu_ranks import run_two_cpu_ranks  # noqa: E402
 
 EPS = 1e-5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def reference(ar: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -473,31 +467,9 @@ def _two_rank_worker(rank: int, port: int, model_dir: str, outdir: str) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     outdir = tmp_path_factory.mktemp("fusion_two_ranks")
     model_dir = _write_model_config(outdir / "model")
-    ctx = mp.start_processes(
-        _two_rank_worker,
-        args=(_free_port(), model_dir, str(outdir)),
-        nprocs=2,
-        join=False,
-        start_method="spawn",
-    )
-    try:
-        for _ in range(60):  # bounded: 60 x 5 s
-            if ctx.join(timeout=5):
-                break
-        else:
-            pytest.fail("two-rank CPU workers did not finish in 300 s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    results = [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(2)]
-    for r in results:
-        assert "error" not in r, r["error"]
-    return results
+    return run_two_cpu_ranks(_two_rank_worker, model_dir, outdir=outdir)
 
 
 def test_two_ranks_factory_follows_yali_and_yali_fusion(two_ranks):

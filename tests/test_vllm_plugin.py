@@ -30,6 +30,7 @@ from vllm.distributed.device_communicators.cuda_communicator import (  # noqa: E
 
 from yali_vllm import vllm_plugin  # noqa: E402
 from yali_vllm.vllm_plugin import yali_gate  # noqa: E402
+from .cpu_ranks import free_port, run_two_cpu_ranks  # noqa: E402
 
 ENTRY_POINT = "yali_vllm.vllm_plugin:register"
 
@@ -47,12 +48,6 @@ def patched(unpatched):
     vllm_plugin.register()
     assert vllm_plugin.is_patched(CudaCommunicator)
     yield CudaCommunicator
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------- YALI_ENABLE
@@ -256,7 +251,7 @@ class FakeYali:
 def single_rank_comm(patched):
     """A real, patched vLLM CudaCommunicator over a 1-rank gloo group on CPU."""
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     try:
         group = dist.new_group([0], backend="gloo")
@@ -452,30 +447,8 @@ def _two_rank_worker(rank: int, port: int, outdir: str) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     outdir = tmp_path_factory.mktemp("two_ranks")
-    ctx = mp.start_processes(
-        _two_rank_worker,
-        args=(_free_port(), str(outdir)),
-        nprocs=2,
-        join=False,
-        start_method="spawn",
-    )
-    try:
-        for _ in range(60):  # bounded: 60 x 5 s
-            if ctx.join(timeout=5):
-                break
-        else:
-            pytest.fail("two-rank CPU workers did not finish in 300 s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    results = [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(2)]
-    for r in results:
-        assert "error" not in r, r["error"]
-    return results
+    return run_two_cpu_ranks(_two_rank_worker, outdir=outdir)
 
 
 def test_two_ranks_off_on_cpu_platform_and_vllm_chain_still_reduces(two_ranks):
