@@ -46,6 +46,9 @@ KERNEL_CLASSES = [
 ]
 
 
+TOP_KERNELS = 25  # kernel names kept per trace, by total time
+
+
 def kernel_class(name: str) -> str:
     for cls, rx in KERNEL_CLASSES:
         if rx.search(name):
@@ -84,10 +87,16 @@ def analyze(trace: dict) -> dict:
         out[cls] = {"count": s["count"], "total_us": round(s["total_us"], 1),
                     "mean_us": round(s["total_us"] / s["count"], 3), "gap_before_us": mean(s["gap_before"]),
                     "gap_after_us": mean(s["gap_after"])}
+    by_name: dict = defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        by_name[e["name"]][0] += 1
+        by_name[e["name"]][1] += float(e["dur"])
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
     span = 0.0
     if kernels:
         span = max(float(e["ts"]) + float(e["dur"]) for e in kernels) - min(float(e["ts"]) for e in kernels)
-    return {"classes": out, "kernels": len(kernels), "span_us": round(span, 1)}
+    return {"classes": out, "kernels": len(kernels), "span_us": round(span, 1),
+            "top": [{"name": n[:160], "class": kernel_class(n), "count": c, "total_us": round(t, 1)} for n, (c, t) in top]}
 
 
 def rank_of(path: str) -> int | None:
@@ -114,17 +123,46 @@ def rows_from_traces(trace_root: Path, tokens: int) -> list[dict]:
     return rows
 
 
+def top_kernels(trace_root: Path, tokens: int) -> dict:
+    """Per config: rank 0's kernels with the most time, per token (names cut to 160 chars)."""
+    out = {}
+    for cfg_dir in sorted(p for p in trace_root.iterdir() if p.is_dir()):
+        for path in sorted(glob.glob(str(cfg_dir / "**" / "*.json*"), recursive=True)):
+            if rank_of(path) not in (0, None):
+                continue
+            res = analyze(load_trace(path))
+            if res["kernels"]:
+                out[cfg_dir.name] = [{**k, "per_token_count": round(k["count"] / tokens, 2),
+                                      "per_token_us": round(k["total_us"] / tokens, 1)} for k in res["top"]]
+                break
+    return out
+
+
 def markdown(doc: dict) -> str:
     lines = [f"# Decode profile ({doc['host']})", "", f"{doc['date']} · `{doc['command']}`", "",
              "GPU kernels of one streamed request (torch profiler, rank 0), grouped by class; gaps are the idle "
              "time on the kernel's stream before / after it, averaged over that class.", "",
              "| config | class | kernels / token | µs / token | mean µs | gap before µs | gap after µs |",
              "|---|---|---:|---:|---:|---:|---:|"]
+    totals: dict = {}
     for r in doc["records"]:
         if r["rank"] != 0:
             continue
         lines.append(f"| {r['config']} | {r['kernel_class']} | {r['per_token_count']} | {r['per_token_us']} | "
                      f"{r['mean_us']} | {r['gap_before_us']} | {r['gap_after_us']} |")
+        t = totals.setdefault(r["config"], {"busy": 0.0, "span": r["span_us"]})
+        t["busy"] += r["per_token_us"]
+    if totals:
+        tokens = doc["records"][0]["tokens"]
+        lines += ["", "Per token, rank 0: kernel time (sum over classes) and the span of the whole trace "
+                  "(first kernel start to last kernel end, divided by the tokens; includes the prefill).", "",
+                  "| config | kernel µs / token | span µs / token |", "|---|---:|---:|"]
+        for cfg, t in totals.items():
+            lines.append(f"| {cfg} | {t['busy']:.1f} | {t['span'] / tokens:.1f} |")
+    for cfg, top in doc.get("top_kernels", {}).items():
+        lines += ["", f"Top kernels of {cfg} (rank 0, per token):", "", "| kernel | class | count | µs |", "|---|---|---:|---:|"]
+        for k in top:
+            lines.append(f"| `{k['name'][:100]}` | {k['class']} | {k['per_token_count']} | {k['per_token_us']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -181,6 +219,7 @@ def main() -> int:
             return 0
     doc = results_header(KIND, {"tokens": args.tokens, "model_size": args.model_size})
     doc["records"] = rows_from_traces(trace_root, args.tokens)
+    doc["top_kernels"] = top_kernels(trace_root, args.tokens)
     write_results(str(out / "decode-profile.json"), doc)
     (out / "decode-profile.md").write_text(markdown(doc))
     print(markdown(doc))

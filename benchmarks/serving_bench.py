@@ -1216,6 +1216,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--bench-python", default=sys.executable, help="python (shell-split) for --bench-runner worker")
     p.add_argument("--bench-module", default="vllm.benchmarks.serve", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--profile-tokens",
+        type=int,
+        default=0,
+        help="after the measured points of each config's first repeat, profile one streamed request of this many "
+        "tokens with vLLM's torch profiler and write decode-profile.json/.md (kernel time per class and the gaps "
+        "around them, see decode_profile.py) under --out; 0 = no profile. The profiler is configured on the server "
+        "but only runs for that request, after the measurements",
+    )
     add_server_args(p)
     p.add_argument("--out", type=Path, default=None, help="output dir (default benchmarks/results/serving-DATE)")
     p.add_argument(
@@ -1236,10 +1245,47 @@ def validate_args(args: argparse.Namespace) -> list[str]:
         raise SystemExit(f"unknown config(s) {unknown}; known: {list(SERVER_CONFIGS)}")
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
+    if args.profile_tokens < 0:
+        raise SystemExit("--profile-tokens must be >= 0")
     need = args.random_input_len + args.random_output_len
     if args.max_model_len < need:
         raise SystemExit(f"--max-model-len {args.max_model_len} < input+output {need}")
     return configs
+
+
+def profiler_config(trace_dir: Path) -> dict[str, Any]:
+    """vLLM --profiler-config for a decode profile into trace_dir: torch profiler,
+    no Python stacks (smaller traces), workers only (no front-end trace)."""
+    return {"profiler": "torch", "torch_profiler_dir": str(trace_dir.resolve()), "torch_profiler_with_stack": False,
+            "ignore_frontend": True}
+
+
+def profile_request(base_url: str, model: str, tokens: int, deadline: "Deadline", reserve_s: float) -> float:
+    """One completion of `tokens` tokens between /start_profile and /stop_profile; returns its seconds."""
+    http_post(base_url + "/start_profile", {}, deadline.clip(60.0, reserve_s))
+    t0 = time.monotonic()
+    request = {"model": model, "prompt": "Profile this decode: " * 16, "max_tokens": tokens, "ignore_eos": True}
+    try:
+        http_post(base_url + "/v1/completions", request, deadline.clip(120.0, reserve_s))
+    finally:
+        http_post(base_url + "/stop_profile", {}, deadline.clip(300.0, reserve_s))  # writes the traces
+    return time.monotonic() - t0
+
+
+def write_decode_profile(out: Path, tokens: int, model_size: str) -> Path | None:
+    """decode-profile.json/.md from out/traces/<config>/ (decode_profile.py's analysis)."""
+    import decode_profile
+
+    doc = results_header(decode_profile.KIND, {"tokens": tokens, "model_size": model_size,
+                                               "source": "serving_bench --profile-tokens"})
+    doc["records"] = decode_profile.rows_from_traces(out / "traces", tokens)
+    doc["top_kernels"] = decode_profile.top_kernels(out / "traces", tokens)
+    if not doc["records"]:
+        return None
+    path = out / "decode-profile.json"
+    write_results(str(path), doc)
+    (out / "decode-profile.md").write_text(decode_profile.markdown(doc))
+    return path
 
 
 def run(args: argparse.Namespace) -> int:
@@ -1252,7 +1298,10 @@ def run(args: argparse.Namespace) -> int:
     concs: list[int] = list(args.concurrency)
 
     def srv_cmd(cfg: str, port: int) -> list[str]:
-        return server_command_for(args, model_dir, cfg, port)
+        cmd = server_command_for(args, model_dir, cfg, port)
+        if args.profile_tokens:
+            cmd += ["--profiler-config", json.dumps(profiler_config(out / "traces" / cfg))]
+        return cmd
 
     def b_args(base_url: str, c: int, j: int, result_dir: Path, name: str) -> list[str]:
         return bench_args(
@@ -1442,6 +1491,18 @@ def _run_all(
                         )
                         say(f"{tag} c={c}: FAILED ({why}); see {raw_dir / (name + '.log')}")
                     write_results(json_path, doc)
+                if args.profile_tokens and rep == 1:
+                    if deadline.remaining() < 90.0 + stop_reserve:
+                        say(f"{tag}: profile skipped, not enough budget left")
+                    else:
+                        try:
+                            dur = profile_request(server.base_url, str(model_dir), args.profile_tokens, deadline,
+                                                  stop_reserve)
+                            say(f"{tag}: profiled a {args.profile_tokens}-token request ({dur:.1f}s with the trace)")
+                        except Exception as e:  # the measurements stand without it
+                            doc["errors"].append({"config": cfg, "repeat": rep, "concurrency": None,
+                                                  "error": f"profile: {type(e).__name__}: {e}"})
+                            say(f"{tag}: profile FAILED: {type(e).__name__}: {e}")
             except ServerError as e:
                 dead_configs.add(cfg)
                 doc["errors"].append({"config": cfg, "repeat": rep, "concurrency": None, "error": str(e)})
@@ -1461,6 +1522,12 @@ def _run_all(
     finally:
         doc["elapsed_s"] = round(deadline.elapsed(), 1)
         write_results(json_path, doc)
+        if args.profile_tokens and (out / "traces").is_dir():
+            try:
+                prof = write_decode_profile(out, args.profile_tokens, args.model_size)
+                say(f"decode profile: {prof or 'no GPU kernels in the traces'}")
+            except Exception as e:
+                say(f"decode profile analysis FAILED: {type(e).__name__}: {e}")
         md, plots = write_report(doc, json_path, out)
         say(f"wrote {json_path}, {md}" + (", " + ", ".join(str(p) for p in plots) if plots else ""))
     if interrupted is not None:

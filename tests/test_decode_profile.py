@@ -73,3 +73,61 @@ def test_dry_run_adds_the_torch_profiler(tmp_path):
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("$ ")][0]
     assert "--tensor-parallel-size 2" in line and '"profiler": "torch"' in line
     assert str((tmp_path / "o" / "traces" / "yali").resolve()) in line
+
+
+def test_markdown_sums_per_token_kernel_time_and_span(tmp_path):
+    d = tmp_path / "yali"
+    d.mkdir()
+    with gzip.open(d / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz", "wt") as f:
+        json.dump(TRACE, f)
+    rows = dp.rows_from_traces(tmp_path, tokens=2)
+    md = dp.markdown({"host": "h", "date": "d", "command": "c", "records": rows})
+    # kernels 10+5+10+4+6+1 = 36 us over 2 tokens; span 46 us / 2
+    assert "| yali | 18.0 | 23.0 |" in md
+
+
+def test_serving_bench_profiles_into_its_out_dir(tmp_path):
+    """--profile-tokens: every server gets vLLM's torch profiler (traces under OUT/traces/<config>),
+    and the analysis of such traces lands in OUT/decode-profile.json (kind decode-profile)."""
+    import serving_bench as sb
+
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "serving_bench.py"), "--dry-run",
+                          "--profile-tokens", "16", "--repeats", "1", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    serve_lines = [ln for ln in out.stdout.splitlines() if "--tensor-parallel-size 2" in ln]
+    assert len(serve_lines) == 3
+    for cfg, line in zip(("yali", "vllm-default", "nccl"), serve_lines):
+        assert '"profiler": "torch"' in line and str(tmp_path / "traces" / cfg) in line
+    d = tmp_path / "traces" / "nccl"
+    d.mkdir(parents=True)
+    with gzip.open(d / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz", "wt") as f:
+        json.dump(TRACE, f)
+    path = sb.write_decode_profile(tmp_path, 2, "70b")
+    doc = json.loads(path.read_text())
+    assert doc["kind"] == "decode-profile" and {r["config"] for r in doc["records"]} == {"nccl"}
+    assert (tmp_path / "decode-profile.md").exists()
+    (tmp_path / "empty" / "traces" / "yali").mkdir(parents=True)  # a server that wrote no trace
+    assert sb.write_decode_profile(tmp_path / "empty", 2, "70b") is None
+
+
+def test_serving_bench_rejects_negative_profile_tokens():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "serving_bench.py"), "--dry-run",
+                          "--profile-tokens", "-1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "--profile-tokens" in out.stderr
+
+
+def test_top_kernels_per_config(tmp_path):
+    d = tmp_path / "yali"
+    d.mkdir()
+    with gzip.open(d / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz", "wt") as f:
+        json.dump(TRACE, f)
+    with gzip.open(d / "dp0_pp0_tp1_dcp0_ep0_rank1.1.pt.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": [k("only_on_rank1", 0, 99)]}, f)
+    top = dp.top_kernels(tmp_path, tokens=2)["yali"]
+    assert top[0] == {"name": "nvjet_tst_128x256_gemm", "class": "gemm", "count": 2, "total_us": 20.0,
+                      "per_token_count": 1.0, "per_token_us": 10.0}
+    assert all(t["name"] != "only_on_rank1" for t in top)
+    md = dp.markdown({"host": "h", "date": "d", "command": "c", "records": dp.rows_from_traces(tmp_path, 2),
+                      "top_kernels": {"yali": top}})
+    assert "Top kernels of yali" in md and "| `nvjet_tst_128x256_gemm` | gemm | 1.0 | 10.0 |" in md

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# End-to-end serving benchmark of the 70B-class dummy model, bounded by its own
-# budget. $1: repeats (default 1), $2: result name suffix (default r1).
-# Only 8 files come back from $OUT: the per-point raw files and server logs go
-# into one archive.
+# End-to-end serving benchmark of the 70B-class dummy model, bounded by its own budget.
+#   serving.sh [REPEATS] [SUFFIX] [CONFIGS] [PROFILE_TOKENS]
+# REPEATS default 1, SUFFIX (result name) default r1, CONFIGS default yali,vllm-default,nccl
+# (three do not fit one call: split them and merge the results with
+# `serving_bench.py --report-only A.json B.json --out DIR`), PROFILE_TOKENS default 0: > 0 profiles
+# one request of that many tokens per config after its measurements (decode-profile.json/.md).
+# Only 8 files come back from $OUT: the per-point raw files, server logs and traces go into one archive.
 . scripts/gpu_host/env.sh
 name="serving-70b-$(date +%Y%m%d)-${2:-r1}"
 work=/tmp/$name
 timeout -k 20 575 python3 benchmarks/serving_bench.py --model-size 70b --repeats "${1:-1}" --concurrency 1,8,32 \
+  --configs "${3:-yali,vllm-default,nccl}" --profile-tokens "${4:-0}" \
   --random-input-len 1024 --random-output-len 256 --max-num-seqs 64 --budget-s 555 --out "$work" 2>&1 \
-  | tee "$OUT/$name.log" | tail -45
+  | tee "$OUT/$name.log" | grep -v -i warn | tail -45
 cp "$work"/serving-benchmark.json "$OUT/$name.json" 2>/dev/null
 cp "$work"/serving-benchmark.md "$OUT/$name.md" 2>/dev/null
-cp "$work"/*.png "$OUT/" 2>/dev/null
-tar czf "$OUT/$name-raw.tgz" -C /tmp "$name"  # per-point JSONs and server-logs/
+cp "$work"/decode-profile.md "$OUT/$name-profile.md" 2>/dev/null && cat "$OUT/$name-profile.md"
+tar czf "$OUT/$name-raw.tgz" -C /tmp --exclude='*.pt.trace.json*' "$name"  # per-point JSONs, server logs, profile JSON
 ls -la "$OUT"

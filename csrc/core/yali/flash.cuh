@@ -49,7 +49,7 @@ __device__ __forceinline__ uint64_t flash_begin(const FlashArgs& a) {
   if (threadIdx.x == 0) {
     const uint64_t e = a.state->flash_epoch[blockIdx.x] + 1;
     a.state->flash_epoch[blockIdx.x] = e;
-    if (blockIdx.x == 0) a.state->calls += 1;
+    if (blockIdx.x == 0) atomicAdd(reinterpret_cast<unsigned long long*>(&a.state->calls), 1ull);  // no return: a RED, no stall
     s_epoch = e;
   }
   if (blockIdx.x == 0)

@@ -85,11 +85,15 @@ __device__ __forceinline__ float block_sum(float v) {
   return total;
 }
 
-// The epilogue for one row: s[u] holds vector sl.begin + t + u * kFlashThreads of
-// the all-reduced row (where that vector is in the slice). Called by all threads
-// of the CTA (and of its cluster).
+// The epilogue for one row, called by all threads of the CTA (and of its
+// cluster). Thread t holds, for u with j = sl.begin + t + u * kFlashThreads <
+// sl.end, vector j of the all-reduced row in s[u], of the residual row in r[u]
+// (unused without a residual) and of the weight in w[u]: every load was issued
+// before the wait that precedes this, so no memory latency is left in here but
+// the stores.
 template <typename T, int kV>
-__device__ __forceinline__ void rmsnorm_row(const FusedArgs& a, int row, const Vec16 (&s)[kV], const RowSlice& sl) {
+__device__ __forceinline__ void rmsnorm_row(const FusedArgs& a, int row, const Vec16 (&s)[kV], const Vec16 (&r)[kV],
+                                            const Vec16 (&w)[kV], const RowSlice& sl) {
   constexpr int kN = 16 / sizeof(T);
   const int t = threadIdx.x;
   const size_t base = size_t(row) * a.row_vecs;
@@ -101,10 +105,10 @@ __device__ __forceinline__ void rmsnorm_row(const FusedArgs& a, int row, const V
     if (j >= sl.end) continue;
     unpack<T>(s[u], z[u]);
     if (a.residual) {
-      float r[kN];
-      unpack<T>(load_local_input(static_cast<const Vec16*>(a.residual) + base + j), r);
+      float rr[kN];
+      unpack<T>(r[u], rr);
 #pragma unroll
-      for (int i = 0; i < kN; ++i) z[u][i] += r[i];
+      for (int i = 0; i < kN; ++i) z[u][i] += rr[i];
     }
     store_vec(static_cast<Vec16*>(a.residual_out) + base + j, pack<T>(z[u]));
 #pragma unroll
@@ -115,34 +119,63 @@ __device__ __forceinline__ void rmsnorm_row(const FusedArgs& a, int row, const V
   for (int u = 0; u < kV; ++u) {
     const int j = sl.begin + t + u * kFlashThreads;
     if (j >= sl.end) continue;
-    float w[kN], o[kN];
-    unpack<T>(load_local_input(static_cast<const Vec16*>(a.weight) + j), w);
+    float ww[kN], o[kN];
+    unpack<T>(w[u], ww);
 #pragma unroll
-    for (int i = 0; i < kN; ++i) o[i] = round_to<T>(z[u][i] * inv_rms) * w[i];
+    for (int i = 0; i < kN; ++i) o[i] = round_to<T>(z[u][i] * inv_rms) * ww[i];
     store_vec(static_cast<Vec16*>(a.norm_out) + base + j, pack<T>(o));
   }
+}
+
+// Loads this thread's vectors of a row slice into v: the row starts at
+// `row_start`; nullptr (no such array, or no row) loads nothing.
+template <int kV>
+__device__ __forceinline__ void load_slice(Vec16 (&v)[kV], const void* row_start, const RowSlice& sl) {
+  if (row_start == nullptr) return;
+  const Vec16* p = static_cast<const Vec16*>(row_start);
+#pragma unroll
+  for (int u = 0; u < kV; ++u) {
+    const int j = sl.begin + threadIdx.x + u * kFlashThreads;
+    if (j < sl.end) v[u] = load_local_input(p + j);
+  }
+}
+
+// Row `row` of the [rows, row_vecs] array at `base`; nullptr for no array or no such row.
+__device__ __forceinline__ const void* row_start(const void* base, int row, const FusedArgs& a) {
+  if (base == nullptr || row >= a.rows) return nullptr;
+  return static_cast<const Vec16*>(base) + size_t(row) * a.row_vecs;
 }
 
 template <typename T, int kV>
 __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kernel(FusedArgs a) {
   wait_prior_grids();
   const int t = threadIdx.x;
+  const RowSlice sl = row_slice(a);
+  const int first = sl.group;  // this CTA's first row (>= rows: it has none)
+  // Every load the first row needs is issued before the epoch fetch: all of
+  // them are independent, and inside a model the residual and the weight are
+  // usually not in L2 any more (the GEMM before this streamed its weights
+  // through it), so loading them after the peer's data arrived would put two
+  // DRAM latencies on the critical path. x stays in registers for the add.
+  Vec16 w[kV], x[kV], r[kV];
+  load_slice(w, first < a.rows ? a.weight : nullptr, sl);
+  load_slice(x, row_start(a.f.in, first, a), sl);
+  load_slice(r, row_start(a.residual, first, a), sl);
   const uint64_t e = flash_begin(a.f);
-  if (blockIdx.x == 0 && t == 0) a.f.state->fused_calls += 1;
+  if (blockIdx.x == 0 && t == 0) atomicAdd(reinterpret_cast<unsigned long long*>(&a.f.state->fused_calls), 1ull);
   const size_t par = (e & 1) * a.f.parity_bytes;
   Vec16* to_peer = reinterpret_cast<Vec16*>(a.f.peer_push + par);
   Vec16* from_peer = reinterpret_cast<Vec16*>(a.f.my_push + par);
-  const Vec16* in = static_cast<const Vec16*>(a.f.in);
-  const RowSlice sl = row_slice(a);
 
-  // 1. send all my rows (my slice of them)
-  for (int row = sl.group; row < a.rows; row += sl.groups) {
+  // 1. send all my rows (my slice of them); the first one is in registers
+  for (int row = first; row < a.rows; row += sl.groups) {
     const size_t base = size_t(row) * a.row_vecs;
     Vec16 v[kV];
+    if (row == first) {
 #pragma unroll
-    for (int u = 0; u < kV; ++u) {
-      const int j = sl.begin + t + u * kFlashThreads;
-      if (j < sl.end) v[u] = load_local_input(in + base + j);
+      for (int u = 0; u < kV; ++u) v[u] = x[u];
+    } else {
+      load_slice(v, row_start(a.f.in, row, a), sl);
     }
 #pragma unroll
     for (int u = 0; u < kV; ++u) {
@@ -150,28 +183,30 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kern
       if (j < sl.end) store_push(to_peer + base + j, canonical<T>(v[u]));
     }
   }
-  // 2. per row: receive the peer's partial sums, add mine, normalise
-  for (int row = sl.group; row < a.rows; row += sl.groups) {
+  // 2. per row: receive the peer's partial sums, add mine, normalise. A later
+  //    row's input and residual loads are issued together with its first polls.
+  for (int row = first; row < a.rows; row += sl.groups) {
     const size_t base = size_t(row) * a.row_vecs;
-    Vec16 s[kV], theirs[kV];
+    Vec16 theirs[kV];
+    if (row != first) {
+      load_slice(x, row_start(a.f.in, row, a), sl);
+      load_slice(r, row_start(a.residual, row, a), sl);
+    }
 #pragma unroll
     for (int u = 0; u < kV; ++u) {
       const int j = sl.begin + t + u * kFlashThreads;
-      if (j < sl.end) {
-        theirs[u] = load_push(from_peer + base + j);
-        s[u] = load_local_input(in + base + j);
-      }
+      if (j < sl.end) theirs[u] = load_push(from_peer + base + j);
     }
 #pragma unroll
     for (int u = 0; u < kV; ++u) {
       const int j = sl.begin + t + u * kFlashThreads;
       if (j < sl.end) {
         wait_push(from_peer + base + j, theirs[u], a.f.timeout_ns, a.f.abort, Kernel::FlashPush);
-        s[u] = add_vec<T>(canonical<T>(s[u]), theirs[u]);
+        x[u] = add_vec<T>(canonical<T>(x[u]), theirs[u]);
         clear_push(from_peer + base + j);
       }
     }
-    rmsnorm_row<T, kV>(a, row, s, sl);
+    rmsnorm_row<T, kV>(a, row, x, r, w, sl);
   }
 }
 
@@ -180,18 +215,15 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kern
 template <typename T, int kV>
 __global__ void __launch_bounds__(kFlashThreads, 1) add_rmsnorm_kernel(FusedArgs a) {
   wait_prior_grids();
-  if (blockIdx.x == 0 && threadIdx.x == 0) a.f.state->fused_calls += 1;
-  const Vec16* sum = static_cast<const Vec16*>(a.sum);
+  if (blockIdx.x == 0 && threadIdx.x == 0)
+    atomicAdd(reinterpret_cast<unsigned long long*>(&a.f.state->fused_calls), 1ull);
   const RowSlice sl{0, 1, 0, a.row_vecs};  // launched with a.cluster == 1: a CTA per row
+  Vec16 w[kV], s[kV], r[kV];
+  load_slice(w, int(blockIdx.x) < a.rows ? a.weight : nullptr, sl);
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    const size_t base = size_t(row) * a.row_vecs;
-    Vec16 s[kV];
-#pragma unroll
-    for (int u = 0; u < kV; ++u) {
-      const int j = threadIdx.x + u * kFlashThreads;
-      if (j < a.row_vecs) s[u] = load_local_input(sum + base + j);
-    }
-    rmsnorm_row<T, kV>(a, row, s, sl);
+    load_slice(s, row_start(a.sum, row, a), sl);
+    load_slice(r, row_start(a.residual, row, a), sl);
+    rmsnorm_row<T, kV>(a, row, s, r, w, sl);
   }
 }
 
