@@ -53,10 +53,11 @@ VARIANTS = {
     "push-cta1K": ({"YALI_DEV_PUSH_CTA_BYTES": "1K"}, "flash", SMALL + ",1M,4M,8M"),
     "push-cta4K": ({"YALI_DEV_PUSH_CTA_BYTES": "4K"}, "flash", SMALL + ",1M,4M,8M"),
     "push-cta16K": ({"YALI_DEV_PUSH_CTA_BYTES": "16K"}, "flash", SMALL + ",1M,4M,8M"),
-    # Round 5: programmatic dependent launch (YALI_DEV_PDL=1) against plain launches.
-    "push-nopdl": ({}, "flash", SMALL + ",1M,4M,8M"),
+    # Round 5: programmatic dependent launch against plain launches (PDL is the
+    # default since round 5 measured it faster at every size).
+    "push-nopdl": ({"YALI_DEV_PDL": "0"}, "flash", SMALL + ",1M,4M,8M"),
     "push-pdl": ({"YALI_DEV_PDL": "1"}, "flash", SMALL + ",1M,4M,8M"),
-    "stream-nopdl": ({}, "stream", "16M,64M"),
+    "stream-nopdl": ({"YALI_DEV_PDL": "0"}, "stream", "16M,64M"),
     "stream-pdl": ({"YALI_DEV_PDL": "1"}, "stream", "16M,64M"),
 }
 ROUND4 = [k for k in VARIANTS if k.startswith("push-cta")]

@@ -105,8 +105,6 @@ def test_stream_chunks_fit_slots(monkeypatch):
     ("YALI_DEV_LL_MAX", "64M", "byte count"),
     ("YALI_DEV_PUSH_CTA_BYTES", "100", "byte count"),
     ("YALI_DEV_PDL", "2", "integer in [0, 1]"),
-    ("YALI_DEV_FUSED_CLUSTER", "3", "one of 1, 2, 4, 8"),
-    ("YALI_DEV_FUSED_CLUSTER", "16", "integer in [1, 8]"),
     ("YALI_TIMEOUT_S", "-1", "seconds"),
 ])
 def test_bad_values_name_the_variable(monkeypatch, var, value, fragment):

@@ -110,18 +110,22 @@ def test_fused_suite_time_bound(suite):
         assert total < 120, {k: r[k]["wall_s"] for k in ("sweep", "interleaved", "graph", "compiled")}
 
 
-# Rows split over thread-block clusters (YALI_DEV_FUSED_CLUSTER, an experiment):
-# the same checks on a smaller plan, each cluster size in its own pair.
-CLUSTER_PLAN_HIDDEN = (2048, 5120, 8192)
-CLUSTER_PLAN_TOKENS = (1, 3, 32, 513)
+# The fused kernel on odd grids: 5 CTAs sending 272-byte chunks that do not line
+# up with rows, each CTA owning several rows; and without PDL. Same checks on a
+# smaller plan, each setting in its own pair.
+ODD_PLAN_HIDDEN = (2048, 5120, 8192)
+ODD_PLAN_TOKENS = (1, 3, 32, 513)
+ODD_SETTINGS = {
+    "odd-grids": {"YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_PUSH_CTA_BYTES": "272"},
+    "no-pdl": {"YALI_DEV_PDL": "0"},
+}
 
 
 @pytest.mark.timeout(170)
-@pytest.mark.parametrize("cluster", ["2", "8"])
-def test_fused_sweep_with_row_clusters(cluster):
-    plan = [p for p in fused_plan() if p["hidden"] in CLUSTER_PLAN_HIDDEN and p["tokens"] in CLUSTER_PLAN_TOKENS]
-    res = run_pair(scenarios.fused_sweep, plan, 4242, timeout=150,
-                   env={"YALI_TIMEOUT_S": "60", "YALI_DEV_FUSED_CLUSTER": cluster})
+@pytest.mark.parametrize("name", sorted(ODD_SETTINGS))
+def test_fused_sweep_nondefault_configs(name):
+    plan = [p for p in fused_plan() if p["hidden"] in ODD_PLAN_HIDDEN and p["tokens"] in ODD_PLAN_TOKENS]
+    res = run_pair(scenarios.fused_sweep, plan, 4242, timeout=150, env={"YALI_TIMEOUT_S": "60", **ODD_SETTINGS[name]})
     for rank, r in enumerate(res):
         assert not r["failures"], f"rank {rank}: " + "\n".join(r["failures"][:20])
         assert r["launched"] == len(plan) == r["device_fused_calls"]

@@ -44,8 +44,7 @@ struct Config {
   int lanes = 128;                     // YALI_DEV_LANES: stream lanes (one CTA each)
   int slots = 8;                       // YALI_DEV_SLOTS: ring slots per lane
   size_t slot_bytes = 64u << 10;       // YALI_DEV_SLOT_BYTES
-  int pdl = 0;                         // YALI_DEV_PDL: 1 = launch with programmatic dependent launch
-  int fused_cluster = 1;               // YALI_DEV_FUSED_CLUSTER: CTAs per row in the fused kernel (1, 2, 4, 8)
+  int pdl = 1;                         // YALI_DEV_PDL: 1 = launch with programmatic dependent launch, 0 = plain
   double timeout_s = 300.0;            // YALI_TIMEOUT_S: a kernel waiting longer aborts (0 = never)
 
   static Config from_env();  // throws std::invalid_argument naming the bad variable

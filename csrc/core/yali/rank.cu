@@ -39,21 +39,13 @@ __global__ void fill_words(uint32_t* p, size_t n, uint32_t v) {
 
 // One launch, with programmatic dependent launch when `pdl` (see ptx.cuh:
 // wait_prior_grids, which every YALI kernel runs first).
-// `cluster` > 1: thread-block clusters of that many CTAs (grid a multiple of it).
 template <typename Args>
-cudaError_t launch(void (*kernel)(Args), int grid, int threads, cudaStream_t stream, bool pdl, const Args& args,
-                   int cluster = 1) {
-  cudaLaunchAttribute attr[2];
+cudaError_t launch(void (*kernel)(Args), int grid, int threads, cudaStream_t stream, bool pdl, const Args& args) {
+  cudaLaunchAttribute attr[1];
   unsigned n = 0;
   if (pdl) {
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (cluster > 1) {
-    attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = unsigned(cluster);
-    attr[n].val.clusterDim.y = 1;
-    attr[n++].val.clusterDim.z = 1;
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(grid));
@@ -217,13 +209,12 @@ namespace {
 template <typename T, int kV>
 cudaError_t launch_fused(const FusedArgs& a, bool one_launch, int grid, bool pdl, cudaStream_t stream) {
   return launch(one_launch ? fused_allreduce_rmsnorm_kernel<T, kV> : add_rmsnorm_kernel<T, kV>, grid, kFlashThreads,
-                stream, pdl, a, a.cluster);
+                stream, pdl, a);
 }
 
 template <typename T>
 cudaError_t launch_fused_rows(const FusedArgs& a, bool one_launch, int grid, bool pdl, cudaStream_t stream) {
-  const int slice = (a.row_vecs + a.cluster - 1) / a.cluster;               // vectors of a row per CTA
-  const int per_thread = (slice + kFlashThreads - 1) / kFlashThreads;       // ... per thread
+  const int per_thread = (a.row_vecs + kFlashThreads - 1) / kFlashThreads;  // vectors of a row per thread
   if (per_thread <= 1) return launch_fused<T, 1>(a, one_launch, grid, pdl, stream);
   if (per_thread <= 2) return launch_fused<T, 2>(a, one_launch, grid, pdl, stream);
   if (per_thread <= 4) return launch_fused<T, 4>(a, one_launch, grid, pdl, stream);
@@ -259,9 +250,11 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
   a.hidden = int(hidden);
   a.eps = eps;
   const bool one_launch = fused_one_launch(rows, hidden, dtype);
-  // One CTA per row, or a cluster of fused_cluster CTAs per row; row groups loop.
-  a.cluster = one_launch ? config_.fused_cluster : 1;
-  int grid = int(std::min<size_t>(rows, size_t(config_.flash_ctas / a.cluster))) * a.cluster;
+  // The sending is cut as flash-push cuts a message (push_cta_bytes per CTA, at
+  // most flash_ctas CTAs); every row needs an owner CTA too (rows b, b + grid, ...).
+  const size_t senders = std::min<size_t>(config_.flash_ctas,
+                                          std::max<size_t>(1, (nbytes + config_.push_cta_bytes - 1) / config_.push_cta_bytes));
+  int grid = int(std::max(senders, std::min<size_t>(rows, config_.flash_ctas)));
   if (!one_launch) {
     // All-reduce into norm_out (it may be `in`; never residual, which may alias
     // residual_out), then the epilogue reads the sum from there, row by row.
