@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end serving benchmark of the 70B-class dummy model, bounded by its own budget.
 #   serving.sh [REPEATS] [SUFFIX] [CONFIGS] [PROFILE_TOKENS]
+# (SERVING_BUDGET_S bounds the run, default 555 s.)
 # REPEATS default 1, SUFFIX (result name) default r1, CONFIGS default yali,vllm-default,nccl
 # (three do not fit one call: split them and merge the results with
 # `serving_bench.py --report-only A.json B.json --out DIR`), PROFILE_TOKENS default 0: > 0 profiles
@@ -9,9 +10,9 @@
 . scripts/gpu_host/env.sh
 name="serving-70b-$(date +%Y%m%d)-${2:-r1}"
 work=/tmp/$name
-timeout -k 20 575 python3 benchmarks/serving_bench.py --model-size 70b --repeats "${1:-1}" --concurrency 1,8,32 \
+timeout -k 20 "$(( ${SERVING_BUDGET_S:-555} + 20 ))" python3 benchmarks/serving_bench.py --model-size 70b --repeats "${1:-1}" --concurrency 1,8,32 \
   --configs "${3:-yali,vllm-default,nccl}" --profile-tokens "${4:-0}" \
-  --random-input-len 1024 --random-output-len 256 --max-num-seqs 64 --budget-s 555 --out "$work" 2>&1 \
+  --random-input-len 1024 --random-output-len 256 --max-num-seqs 64 --budget-s "${SERVING_BUDGET_S:-555}" --out "$work" 2>&1 \
   | tee "$OUT/$name.log" | grep -v -i warn | tail -45
 cp "$work"/serving-benchmark.json "$OUT/$name.json" 2>/dev/null
 cp "$work"/serving-benchmark.md "$OUT/$name.md" 2>/dev/null
