@@ -123,6 +123,35 @@ def rows_from_traces(trace_root: Path, tokens: int) -> list[dict]:
     return rows
 
 
+# vLLM's worker profiler annotates each engine step as execute_context_<n>(<tokens>)_generation_<n>(<tokens>);
+# its key-averages table (profiler_out_<rank>.txt) gives the GPU time under each annotation.
+STEP_ROW = re.compile(r"^\s*execute_context_(\d+)\(\d+\)_generation_(\d+)\(\d+\)\s.*?([\d.]+)(us|ms|s)\s+(\d+)\s*$")
+
+
+def _us(value: str, unit: str) -> float:
+    return float(value) * {"us": 1.0, "ms": 1e3, "s": 1e6}[unit]
+
+
+def step_times(trace_root: Path) -> dict:
+    """Per config and rank, from vLLM's profiler_out_<rank>.txt: the mean GPU time of a pure
+    decode step (no prefill in the batch) and how many there were. This is the number to
+    compare between configurations: it excludes the host's time between steps."""
+    out: dict = {}
+    for cfg_dir in sorted(p for p in trace_root.iterdir() if p.is_dir()):
+        for path in sorted(cfg_dir.glob("profiler_out_*.txt")):
+            rank = int(re.search(r"(\d+)", path.name).group(1))
+            for line in path.read_text(errors="replace").splitlines():
+                m = STEP_ROW.match(line)
+                if m and m.group(1) == "0":  # no context (prefill) requests in the step
+                    # the row's last three columns: CUDA total, CUDA time avg, # of calls
+                    cols = line.split()
+                    avg = re.fullmatch(r"([\d.]+)(us|ms|s)", cols[-2])
+                    if avg:
+                        out.setdefault(cfg_dir.name, {})[str(rank)] = {"decode_steps": int(cols[-1]),
+                                                                       "decode_step_us": round(_us(*avg.groups()), 1)}
+    return out
+
+
 def top_kernels(trace_root: Path, tokens: int) -> dict:
     """Per config: rank 0's kernels with the most time, per token (names cut to 160 chars)."""
     out = {}
@@ -159,6 +188,12 @@ def markdown(doc: dict) -> str:
                   "| config | kernel µs / token | span µs / token |", "|---|---:|---:|"]
         for cfg, t in totals.items():
             lines.append(f"| {cfg} | {t['busy']:.1f} | {t['span'] / tokens:.1f} |")
+    if doc.get("step_times"):
+        lines += ["", "GPU time of one decode step (vLLM's step annotation in the profiler's key averages; excludes the "
+                  "host's time between steps):", "", "| config | rank | decode steps | µs / step |", "|---|---:|---:|---:|"]
+        for cfg, ranks in doc["step_times"].items():
+            for rank, st in sorted(ranks.items()):
+                lines.append(f"| {cfg} | {rank} | {st['decode_steps']} | {st['decode_step_us']} |")
     for cfg, top in doc.get("top_kernels", {}).items():
         lines += ["", f"Top kernels of {cfg} (rank 0, per token):", "", "| kernel | class | count | µs |", "|---|---|---:|---:|"]
         for k in top:
@@ -192,6 +227,31 @@ def profile_config(args, cfg: str, model_dir: Path, out: Path, deadline: "sb.Dea
     say(f"{cfg}: server stopped; traces: {len(list(trace_dir.rglob('*.json*')))} files")
 
 
+def merge(paths: list[Path], out: Path) -> int:
+    """One decode-profile document from several: records and top kernels of each, in order
+    (a config in two files keeps the later one's top kernels); the sources are listed."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    for p, d in zip(paths, docs):
+        if d.get("kind") != KIND:
+            raise SystemExit(f"{p}: kind {d.get('kind')!r}, expected {KIND!r}")
+    doc = results_header(KIND, {"tokens": docs[0].get("tokens"), "model_size": docs[0].get("model_size"),
+                                "merged_from": [{"file": str(p), "date": d.get("date"), "command": d.get("command")}
+                                                for p, d in zip(paths, docs)]})
+    doc["records"] = [r for d in docs for r in d["records"]]
+    doc["top_kernels"] = {cfg: top for d in docs for cfg, top in d.get("top_kernels", {}).items()}
+    # The profile's host and versions are those of the runs (the first one), not of this merge.
+    doc["host"], doc["versions"] = docs[0].get("host", doc["host"]), docs[0].get("versions", doc["versions"])
+    doc["step_times"] = {}
+    for p, d in zip(paths, docs):
+        traces = Path(p).parent / "traces"
+        doc["step_times"].update(d.get("step_times") or (step_times(traces) if traces.is_dir() else {}))
+    out.mkdir(parents=True, exist_ok=True)
+    write_results(str(out / "decode-profile.json"), doc)
+    (out / "decode-profile.md").write_text(markdown(doc))
+    print(markdown(doc))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sb.add_server_args(ap)
@@ -200,7 +260,14 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--report-only", type=Path, default=None, metavar="TRACES_DIR",
                     help="analyse TRACES_DIR/<config>/... again, run nothing")
+    ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="DECODE_PROFILE.json",
+                    help="merge the records of several decode-profile.json files (e.g. one per device call) into "
+                         "--out/decode-profile.json/.md, run nothing")
     args = ap.parse_args()
+    if args.merge:
+        if args.out is None:
+            ap.error("--merge needs --out")
+        return merge(args.merge, args.out)
     out = args.out or sb.default_out("decode-profile")
     out.mkdir(parents=True, exist_ok=True)
     trace_root = args.report_only or out / "traces"
@@ -220,6 +287,7 @@ def main() -> int:
     doc = results_header(KIND, {"tokens": args.tokens, "model_size": args.model_size})
     doc["records"] = rows_from_traces(trace_root, args.tokens)
     doc["top_kernels"] = top_kernels(trace_root, args.tokens)
+    doc["step_times"] = step_times(trace_root)
     write_results(str(out / "decode-profile.json"), doc)
     (out / "decode-profile.md").write_text(markdown(doc))
     print(markdown(doc))

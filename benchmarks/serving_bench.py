@@ -1280,6 +1280,7 @@ def write_decode_profile(out: Path, tokens: int, model_size: str) -> Path | None
                                                "source": "serving_bench --profile-tokens"})
     doc["records"] = decode_profile.rows_from_traces(out / "traces", tokens)
     doc["top_kernels"] = decode_profile.top_kernels(out / "traces", tokens)
+    doc["step_times"] = decode_profile.step_times(out / "traces")
     if not doc["records"]:
         return None
     path = out / "decode-profile.json"

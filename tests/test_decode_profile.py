@@ -131,3 +131,44 @@ def test_top_kernels_per_config(tmp_path):
     md = dp.markdown({"host": "h", "date": "d", "command": "c", "records": dp.rows_from_traces(tmp_path, 2),
                       "top_kernels": {"yali": top}})
     assert "Top kernels of yali" in md and "| `nvjet_tst_128x256_gemm` | gemm | 1.0 | 10.0 |" in md
+
+
+def test_merge_keeps_every_record_and_lists_sources(tmp_path):
+    import serving_bench as sb
+
+    paths = []
+    for cfg in ("yali", "vllm-default"):
+        run = tmp_path / f"run-{cfg}"
+        d = run / "traces" / cfg
+        d.mkdir(parents=True)
+        with gzip.open(d / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz", "wt") as f:
+            json.dump(TRACE, f)
+        paths.append(sb.write_decode_profile(run, 2, "70b"))
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "decode_profile.py"), "--merge",
+                          *map(str, paths), "--out", str(tmp_path / "merged")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads((tmp_path / "merged" / "decode-profile.json").read_text())
+    assert {r["config"] for r in doc["records"]} == {"yali", "vllm-default"}
+    assert set(doc["top_kernels"]) == {"yali", "vllm-default"} and len(doc["merged_from"]) == 2
+    assert "| vllm-default | 18.0 | 23.0 |" in (tmp_path / "merged" / "decode-profile.md").read_text()
+
+
+PROFILER_OUT = """\
+-------------------------------------------------------  ------------  ------------
+                                                   Name    Self CPU %      Self CPU   CPU total %     CPU total  CPU time avg     Self CUDA   Self CUDA %    CUDA total  CUDA time avg    # of Calls
+                   execute_context_0(0)_generation_1(1)         0.00%       0.000us         0.00%       0.000us       0.000us     625.482ms        97.56%     625.482ms      20.177ms            31
+                  execute_context_1(66)_generation_0(0)         0.00%       0.000us         0.00%       0.000us       0.000us      36.628ms         5.71%      36.628ms      36.628ms             1
+"""
+
+
+def test_step_times_reads_decode_steps_from_vllm_key_averages(tmp_path):
+    d = tmp_path / "yali"
+    d.mkdir()
+    (d / "profiler_out_0.txt").write_text(PROFILER_OUT)
+    (d / "profiler_out_1.txt").write_text(PROFILER_OUT.replace("20.177ms", "850.000us"))
+    st = dp.step_times(tmp_path)
+    assert st == {"yali": {"0": {"decode_steps": 31, "decode_step_us": 20177.0},
+                           "1": {"decode_steps": 31, "decode_step_us": 850.0}}}
+    md = dp.markdown({"host": "h", "date": "d", "command": "c", "records": [], "step_times": st})
+    assert "| yali | 0 | 31 | 20177.0 |" in md
