@@ -408,6 +408,42 @@ def _yali_config():
         return str(e)
 
 
+# Issue 2's targets (bf16): (label, timing, sizes, metric, bound, "max" = at most / "min" = at least).
+TARGETS = [
+    ("≤ 64 KiB: per-op ≤ 3.5 µs", "graph", [s for s in (2 << 10, 4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10)],
+     "us_p50", 3.5, "max"),
+    ("1 MiB: per-op ≤ 7.0 µs", "graph", [1 << 20], "us_p50", 7.0, "max"),
+    ("4 MiB: per-op ≤ 15 µs", "graph", [4 << 20], "us_p50", 15.0, "max"),
+    ("64 MiB: busBW ≥ 340 GB/s", "graph", [64 << 20], "busbw_gbps", 340.0, "min"),
+    ("1 GiB eager: busBW ≥ 360 GB/s", "eager", [1 << 30], "busbw_gbps", 360.0, "min"),
+    ("16–256 MiB eager: p99/p50 ≤ 1.15", "eager", [16 << 20, 64 << 20, 256 << 20], "p99_over_p50", 1.15, "max"),
+]
+
+
+def target_rows(res, dtype="bf16"):
+    """Each target against this run's yali rows: (label, measured text, verdict) or None when
+    the run has no row for it. The worst size of a target decides it."""
+    get = {(r["bytes"], r["timing"]): r for r in res["records"] if r["backend"] == "yali" and r["dtype"] == dtype}
+    out = []
+    for label, timing, sizes, metric, bound, kind in TARGETS:
+        vals = []
+        for s in sizes:
+            r = get.get((s, timing))
+            if r is None:
+                continue
+            v = r["us_p99"] / r["us_p50"] if metric == "p99_over_p50" else r[metric]
+            vals.append((s, v))
+        if not vals:
+            out.append((label, "not measured in this run", "–"))
+            continue
+        worst = max(vals, key=lambda x: x[1]) if kind == "max" else min(vals, key=lambda x: x[1])
+        ok = worst[1] <= bound if kind == "max" else worst[1] >= bound
+        text = ", ".join(f"{fmt_size(s)}: {v:.2f}" for s, v in vals)
+        verdict = "met" if ok else f"missed by {abs(worst[1] - bound):.2f}"
+        out.append((label, text, verdict))
+    return out
+
+
 def markdown_table(res, dtype="bf16"):
     rows = [r for r in res["records"] if r["dtype"] == dtype]
     backends = [b for b in ALL_BACKENDS if any(r["backend"] == b for r in rows)]
@@ -440,6 +476,8 @@ def markdown_table(res, dtype="bf16"):
             r = get.get((b, s, "eager"))
             cells.append(f"{r['us_p50']:.1f} / {r['us_p99']:.1f} ({r['us_p99'] / r['us_p50']:.2f})" if r else "–")
         out.append(f"| {fmt_size(s)} | " + " | ".join(cells) + " |")
+    out += ["\n## Targets (issue 2, yali, " + dtype + ")\n", "| target | measured | verdict |", "|---|---|---|"]
+    out += [f"| {a} | {b} | {c} |" for a, b, c in target_rows(res, dtype)]
     if res.get("skipped_backends"):
         out.append("\nSkipped backends: " + "; ".join(f"{k}: {v}" for k, v in res["skipped_backends"].items()))
     return "\n".join(out) + "\n"

@@ -1225,6 +1225,16 @@ def build_parser() -> argparse.ArgumentParser:
         "around them, see decode_profile.py) under --out; 0 = no profile. The profiler is configured on the server "
         "but only runs for that request, after the measurements",
     )
+    p.add_argument("--locust-users", type=int, default=0,
+                   help="after each config's first-repeat points, a locust load test (benchmarks/locustfile.py) "
+                        "with this many users on the same server; rows in --out/load-test.json (kind load-test). 0 = none")
+    p.add_argument("--locust-duration-s", type=int, default=60, help="duration of each locust comparison run")
+    p.add_argument("--soak-s", type=int, default=0,
+                   help="after the yali server's first-repeat points (and locust run), a soak of this many seconds "
+                        "with --soak-users users on the same server; PASS needs zero failed requests and no "
+                        "ERROR/Traceback line in the server log up to its stop (--out/soak.json). 0 = none")
+    p.add_argument("--soak-users", type=int, default=64)
+    p.add_argument("--locust-bin", default="locust", help="locust command, shell-split (default: locust on PATH, else this python -m locust)")
     add_server_args(p)
     p.add_argument("--out", type=Path, default=None, help="output dir (default benchmarks/results/serving-DATE)")
     p.add_argument(
@@ -1247,6 +1257,11 @@ def validate_args(args: argparse.Namespace) -> list[str]:
         raise SystemExit("--repeats must be >= 1")
     if args.profile_tokens < 0:
         raise SystemExit("--profile-tokens must be >= 0")
+    for name in ("locust_users", "locust_duration_s", "soak_s", "soak_users"):
+        if getattr(args, name) < 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 0")
+    if args.soak_s and "yali" not in configs:
+        raise SystemExit("--soak-s soaks the yali server: add yali to --configs")
     need = args.random_input_len + args.random_output_len
     if args.max_model_len < need:
         raise SystemExit(f"--max-model-len {args.max_model_len} < input+output {need}")
@@ -1270,6 +1285,85 @@ def profile_request(base_url: str, model: str, tokens: int, deadline: "Deadline"
     finally:
         http_post(base_url + "/stop_profile", {}, deadline.clip(300.0, reserve_s))  # writes the traces
     return time.monotonic() - t0
+
+
+class LoadTests:
+    """Locust runs on servers serving_bench already started (comparison rows and the yali
+    soak), written as load_test.py writes them: load-test.json (mode comparison) and
+    soak.json (mode soak, with its verdict), locust's CSV/HTML beside them."""
+
+    def __init__(self, args: argparse.Namespace, out: Path, model_dir: Path):
+        import load_test
+
+        self.lt, self.args, self.out, self.model_dir = load_test, args, out, model_dir
+        self.settings = argparse.Namespace(max_tokens=64, prompt_words=128, chat_weight=1, completions_weight=1,
+                                           request_timeout_s=120.0)
+        self.docs: dict[str, dict[str, Any]] = {}
+        self.locust_bin = resolve_command(args.locust_bin, "locust")
+
+    def doc(self, mode: str) -> dict[str, Any]:
+        if mode not in self.docs:
+            users = self.args.soak_users if mode == "soak" else self.args.locust_users
+            dur = self.args.soak_s if mode == "soak" else self.args.locust_duration_s
+            self.docs[mode] = results_header(self.lt.KIND, {
+                "mode": mode, "model": model_summary(self.model_dir, self.args.model_size),
+                "locust": {"users": users, "spawn_rate": max(1.0, users / 4.0), "duration_s": dur,
+                           **vars(self.settings)},
+                "source": "serving_bench (locust on the benchmark's own servers, after their measurements)",
+                "records": [], "server_logs": [], "errors": []})
+        return self.docs[mode]
+
+    def run(self, server: "Server", cfg: str, mode: str, deadline: "Deadline", reserve_s: float,
+            say: Callable[[str], None]) -> None:
+        doc = self.doc(mode)
+        users, wanted = doc["locust"]["users"], int(doc["locust"]["duration_s"])
+        overhead = 45.0  # locust start/stop + spawn + stop-timeout slack
+        duration = int(min(wanted, deadline.remaining() - reserve_s - overhead))
+        if duration < min(5, wanted):
+            doc["errors"].append({"config": cfg, "error": "skipped: not enough budget left"})
+            say(f"{cfg}: locust {mode} skipped, not enough budget left")
+            return
+        name = f"locust-{mode}-{cfg}"
+        cmd = self.lt.locust_command(self.locust_bin, users=users, spawn_rate=max(1.0, users / 4.0),
+                                     duration_s=duration, host=server.base_url, csv_prefix=self.out / name,
+                                     html=self.out / f"{name}.html")
+        say(f"{cfg}: locust {mode}, {users} users for {duration}s"
+            + (f" (shortened from {wanted}s by the budget)" if duration < wanted else ""))
+        rc = run_bounded(cmd, env=self.lt.locust_env(self.settings, str(self.model_dir)),
+                         timeout_s=deadline.clip(duration + overhead, reserve_s), log_path=self.out / f"{name}.log")
+        stats = self.out / f"{name}_stats.csv"
+        if not stats.exists():
+            doc["errors"].append({"config": cfg, "error": f"locust wrote no stats (rc {rc})",
+                                  "log_tail": tail_lines(self.out / f"{name}.log", 20)})
+            say(f"{cfg}: locust {mode} wrote no stats (rc {rc})")
+            return
+        row = self.lt.locust_csv_to_row(stats, cfg, users, duration)
+        row["locust_rc"] = rc
+        row["top_failures"] = self.lt.locust_failures(self.out / f"{name}_failures.csv")
+        doc["records"].append(row)
+        say(f"{cfg}: locust {mode}: {row['requests']} requests, {row['failures']} failures, TTFT p50 "
+            f"{row['ttft_ms_p50']} ms, ITL p50 {row['itl_ms_p50']} ms (rc {rc})")
+
+    def server_stopped(self, cfg: str, entry: dict[str, Any]) -> None:
+        """Records the stopped server's log scan with every mode that ran on it."""
+        for doc in self.docs.values():
+            if any(r["config"] == cfg for r in doc["records"]) or any(e["config"] == cfg for e in doc["errors"]):
+                doc["server_logs"].append({"config": cfg, **entry})
+                for r in doc["records"]:
+                    if r["config"] == cfg:
+                        r["server_log_errors"] = entry["error_count"]
+
+    def write(self, say: Callable[[str], None]) -> None:
+        for mode, doc in self.docs.items():
+            if mode == "soak":
+                row = doc["records"][0] if doc["records"] else None
+                scan = doc["server_logs"][0] if doc["server_logs"] else None
+                rc = row.get("locust_rc") if row else None
+                doc["verdict"] = self.lt.soak_verdict(row, scan, rc, bool(scan and scan.get("yali_on")))
+                say(f"soak verdict: {'PASS' if doc['verdict']['pass'] else 'FAIL'} {doc['verdict']['reasons']}")
+            stem = "soak" if mode == "soak" else "load-test"
+            write_results(self.out / f"{stem}.json", doc)
+            (self.out / f"{stem}.md").write_text(self.lt.render_markdown(doc), encoding="utf-8")
 
 
 def write_decode_profile(out: Path, tokens: int, model_size: str) -> Path | None:
@@ -1329,6 +1423,11 @@ def run(args: argparse.Namespace) -> int:
                 bargs = b_args(f"http://127.0.0.1:{args.port}", c, j, out / "raw", f"{cfg}-r{rep}-c{c}.json")
                 print("  " + shlex.join([*split_command(args.vllm_bin), "bench", "serve", *bargs]))
         print(f"# bench runner: {args.bench_runner}")
+        if args.locust_users:
+            print(f"# then, on each config's first server: locust {args.locust_users} users for {args.locust_duration_s}s "
+                  f"-> {out / 'load-test.json'}")
+        if args.soak_s:
+            print(f"# then, on the yali server: soak, locust {args.soak_users} users for {args.soak_s}s -> {out / 'soak.json'}")
         return 0
 
     args.vllm_bin = resolve_command(args.vllm_bin, "vllm.entrypoints.cli.main")
@@ -1339,6 +1438,7 @@ def run(args: argparse.Namespace) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     json_path = out / RESULT_NAME
 
+    args.load_tests = LoadTests(args, out, model_dir) if (args.locust_users or args.soak_s) else None
     runner: CliBenchRunner | WorkerBenchRunner
     if args.bench_runner == "cli":
         runner = CliBenchRunner(args.vllm_bin, child_env())
@@ -1504,6 +1604,11 @@ def _run_all(
                             doc["errors"].append({"config": cfg, "repeat": rep, "concurrency": None,
                                                   "error": f"profile: {type(e).__name__}: {e}"})
                             say(f"{tag}: profile FAILED: {type(e).__name__}: {e}")
+                if args.load_tests is not None and rep == 1:
+                    if args.locust_users:
+                        args.load_tests.run(server, cfg, "comparison", deadline, stop_reserve, say)
+                    if args.soak_s and cfg == "yali":
+                        args.load_tests.run(server, cfg, "soak", deadline, stop_reserve, say)
             except ServerError as e:
                 dead_configs.add(cfg)
                 doc["errors"].append({"config": cfg, "repeat": rep, "concurrency": None, "error": str(e)})
@@ -1515,6 +1620,8 @@ def _run_all(
                 for w in entry["warnings"]:
                     say(f"{tag}: WARNING: {w}")
                 doc["server_logs"].append(entry)
+                if args.load_tests is not None and rep == 1:
+                    args.load_tests.server_stopped(cfg, entry)
                 write_results(json_path, doc)
                 port += 1
     except (KeyboardInterrupt, Terminated) as e:
@@ -1523,6 +1630,8 @@ def _run_all(
     finally:
         doc["elapsed_s"] = round(deadline.elapsed(), 1)
         write_results(json_path, doc)
+        if args.load_tests is not None:
+            args.load_tests.write(say)
         if args.profile_tokens and (out / "traces").is_dir():
             try:
                 prof = write_decode_profile(out, args.profile_tokens, args.model_size)

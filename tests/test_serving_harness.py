@@ -976,3 +976,40 @@ def test_report_only_merges_runs(tmp_path):
     md = (out / "serving-benchmark.md").read_text()
     nccl_row = next(line for line in md.splitlines() if line.startswith("| nccl |"))
     assert "| 2 |" in nccl_row and "(better)" in nccl_row
+
+
+def test_locust_and_soak_on_the_benchmark_servers(tmp_path, fake_vllm, monkeypatch):
+    """--locust-users / --soak-s: locust runs on the servers serving_bench started, after their
+    points (no extra server start): a load-test row per config, the yali soak with its verdict."""
+    if importlib.util.find_spec("locust") is None:
+        pytest.skip("locust not installed")
+    monkeypatch.setattr(sb, "prepare_model", _tiny_model)
+    monkeypatch.setattr(sb, "install_signal_handlers", lambda: None)
+    out = tmp_path / "out"
+    rc = sb.main([
+        "--vllm-bin", f"{sys.executable} {fake_vllm}", "--bench-runner", "cli", "--configs", "yali,nccl",
+        "--repeats", "1", "--concurrency", "1", "--model-size", "8b", "--model-dir", str(tmp_path / "m"),
+        "--locust-users", "2", "--locust-duration-s", "3", "--soak-s", "3", "--soak-users", "3",
+        "--locust-bin", f"{sys.executable} -m locust", "--budget-s", "300", "--stop-grace-s", "4",
+        "--port", str(free_port()), "--out", str(out), "--warmup-requests", "1",
+    ])
+    assert rc == 0
+    load = json.loads((out / "load-test.json").read_text())
+    assert load["kind"] == "load-test" and load["mode"] == "comparison"
+    assert [r["config"] for r in load["records"]] == ["yali", "nccl"]
+    assert all(r["users"] == 2 and r["requests"] > 0 and r["failures"] == 0 for r in load["records"])
+    assert {s["config"] for s in load["server_logs"]} == {"yali", "nccl"}
+    soak = json.loads((out / "soak.json").read_text())
+    assert soak["mode"] == "soak" and [r["config"] for r in soak["records"]] == ["yali"]
+    assert soak["records"][0]["users"] == 3 and soak["verdict"] == {"pass": True, "reasons": []}
+    for f in ("locust-comparison-yali_stats.csv", "locust-comparison-nccl.html", "locust-soak-yali_stats.csv",
+              "load-test.md", "soak.md"):
+        assert (out / f).exists(), f
+    assert "Soak verdict: PASS" in (out / "soak.md").read_text()
+    serving = json.loads((out / "serving-benchmark.json").read_text())
+    assert len(serving["records"]) == 2 and serving["errors"] == []
+
+
+def test_soak_needs_the_yali_config():
+    with pytest.raises(SystemExit, match="soak"):
+        sb.main(["--dry-run", "--configs", "nccl", "--soak-s", "10"])

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # End-to-end serving benchmark of the 70B-class dummy model, bounded by its own budget.
 #   serving.sh [REPEATS] [SUFFIX] [CONFIGS] [PROFILE_TOKENS]
-# (SERVING_BUDGET_S bounds the run, default 555 s.)
+# (SERVING_BUDGET_S bounds the run, default 555 s. LOCUST_USERS > 0: a locust run of LOCUST_S
+# seconds (default 60) on each config's server after its points; SOAK_S > 0: then a soak of that
+# many seconds with 64 users on the yali server; both take their time from the same budget.)
 # REPEATS default 1, SUFFIX (result name) default r1, CONFIGS default yali,vllm-default,nccl
 # (three do not fit one call: split them and merge the results with
 # `serving_bench.py --report-only A.json B.json --out DIR`), PROFILE_TOKENS default 0: > 0 profiles
@@ -12,10 +14,12 @@ name="serving-70b-$(date +%Y%m%d)-${2:-r1}"
 work=/tmp/$name
 timeout -k 20 "$(( ${SERVING_BUDGET_S:-555} + 20 ))" python3 benchmarks/serving_bench.py --model-size 70b --repeats "${1:-1}" --concurrency 1,8,32 \
   --configs "${3:-yali,vllm-default,nccl}" --profile-tokens "${4:-0}" \
+  --locust-users "${LOCUST_USERS:-0}" --locust-duration-s "${LOCUST_S:-60}" --soak-s "${SOAK_S:-0}" \
   --random-input-len 1024 --random-output-len 256 --max-num-seqs 64 --budget-s "${SERVING_BUDGET_S:-555}" --out "$work" 2>&1 \
   | tee "$OUT/$name.log" | grep -v -i warn | tail -45
 cp "$work"/serving-benchmark.json "$OUT/$name.json" 2>/dev/null
 cp "$work"/serving-benchmark.md "$OUT/$name.md" 2>/dev/null
 cp "$work"/decode-profile.md "$OUT/$name-profile.md" 2>/dev/null && cat "$OUT/$name-profile.md"
-tar czf "$OUT/$name-raw.tgz" -C /tmp --exclude='*.pt.trace.json*' "$name"  # per-point JSONs, server logs, profile JSON
+for f in load-test soak; do cp "$work/$f.json" "$OUT/$name-$f.json" 2>/dev/null && cat "$work/$f.md"; done
+tar czf "$OUT/$name-raw.tgz" -C /tmp --exclude='*.pt.trace.json*' "$name"  # per-point JSONs, server logs, profile, locust CSV/HTML
 ls -la "$OUT"
