@@ -26,7 +26,6 @@ import json
 import os
 import re
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -104,27 +103,44 @@ def rank_of(path: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def rows_from_traces(trace_root: Path, tokens: int) -> list[dict]:
-    """One row per config (the trace sub-directory) x rank x kernel class."""
-    rows = []
+def summarize_traces(trace_root: Path, tokens: int) -> tuple[list[dict], dict]:
+    """Each trace under trace_root/<config>/ loaded and analysed once: one row per config x rank x
+    kernel class, and per config rank 0's kernels with the most time, per token (names cut to
+    160 chars). Traces without GPU kernels (the API server's CPU-only one) give nothing."""
+    rows: list[dict] = []
+    top: dict = {}
     for cfg_dir in sorted(p for p in trace_root.iterdir() if p.is_dir()):
         files = sorted(glob.glob(str(cfg_dir / "**" / "*.json*"), recursive=True))
         for i, path in enumerate(files):
             res = analyze(load_trace(path))
             if not res["kernels"]:
-                continue  # the API server's CPU-only trace
+                continue
             rank = rank_of(path)
-            for cls, s in sorted(res["classes"].items()):
+            for cls, st in sorted(res["classes"].items()):
                 rows.append({"config": cfg_dir.name, "rank": i if rank is None else rank, "kernel_class": cls,
                              "trace": os.path.relpath(path, trace_root), "tokens": tokens,
-                             "per_token_count": round(s["count"] / tokens, 2),
-                             "per_token_us": round(s["total_us"] / tokens, 1), **s,
+                             "per_token_count": round(st["count"] / tokens, 2),
+                             "per_token_us": round(st["total_us"] / tokens, 1), **st,
                              "span_us": res["span_us"]})
-    return rows
+            if rank in (0, None) and cfg_dir.name not in top:
+                top[cfg_dir.name] = [{**k, "per_token_count": round(k["count"] / tokens, 2),
+                                      "per_token_us": round(k["total_us"] / tokens, 1)} for k in res["top"]]
+    return rows, top
+
+
+def rows_from_traces(trace_root: Path, tokens: int) -> list[dict]:
+    """One row per config (the trace sub-directory) x rank x kernel class."""
+    return summarize_traces(trace_root, tokens)[0]
+
+
+def top_kernels(trace_root: Path, tokens: int) -> dict:
+    """Per config: rank 0's kernels with the most time, per token."""
+    return summarize_traces(trace_root, tokens)[1]
 
 
 # vLLM's worker profiler annotates each engine step as execute_context_<n>(<tokens>)_generation_<n>(<tokens>);
 # its key-averages table (profiler_out_<rank>.txt) gives the GPU time under each annotation.
+# The row's last two columns are the mean CUDA time and the number of calls (groups 3-5).
 STEP_ROW = re.compile(r"^\s*execute_context_(\d+)\(\d+\)_generation_(\d+)\(\d+\)\s.*?([\d.]+)(us|ms|s)\s+(\d+)\s*$")
 
 
@@ -143,28 +159,17 @@ def step_times(trace_root: Path) -> dict:
             for line in path.read_text(errors="replace").splitlines():
                 m = STEP_ROW.match(line)
                 if m and m.group(1) == "0":  # no context (prefill) requests in the step
-                    # the row's last three columns: CUDA total, CUDA time avg, # of calls
-                    cols = line.split()
-                    avg = re.fullmatch(r"([\d.]+)(us|ms|s)", cols[-2])
-                    if avg:
-                        out.setdefault(cfg_dir.name, {})[str(rank)] = {"decode_steps": int(cols[-1]),
-                                                                       "decode_step_us": round(_us(*avg.groups()), 1)}
+                    out.setdefault(cfg_dir.name, {})[str(rank)] = {
+                        "decode_steps": int(m.group(5)), "decode_step_us": round(_us(m.group(3), m.group(4)), 1)}
     return out
 
 
-def top_kernels(trace_root: Path, tokens: int) -> dict:
-    """Per config: rank 0's kernels with the most time, per token (names cut to 160 chars)."""
-    out = {}
-    for cfg_dir in sorted(p for p in trace_root.iterdir() if p.is_dir()):
-        for path in sorted(glob.glob(str(cfg_dir / "**" / "*.json*"), recursive=True)):
-            if rank_of(path) not in (0, None):
-                continue
-            res = analyze(load_trace(path))
-            if res["kernels"]:
-                out[cfg_dir.name] = [{**k, "per_token_count": round(k["count"] / tokens, 2),
-                                      "per_token_us": round(k["total_us"] / tokens, 1)} for k in res["top"]]
-                break
-    return out
+def profile_doc(trace_root: Path, tokens: int, extra: dict) -> dict:
+    """The decode-profile result document of the traces under trace_root/<config>/."""
+    doc = results_header(KIND, {"tokens": tokens, **extra})
+    doc["records"], doc["top_kernels"] = summarize_traces(trace_root, tokens)
+    doc["step_times"] = step_times(trace_root)
+    return doc
 
 
 def markdown(doc: dict) -> str:
@@ -217,13 +222,8 @@ def profile_config(args, cfg: str, model_dir: Path, out: Path, deadline: "sb.Dea
                            startup_timeout_s=deadline.clip(args.startup_timeout_s, 60)) as srv:
         say(f"{cfg}: healthy; warm-up")
         sb.warmup_server(srv.base_url, str(model_dir), args.warmup_requests)
-        sb.http_post(srv.base_url + "/start_profile", {}, deadline.clip(60))
-        t = time.monotonic()
-        request = {"model": str(model_dir), "prompt": "Profile this decode: " * 16, "max_tokens": args.tokens,
-                   "ignore_eos": True}
-        sb.http_post(srv.base_url + "/v1/completions", request, deadline.clip(120))
-        say(f"{cfg}: request done in {time.monotonic() - t:.1f}s; writing the trace")
-        sb.http_post(srv.base_url + "/stop_profile", {}, deadline.clip(300, 20))
+        dur = sb.profile_request(srv.base_url, str(model_dir), args.tokens, deadline, 20.0)
+        say(f"{cfg}: profiled a {args.tokens}-token request ({dur:.1f}s with the trace)")
     say(f"{cfg}: server stopped; traces: {len(list(trace_dir.rglob('*.json*')))} files")
 
 
@@ -284,10 +284,7 @@ def main() -> int:
                 say(f"{cfg}: FAILED: {type(e).__name__}: {e}")
         if args.dry_run:
             return 0
-    doc = results_header(KIND, {"tokens": args.tokens, "model_size": args.model_size})
-    doc["records"] = rows_from_traces(trace_root, args.tokens)
-    doc["top_kernels"] = top_kernels(trace_root, args.tokens)
-    doc["step_times"] = step_times(trace_root)
+    doc = profile_doc(trace_root, args.tokens, {"model_size": args.model_size})
     write_results(str(out / "decode-profile.json"), doc)
     (out / "decode-profile.md").write_text(markdown(doc))
     print(markdown(doc))

@@ -206,6 +206,41 @@ def locust_command(
     ]
 
 
+LOCUST_OVERHEAD_S = 45.0  # locust start/stop + spawn + stop-timeout slack around its run time
+
+
+def run_locust(
+    locust_bin: str,
+    settings: argparse.Namespace,
+    model: str,
+    out: Path,
+    name: str,
+    cfg: str,
+    host: str,
+    *,
+    users: int,
+    spawn_rate: float,
+    duration_s: int,
+    deadline: Deadline,
+    reserve_s: float,
+) -> tuple[dict[str, Any] | None, int | None, dict[str, Any] | None]:
+    """One bounded locust run against ``host`` writing OUT/NAME_stats.csv (and its HTML, log and
+    other CSVs): (load-test row, locust's exit code, error entry); the row is None, and the error
+    says why, when locust wrote no stats."""
+    cmd = locust_command(locust_bin, users=users, spawn_rate=spawn_rate, duration_s=duration_s, host=host,
+                         csv_prefix=out / name, html=out / f"{name}.html")
+    rc = run_bounded(cmd, env=locust_env(settings, model),
+                     timeout_s=deadline.clip(duration_s + LOCUST_OVERHEAD_S, reserve_s), log_path=out / f"{name}.log")
+    stats = out / f"{name}_stats.csv"
+    if not stats.exists():
+        return None, rc, {"config": cfg, "error": f"locust wrote no stats (rc {rc})",
+                          "log_tail": tail_lines(out / f"{name}.log", 20)}
+    row = locust_csv_to_row(stats, cfg, users, duration_s)
+    row["locust_rc"] = rc
+    row["top_failures"] = locust_failures(out / f"{name}_failures.csv")
+    return row, rc, None
+
+
 def locust_env(args: argparse.Namespace, model: str) -> dict[str, str]:
     return child_env(
         {
@@ -363,7 +398,7 @@ def run(args: argparse.Namespace) -> int:
     write_results(json_path, doc)
     port = args.port
     stop_reserve = args.stop_grace_s + 15.0
-    overhead = 45.0  # locust start/stop + spawn + stop-timeout slack
+    overhead = LOCUST_OVERHEAD_S
     interrupted: BaseException | None = None
     soak_row: dict[str, Any] | None = None
     soak_scan: dict[str, Any] | None = None
@@ -391,26 +426,20 @@ def run(args: argparse.Namespace) -> int:
                     raise ServerError("not enough budget left to run locust")
                 if duration < args.duration_s:
                     say(f"{cfg}: budget: shortening the locust run to {duration}s")
-                lcmd = l_cmd(port, cfg, duration)
                 say(f"{cfg}: locust {args.users} users for {duration}s")
-                rc = run_bounded(
-                    lcmd,
-                    env=locust_env(args, str(model_dir)),
-                    timeout_s=deadline.clip(duration + overhead, stop_reserve),
-                    log_path=out / f"locust-{cfg}.log",
+                row, rc, error = run_locust(
+                    args.locust_bin, args, str(model_dir), out, f"locust-{cfg}", cfg, f"http://127.0.0.1:{port}",
+                    users=args.users, spawn_rate=args.spawn_rate, duration_s=duration, deadline=deadline,
+                    reserve_s=stop_reserve,
                 )
-                stats = out / f"locust-{cfg}_stats.csv"
-                if stats.exists():
-                    row = locust_csv_to_row(stats, cfg, args.users, duration)
-                    row["locust_rc"] = rc
-                    row["top_failures"] = locust_failures(out / f"locust-{cfg}_failures.csv")
+                if row is not None:
                     doc["records"].append(row)
                     say(
                         f"{cfg}: {row['requests']} requests, {row['failures']} failures, TTFT p50 {row['ttft_ms_p50']} ms, "
                         f"ITL p50 {row['itl_ms_p50']} ms (locust rc {rc})"
                     )
                 else:
-                    doc["errors"].append({"config": cfg, "error": f"locust wrote no stats (rc {rc})", "log_tail": tail_lines(out / f"locust-{cfg}.log", 20)})
+                    doc["errors"].append(error)
                     say(f"{cfg}: locust wrote no stats (rc {rc})")
                 if not server.alive():
                     doc["errors"].append({"config": cfg, "error": f"server exited during the load test (code {server.proc.returncode})"})

@@ -1275,7 +1275,7 @@ def profiler_config(trace_dir: Path) -> dict[str, Any]:
             "ignore_frontend": True}
 
 
-def profile_request(base_url: str, model: str, tokens: int, deadline: "Deadline", reserve_s: float) -> float:
+def profile_request(base_url: str, model: str, tokens: int, deadline: Deadline, reserve_s: float) -> float:
     """One completion of `tokens` tokens between /start_profile and /stop_profile; returns its seconds."""
     http_post(base_url + "/start_profile", {}, deadline.clip(60.0, reserve_s))
     t0 = time.monotonic()
@@ -1313,33 +1313,25 @@ class LoadTests:
                 "records": [], "server_logs": [], "errors": []})
         return self.docs[mode]
 
-    def run(self, server: "Server", cfg: str, mode: str, deadline: "Deadline", reserve_s: float,
+    def run(self, server: Server, cfg: str, mode: str, deadline: Deadline, reserve_s: float,
             say: Callable[[str], None]) -> None:
         doc = self.doc(mode)
         users, wanted = doc["locust"]["users"], int(doc["locust"]["duration_s"])
-        overhead = 45.0  # locust start/stop + spawn + stop-timeout slack
-        duration = int(min(wanted, deadline.remaining() - reserve_s - overhead))
+        duration = int(min(wanted, deadline.remaining() - reserve_s - self.lt.LOCUST_OVERHEAD_S))
         if duration < min(5, wanted):
             doc["errors"].append({"config": cfg, "error": "skipped: not enough budget left"})
             say(f"{cfg}: locust {mode} skipped, not enough budget left")
             return
-        name = f"locust-{mode}-{cfg}"
-        cmd = self.lt.locust_command(self.locust_bin, users=users, spawn_rate=max(1.0, users / 4.0),
-                                     duration_s=duration, host=server.base_url, csv_prefix=self.out / name,
-                                     html=self.out / f"{name}.html")
         say(f"{cfg}: locust {mode}, {users} users for {duration}s"
             + (f" (shortened from {wanted}s by the budget)" if duration < wanted else ""))
-        rc = run_bounded(cmd, env=self.lt.locust_env(self.settings, str(self.model_dir)),
-                         timeout_s=deadline.clip(duration + overhead, reserve_s), log_path=self.out / f"{name}.log")
-        stats = self.out / f"{name}_stats.csv"
-        if not stats.exists():
-            doc["errors"].append({"config": cfg, "error": f"locust wrote no stats (rc {rc})",
-                                  "log_tail": tail_lines(self.out / f"{name}.log", 20)})
+        row, rc, error = self.lt.run_locust(
+            self.locust_bin, self.settings, str(self.model_dir), self.out, f"locust-{mode}-{cfg}", cfg,
+            server.base_url, users=users, spawn_rate=doc["locust"]["spawn_rate"], duration_s=duration,
+            deadline=deadline, reserve_s=reserve_s)
+        if row is None:
+            doc["errors"].append(error)
             say(f"{cfg}: locust {mode} wrote no stats (rc {rc})")
             return
-        row = self.lt.locust_csv_to_row(stats, cfg, users, duration)
-        row["locust_rc"] = rc
-        row["top_failures"] = self.lt.locust_failures(self.out / f"{name}_failures.csv")
         doc["records"].append(row)
         say(f"{cfg}: locust {mode}: {row['requests']} requests, {row['failures']} failures, TTFT p50 "
             f"{row['ttft_ms_p50']} ms, ITL p50 {row['itl_ms_p50']} ms (rc {rc})")
@@ -1370,11 +1362,8 @@ def write_decode_profile(out: Path, tokens: int, model_size: str) -> Path | None
     """decode-profile.json/.md from out/traces/<config>/ (decode_profile.py's analysis)."""
     import decode_profile
 
-    doc = results_header(decode_profile.KIND, {"tokens": tokens, "model_size": model_size,
-                                               "source": "serving_bench --profile-tokens"})
-    doc["records"] = decode_profile.rows_from_traces(out / "traces", tokens)
-    doc["top_kernels"] = decode_profile.top_kernels(out / "traces", tokens)
-    doc["step_times"] = decode_profile.step_times(out / "traces")
+    doc = decode_profile.profile_doc(out / "traces", tokens,
+                                     {"model_size": model_size, "source": "serving_bench --profile-tokens"})
     if not doc["records"]:
         return None
     path = out / "decode-profile.json"
