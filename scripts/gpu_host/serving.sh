@@ -8,18 +8,21 @@
 # (three do not fit one call: split them and merge the results with
 # `serving_bench.py --report-only A.json B.json --out DIR`), PROFILE_TOKENS default 0: > 0 profiles
 # one request of that many tokens per config after its measurements (decode-profile.json/.md).
-# Only 8 files come back from $OUT: the per-point raw files, server logs and traces go into one archive.
+# CONCURRENCY (default 1,8,32) narrows the points, e.g. to add one config's missing c=32 to an
+# earlier run. Only 8 files come back from $OUT, and two runs may share a call: each run returns
+# its log, its JSON and one archive (the markdown, load-test/soak JSON, per-point raw files, server
+# logs and locust CSV/HTML are inside it; the markdown is also printed).
 . scripts/gpu_host/env.sh
 name="serving-70b-$(date +%Y%m%d)-${2:-r1}"
 work=/tmp/$name
-timeout -k 20 "$(( ${SERVING_BUDGET_S:-555} + 20 ))" python3 benchmarks/serving_bench.py --model-size 70b --repeats "${1:-1}" --concurrency 1,8,32 \
+timeout -k 20 "$(( ${SERVING_BUDGET_S:-555} + 20 ))" python3 benchmarks/serving_bench.py --model-size 70b --repeats "${1:-1}" --concurrency "${CONCURRENCY:-1,8,32}" \
   --configs "${3:-yali,vllm-default,nccl}" --profile-tokens "${4:-0}" \
   --locust-users "${LOCUST_USERS:-0}" --locust-duration-s "${LOCUST_S:-60}" --soak-s "${SOAK_S:-0}" \
   --random-input-len 1024 --random-output-len 256 --max-num-seqs 64 --budget-s "${SERVING_BUDGET_S:-555}" --out "$work" 2>&1 \
   | tee "$OUT/$name.log" | grep -v -i warn | tail -45
 cp "$work"/serving-benchmark.json "$OUT/$name.json" 2>/dev/null
-cp "$work"/serving-benchmark.md "$OUT/$name.md" 2>/dev/null
-cp "$work"/decode-profile.md "$OUT/$name-profile.md" 2>/dev/null && cat "$OUT/$name-profile.md"
-for f in load-test soak; do cp "$work/$f.json" "$OUT/$name-$f.json" 2>/dev/null && cat "$work/$f.md"; done
+cat "$work"/serving-benchmark.md 2>/dev/null | head -40
+cat "$work"/decode-profile.md 2>/dev/null | head -30
+for f in load-test soak; do cat "$work/$f.md" 2>/dev/null | head -30; done
 tar czf "$OUT/$name-raw.tgz" -C /tmp --exclude='*.pt.trace.json*' "$name"  # per-point JSONs, server logs, profile, locust CSV/HTML
 ls -la "$OUT"
