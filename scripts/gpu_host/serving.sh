@@ -8,6 +8,7 @@
 # (three do not fit one call: split them and merge the results with
 # `serving_bench.py --report-only A.json B.json --out DIR`), PROFILE_TOKENS default 0: > 0 profiles
 # one request of that many tokens per config after its measurements (decode-profile.json/.md).
+# STOP_GRACE_S (default 30) is the SIGTERM grace of a server stop, which the budget keeps in reserve.
 # CONCURRENCY (default 1,8,32) narrows the points, e.g. to add one config's missing c=32 to an
 # earlier run. Only 8 files come back from $OUT, and two runs may share a call: each run returns
 # its log, its JSON and one archive (the markdown, load-test/soak JSON, per-point raw files, server
@@ -18,7 +19,7 @@ work=/tmp/$name
 timeout -k 20 "$(( ${SERVING_BUDGET_S:-555} + 20 ))" python3 benchmarks/serving_bench.py --model-size 70b --repeats "${1:-1}" --concurrency "${CONCURRENCY:-1,8,32}" \
   --configs "${3:-yali,vllm-default,nccl}" --profile-tokens "${4:-0}" \
   --locust-users "${LOCUST_USERS:-0}" --locust-duration-s "${LOCUST_S:-60}" --soak-s "${SOAK_S:-0}" \
-  --random-input-len 1024 --random-output-len 256 --max-num-seqs 64 --budget-s "${SERVING_BUDGET_S:-555}" --out "$work" 2>&1 \
+  --random-input-len 1024 --random-output-len 256 --max-num-seqs 64 --stop-grace-s "${STOP_GRACE_S:-30}" --budget-s "${SERVING_BUDGET_S:-555}" --out "$work" 2>&1 \
   | tee "$OUT/$name.log" | grep -v -i warn | tail -45
 cp "$work"/serving-benchmark.json "$OUT/$name.json" 2>/dev/null
 cat "$work"/serving-benchmark.md 2>/dev/null | head -40
