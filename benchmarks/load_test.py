@@ -17,12 +17,17 @@ log (up to the moment the server is asked to stop).
 
 Writes ``load-test.json`` (schema in docs/BENCHMARKS.md), ``load-test.md``, and
 keeps locust's CSV/HTML and every server log under ``--out``.
+
+``--merge A.json B.json ... --out DIR`` combines load-test results of the same mode
+and locust settings written by separate runs (e.g. one device call per configuration)
+into one table.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -30,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import MULTICAST_OFF_ENV, child_env, results_header, write_results  # noqa: E402
+from _results import MULTICAST_OFF_ENV, child_env, load_results, results_header, write_results  # noqa: E402
 from serving_bench import (  # noqa: E402
     DEFAULT_CONFIGS,
     SERVER_CONFIGS,
@@ -262,6 +267,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
     L.append("- versions: " + ", ".join(f"{k} {v.get(k)}" for k in ("torch", "cuda", "nccl", "vllm", "yali_vllm", "git")))
     L.append(f"- model: {(doc.get('model') or {}).get('size')}; locust: {doc.get('locust')}")
     L.append(f"- command: `{doc.get('command')}`")
+    if doc.get("merged_from"):
+        L.append("- merged from: " + ", ".join(f"`{m}`" for m in doc["merged_from"]))
     L.append("")
     cols = ["config", "users", "duration (s)", "requests", "failures", "req/s", "TTFT p50 (ms)", "TTFT p99 (ms)", "ITL p50 (ms)", "ITL p99 (ms)"]
     L.append("| " + " | ".join(cols) + " |")
@@ -293,8 +300,54 @@ def render_markdown(doc: dict[str, Any]) -> str:
             L.append("```")
         L.append("")
     for e in doc.get("errors") or []:
-        L.append(f"- error: {e.get('config')}: {str(e.get('error'))[:300]}")
+        src = f" (`{e['source']}`)" if e.get("source") else ""
+        L.append(f"- error: {e.get('config')}{src}: {str(e.get('error'))[:300]}")
     return "\n".join(L) + "\n"
+
+
+# =================================================================== merge
+def merge_load_tests(docs: Sequence[dict[str, Any]], sources: Sequence[str], prefixes: Sequence[str]) -> dict[str, Any]:
+    """One load-test result from several of the same mode and locust settings (run time
+    aside): header from the first, rows, server logs and errors concatenated; each row
+    names its source, and log files are prefixed with their source's directory
+    (relative to the merged result) so they stay findable."""
+    if not docs:
+        raise ValueError("nothing to merge")
+
+    def settings(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in (d.get("locust") or {}).items() if k != "duration_s"}
+
+    for d, src in zip(docs, sources):
+        if d.get("mode") != docs[0].get("mode") or settings(d) != settings(docs[0]):
+            raise SystemExit(f"{src}: mode {d.get('mode')!r} / locust settings {settings(d)} differ from "
+                             f"{sources[0]}'s ({docs[0].get('mode')!r} / {settings(docs[0])}): not comparable")
+    merged = dict(docs[0])
+    merged["merged_from"] = list(sources)
+    merged["commands"] = [d.get("command") for d in docs]
+    for key in ("records", "server_logs", "errors"):
+        merged[key] = []
+    for d, src, prefix in zip(docs, sources, prefixes):
+        merged["records"] += [{**r, "source": src} for r in d.get("records") or []]
+        merged["server_logs"] += [{**e, "log_file": f"{prefix}/{e['log_file']}" if e.get("log_file") else e.get("log_file")}
+                                  for e in d.get("server_logs") or []]
+        merged["errors"] += [{**e, "source": src} for e in d.get("errors") or []]
+    return merged
+
+
+def merge_main(paths: Sequence[Path], out: Path) -> int:
+    docs = []
+    for path in paths:
+        doc = load_results(path)
+        if doc.get("kind") != KIND:
+            raise SystemExit(f"{path}: kind is {doc.get('kind')!r}, expected {KIND!r}")
+        docs.append(doc)
+    rel = [Path(os.path.relpath(p.parent, out)).as_posix() for p in paths]
+    doc = merge_load_tests(docs, [f"{r}/{p.name}" for r, p in zip(rel, paths)], rel)
+    stem = "soak" if doc.get("mode") == "soak" else "load-test"
+    json_path = write_results(out / f"{stem}.json", doc)
+    (out / f"{stem}.md").write_text(render_markdown(doc), encoding="utf-8")
+    print(f"merged {len(paths)} results into {json_path} and {out / (stem + '.md')}")
+    return 0
 
 
 # ===================================================================== run
@@ -313,6 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--locust-bin", default="locust", help="locust command, shell-split (default: locust on PATH, else this python -m locust)")
     add_server_args(p)
     p.add_argument("--out", type=Path, default=None, help="output dir (default benchmarks/results/load-DATE or soak-DATE)")
+    p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="LOAD_TEST.json",
+                   help="merge these load-test results (same mode and locust settings) into --out and exit")
     return p
 
 
@@ -480,7 +535,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.merge:
+        if args.out is None:
+            parser.error("--merge needs --out")
+        return merge_main([p.resolve() for p in args.merge], args.out.resolve())
+    return run(args)
 
 
 if __name__ == "__main__":

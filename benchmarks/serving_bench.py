@@ -1045,9 +1045,11 @@ def render_markdown(doc: dict[str, Any], plot_files: Sequence[str] = ()) -> str:
         L.append("## Errors and skipped points")
         L.append("")
         for e in errs:
-            L.append(f"- error: {e.get('config')} r{e.get('repeat')} c={e.get('concurrency')}: {str(e.get('error'))[:300]}")
+            src = f" (`{e['source']}`)" if e.get("source") else ""
+            L.append(f"- error: {e.get('config')} r{e.get('repeat')} c={e.get('concurrency')}{src}: {str(e.get('error'))[:300]}")
         for s in skipped:
-            L.append(f"- skipped: {s.get('config')} r{s.get('repeat')} c={s.get('concurrency')}: {s.get('reason')}")
+            src = f" (`{s['source']}`)" if s.get("source") else ""
+            L.append(f"- skipped: {s.get('config')} r{s.get('repeat')} c={s.get('concurrency')}{src}: {s.get('reason')}")
         L.append("")
     if plot_files:
         L.append("## Plots")
@@ -1634,12 +1636,16 @@ def _run_all(
     return 0 if doc["records"] and not doc["errors"] else 1
 
 
-def merge_results(docs: Sequence[dict[str, Any]], sources: Sequence[str]) -> dict[str, Any]:
+def merge_results(docs: Sequence[dict[str, Any]], sources: Sequence[str],
+                  prefixes: Sequence[str] | None = None) -> dict[str, Any]:
     """Merge several serving-benchmark results (same workload) into one.
 
     Header, model and workload come from the first; records, server logs, errors
     and skipped points are concatenated, with each config's repeats renumbered
-    1, 2, ... in file order so that the verdict sees them as repeats.
+    1, 2, ... in file order so that the verdict sees them as repeats. prefixes[i]
+    (the directory of source i relative to the merged result's) is put in front of
+    the files source i names, so that result files and server logs stay findable;
+    errors and skipped points say which source they came from.
     """
     if not docs:
         raise ValueError("nothing to merge")
@@ -1649,19 +1655,27 @@ def merge_results(docs: Sequence[dict[str, Any]], sources: Sequence[str]) -> dic
     for key in ("records", "server_logs", "errors", "skipped"):
         merged[key] = []
     next_rep: dict[str, int] = {}
-    for d in docs:
+    for i, d in enumerate(docs):
+        prefix = prefixes[i] if prefixes else ""
+
+        def moved(path: Any) -> Any:
+            return f"{prefix}/{path}" if prefix and isinstance(path, str) and path else path
+
         renum: dict[tuple[str, int], int] = {}
         for cfg, rep in sorted({(r["config"], int(r["repeat"])) for r in d.get("records") or []} |
                                {(s["config"], int(s["repeat"])) for s in d.get("server_logs") or [] if s.get("repeat") is not None}):
             next_rep[cfg] = next_rep.get(cfg, 0) + 1
             renum[(cfg, rep)] = next_rep[cfg]
+        def repeat_of(e: dict[str, Any]) -> Any:
+            rep = e.get("repeat")
+            return renum.get((e.get("config"), int(rep)), rep) if rep is not None else rep
+
         for r in d.get("records") or []:
-            merged["records"].append({**r, "repeat": renum[(r["config"], int(r["repeat"]))]})
-        for s in d.get("server_logs") or []:
-            rep = s.get("repeat")
-            merged["server_logs"].append({**s, "repeat": renum.get((s["config"], int(rep)), rep) if rep is not None else rep})
-        merged["errors"] += d.get("errors") or []
-        merged["skipped"] += d.get("skipped") or []
+            merged["records"].append({**r, "repeat": repeat_of(r), "result_file": moved(r.get("result_file"))})
+        for e in d.get("server_logs") or []:
+            merged["server_logs"].append({**e, "repeat": repeat_of(e), "log_file": moved(e.get("log_file"))})
+        for key in ("errors", "skipped"):
+            merged[key] += [{**e, "repeat": repeat_of(e), "source": sources[i]} for e in d.get(key) or []]
     return merged
 
 
@@ -1676,7 +1690,9 @@ def report_only(paths: Sequence[Path], out: Path | None) -> int:
         doc, json_path = docs[0], paths[0]
     else:
         out = out or default_out("serving-merged")
-        doc = merge_results(docs, [str(p) for p in paths])
+        # Sources and the files they name, relative to the merged result's directory.
+        rel = [Path(os.path.relpath(p.parent, out)).as_posix() for p in paths]
+        doc = merge_results(docs, [f"{r}/{p.name}" for r, p in zip(rel, paths)], rel)
         json_path = write_results(out / RESULT_NAME, doc)
         print(f"merged {len(paths)} results into {json_path}")
     md, plots = write_report(doc, json_path, out)

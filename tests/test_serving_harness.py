@@ -754,6 +754,36 @@ def test_soak_verdict():
     assert not v["pass"] and "YALI" in v["reasons"][0]
 
 
+def test_load_test_merge(tmp_path):
+    """--merge: rows of separate runs in one table, each naming its source; logs stay findable;
+    runs with other locust settings are refused."""
+    def run_doc(name, cfg, users=32, mode="comparison"):
+        row = {"config": cfg, "users": users, "duration_s": 30.0, "requests": 400, "failures": 0, "req_s": 13.3,
+               "ttft_ms_p50": 180.0, "ttft_ms_p99": 300.0, "itl_ms_p50": 22.0, "itl_ms_p99": 100.0}
+        doc = _results.results_header(load_test.KIND, {
+            "mode": mode, "model": {"size": "70b"},
+            "locust": {"users": users, "spawn_rate": users / 4, "duration_s": 30, "max_tokens": 64},
+            "records": [row], "errors": [{"config": cfg, "error": "x"}] if cfg == "nccl" else [],
+            "server_logs": [{"config": cfg, "log_file": f"server-logs/{cfg}-r1.log", "error_count": 0}]})
+        return _results.write_results(tmp_path / name / "load-test.json", doc)
+
+    a, b = run_doc("run-a", "nccl"), run_doc("run-b", "yali")
+    out = tmp_path / "merged"
+    assert load_test.main(["--merge", str(a), str(b), "--out", str(out)]) == 0
+    doc = json.loads((out / "load-test.json").read_text())
+    assert [(r["config"], r["source"]) for r in doc["records"]] == [
+        ("nccl", "../run-a/load-test.json"), ("yali", "../run-b/load-test.json")]
+    assert [s["log_file"] for s in doc["server_logs"]] == ["../run-a/server-logs/nccl-r1.log", "../run-b/server-logs/yali-r1.log"]
+    assert doc["errors"] == [{"config": "nccl", "error": "x", "source": "../run-a/load-test.json"}]
+    md = (out / "load-test.md").read_text()
+    assert "| nccl | 32 |" in md and "| yali | 32 |" in md and "merged from:" in md
+    other = run_doc("run-c", "vllm-default", users=64)
+    with pytest.raises(SystemExit, match="not comparable"):
+        load_test.main(["--merge", str(a), str(other), "--out", str(tmp_path / "bad")])
+    with pytest.raises(SystemExit):
+        load_test.main(["--merge", str(a)])  # --out is required
+
+
 def test_locust_columns_match_installed_locust():
     if importlib.util.find_spec("locust") is None:
         pytest.skip("locust not installed")
@@ -963,8 +993,11 @@ def test_report_only_merges_runs(tmp_path):
         recs = make_records({("yali", 1): [y], ("nccl", 1): [n]})
         logs = [{"config": "yali", "repeat": 1, "log_file": "server-logs/yali-r1.log", "key_lines": [], "error_count": 0},
                 {"config": "nccl", "repeat": 1, "log_file": "server-logs/nccl-r1.log", "key_lines": [], "error_count": 0}]
+        for r in recs:
+            r["result_file"] = f"raw/{r['config']}-r1-c{r['concurrency']}.json"
+        errors = [{"config": "nccl", "repeat": 1, "concurrency": 32, "error": "vllm bench serve timed out"}] if i else []
         doc = _results.results_header(sb.KIND, {"model": {"size": "70b"}, "workload": {}, "records": recs, "server_logs": logs,
-                                                "errors": [], "skipped": []})
+                                                "errors": errors, "skipped": []})
         paths.append(_results.write_results(tmp_path / f"run{i}" / "serving-benchmark.json", doc))
     out = tmp_path / "merged"
     assert sb.main(["--report-only", *map(str, paths), "--out", str(out)]) == 0
@@ -972,8 +1005,15 @@ def test_report_only_merges_runs(tmp_path):
     serving_doc_schema_check(merged)
     assert sorted((r["config"], r["repeat"]) for r in merged["records"]) == [("nccl", 1), ("nccl", 2), ("yali", 1), ("yali", 2)]
     assert sorted((s["config"], s["repeat"]) for s in merged["server_logs"]) == [("nccl", 1), ("nccl", 2), ("yali", 1), ("yali", 2)]
-    assert merged["merged_from"] == [str(p) for p in paths]
+    # files the sources name stay findable from the merged result's directory
+    assert merged["merged_from"] == ["../run0/serving-benchmark.json", "../run1/serving-benchmark.json"]
+    assert {s["log_file"] for s in merged["server_logs"] if s["repeat"] == 2} == {
+        "../run1/server-logs/yali-r1.log", "../run1/server-logs/nccl-r1.log"}
+    assert all(r["result_file"].startswith(f"../run{r['repeat'] - 1}/raw/") for r in merged["records"])
+    assert merged["errors"] == [{"config": "nccl", "repeat": 2, "concurrency": 32, "error": "vllm bench serve timed out",
+                                 "source": "../run1/serving-benchmark.json"}]
     md = (out / "serving-benchmark.md").read_text()
+    assert "- error: nccl r2 c=32 (`../run1/serving-benchmark.json`)" in md
     nccl_row = next(line for line in md.splitlines() if line.startswith("| nccl |"))
     assert "| 2 |" in nccl_row and "(better)" in nccl_row
 
