@@ -58,6 +58,19 @@ __device__ __forceinline__ uint64_t flash_begin(const FlashArgs& a) {
   return s_epoch;
 }
 
+// v[u] = load(k) for k = i + u * kFlashThreads < end (u < kU): one batch of kU
+// independent loads, issued together so that their latencies overlap. The
+// kernels that send from registers (flash-ll, flash-push, the fused op) load
+// their first batch this way before the epoch fetch, the later ones in the loop.
+template <int kU, typename Load>
+__device__ __forceinline__ void load_batch(Vec16 (&v)[kU], size_t i, size_t end, Load load) {
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    const size_t k = i + size_t(u) * kFlashThreads;
+    if (k < end) v[u] = load(k);
+  }
+}
+
 // Publishes "my data for epoch e is in place" to the peer's CTA b and waits for
 // the peer's matching word. The CTA barrier before it makes all threads' stores
 // part of the release; the one after it extends the acquire to all threads.
@@ -183,26 +196,16 @@ __global__ void __launch_bounds__(kFlashThreads, 1) flash_ll_kernel(FlashArgs a)
   constexpr int kU = 4;
   const int t = threadIdx.x;
   const Range r = split_range(0, (a.nbytes + 15) / 16, gridDim.x, blockIdx.x);
+  const auto input = [&](size_t k) { return load_input_vector<T>(a.in, k, a.nbytes); };
   Vec16 v[kU];
-  // Fetch the first input vectors while thread 0 fetches the epoch.
-#pragma unroll
-  for (int u = 0; u < kU; ++u) {
-    const size_t k = r.begin + t + size_t(u) * kFlashThreads;
-    if (k < r.end) v[u] = load_input_vector<T>(a.in, k, a.nbytes);
-  }
+  load_batch(v, r.begin + t, r.end, input);  // while thread 0 fetches the epoch
   const uint64_t e = flash_begin(a);
   const uint64_t f = uint64_t(ll_flag(e)) << 32;
   const size_t par = (e & 1) * a.ll_parity_bytes;
   char* to_peer = a.peer_ll + par;
   char* from_peer = a.my_ll + par;
   for (size_t i = r.begin + t; i < r.end; i += size_t(kU) * kFlashThreads) {
-    if (i != r.begin + t) {
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const size_t k = i + size_t(u) * kFlashThreads;
-        if (k < r.end) v[u] = load_input_vector<T>(a.in, k, a.nbytes);
-      }
-    }
+    if (i != r.begin + t) load_batch(v, i, r.end, input);
 #pragma unroll
     for (int u = 0; u < kU; ++u) {  // send
       const size_t k = i + size_t(u) * kFlashThreads;

@@ -117,16 +117,13 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kern
   const int first = blockIdx.x;  // this CTA's first row (none when >= rows)
   const Range chunk = split_range(0, a.f.nbytes / 16, gridDim.x, blockIdx.x);  // what this CTA sends
   const Vec16* in = static_cast<const Vec16*>(a.f.in);
+  const auto input = [&](size_t k) { return load_local_input(in + k); };  // rows are whole vectors: no tail
   // Every load is issued before the epoch fetch: they are independent, and
   // inside a model the residual and the weight are usually not in L2 any more
   // (the GEMM before this streamed its weights through it), so loading them
   // after the peer's data arrived would put DRAM latencies on the critical path.
   Vec16 p[kU], w[kV], x[kV], r[kV];
-#pragma unroll
-  for (int u = 0; u < kU; ++u) {
-    const size_t k = chunk.begin + t + size_t(u) * kFlashThreads;
-    if (k < chunk.end) p[u] = load_local_input(in + k);
-  }
+  load_batch(p, chunk.begin + t, chunk.end, input);
   load_row(w, first < a.rows ? a.weight : nullptr, 0, a);
   load_row(x, a.f.in, first, a);
   load_row(r, a.residual, first, a);
@@ -137,20 +134,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kern
   Vec16* from_peer = reinterpret_cast<Vec16*>(a.f.my_push + par);
 
   // 1. send my chunk
-  for (size_t i = chunk.begin + t; i < chunk.end; i += size_t(kU) * kFlashThreads) {
-    if (i != chunk.begin + t) {
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const size_t k = i + size_t(u) * kFlashThreads;
-        if (k < chunk.end) p[u] = load_local_input(in + k);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const size_t k = i + size_t(u) * kFlashThreads;
-      if (k < chunk.end) store_push(to_peer + k, canonical<T>(p[u]));
-    }
-  }
+  push_send<T>(to_peer, p, chunk, input);
   // 2. per row of mine: receive the peer's partial sums, add mine, normalise.
   //    A later row's input and residual loads go out together with its polls.
   for (int row = first; row < a.rows; row += gridDim.x) {

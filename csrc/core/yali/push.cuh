@@ -71,6 +71,23 @@ __device__ __forceinline__ void wait_push(const Vec16* p, Vec16& v, uint64_t tim
   }
 }
 
+// Sends this thread's vectors of r (r.begin + t, + kFlashThreads, ...) into the
+// peer's push area, kU at a time: v holds the first batch already (loaded before
+// the epoch fetch), `load` fetches the later ones. Both operands are made
+// canonical on both ranks (see canonical()), so the sums stay bitwise equal.
+template <typename T, int kU, typename Load>
+__device__ __forceinline__ void push_send(Vec16* to_peer, Vec16 (&v)[kU], Range r, Load load) {
+  const int t = threadIdx.x;
+  for (size_t i = r.begin + t; i < r.end; i += size_t(kU) * kFlashThreads) {
+    if (i != r.begin + t) load_batch(v, i, r.end, load);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const size_t k = i + size_t(u) * kFlashThreads;
+      if (k < r.end) store_push(to_peer + k, canonical<T>(v[u]));
+    }
+  }
+}
+
 // out = in(rank 0) + in(rank 1). CTA b owns vectors split_range(b) on both
 // ranks: it sends them, then receives the peer's copies of the same vectors.
 template <typename T>
@@ -79,33 +96,16 @@ __global__ void __launch_bounds__(kFlashThreads, 1) flash_push_kernel(FlashArgs 
   constexpr int kU = 4;  // vectors in flight per thread
   const int t = threadIdx.x;
   const Range r = split_range(0, (a.nbytes + 15) / 16, gridDim.x, blockIdx.x);
+  const auto input = [&](size_t k) { return load_input_vector<T>(a.in, k, a.nbytes); };
   Vec16 v[kU];
-  // Fetch the first input vectors while thread 0 fetches the epoch.
-#pragma unroll
-  for (int u = 0; u < kU; ++u) {
-    const size_t k = r.begin + t + size_t(u) * kFlashThreads;
-    if (k < r.end) v[u] = load_input_vector<T>(a.in, k, a.nbytes);
-  }
+  load_batch(v, r.begin + t, r.end, input);  // while thread 0 fetches the epoch
   const uint64_t e = flash_begin(a);
   const size_t par = (e & 1) * a.parity_bytes;
   Vec16* to_peer = reinterpret_cast<Vec16*>(a.peer_push + par);
   Vec16* from_peer = reinterpret_cast<Vec16*>(a.my_push + par);
 
   // 1. send everything first: the link is busy while we wait below
-  for (size_t i = r.begin + t; i < r.end; i += size_t(kU) * kFlashThreads) {
-    if (i != r.begin + t) {
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const size_t k = i + size_t(u) * kFlashThreads;
-        if (k < r.end) v[u] = load_input_vector<T>(a.in, k, a.nbytes);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const size_t k = i + size_t(u) * kFlashThreads;
-      if (k < r.end) store_push(to_peer + k, canonical<T>(v[u]));
-    }
-  }
+  push_send<T>(to_peer, v, r, input);
   // 2. receive, add, give the words back (the input is re-read: it is in L2)
   for (size_t i = r.begin + t; i < r.end; i += size_t(kU) * kFlashThreads) {
     Vec16 theirs[kU];

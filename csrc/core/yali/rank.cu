@@ -57,6 +57,19 @@ cudaError_t launch(void (*kernel)(Args), int grid, int threads, cudaStream_t str
   return cudaLaunchKernelEx(&cfg, kernel, args);
 }
 
+// Calls f with a value of dtype's element type; f uses only its type, e.g.
+// [&](auto zero) { using T = decltype(zero); ... }: the one place that maps the
+// DType enum to the kernels' template argument.
+template <typename F>
+cudaError_t with_element_type(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::F32: return f(float{});
+    case DType::F16: return f(__half{});
+    case DType::BF16: return f(__nv_bfloat16{});
+  }
+  return cudaErrorInvalidValue;
+}
+
 template <typename T>
 cudaError_t launch_typed(const Plan& p, const FlashArgs& f, const StreamArgs& s, bool pdl, cudaStream_t stream) {
   switch (p.kernel) {
@@ -169,12 +182,9 @@ cudaError_t Rank::all_reduce(const void* in, void* out, size_t nbytes, DType dty
   } else {
     f = flash_args(in, out, nbytes);
   }
-  switch (dtype) {
-    case DType::F32: return launch_typed<float>(p, f, s, config_.pdl != 0, stream);
-    case DType::F16: return launch_typed<__half>(p, f, s, config_.pdl != 0, stream);
-    case DType::BF16: return launch_typed<__nv_bfloat16>(p, f, s, config_.pdl != 0, stream);
-  }
-  return cudaErrorInvalidValue;
+  return with_element_type(dtype, [&](auto zero) {
+    return launch_typed<decltype(zero)>(p, f, s, config_.pdl != 0, stream);
+  });
 }
 
 FlashArgs Rank::flash_args(const void* in, void* out, size_t nbytes) const {
@@ -263,12 +273,9 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
     a.sum = norm_out;
     grid = int(std::min<size_t>(rows, 1024));
   }
-  switch (dtype) {
-    case DType::F32: return launch_fused_rows<float>(a, one_launch, grid, config_.pdl != 0, stream);
-    case DType::F16: return launch_fused_rows<__half>(a, one_launch, grid, config_.pdl != 0, stream);
-    case DType::BF16: return launch_fused_rows<__nv_bfloat16>(a, one_launch, grid, config_.pdl != 0, stream);
-  }
-  return cudaErrorInvalidValue;
+  return with_element_type(dtype, [&](auto zero) {
+    return launch_fused_rows<decltype(zero)>(a, one_launch, grid, config_.pdl != 0, stream);
+  });
 }
 
 uint64_t Rank::device_fused_calls() const {
