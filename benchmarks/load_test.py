@@ -56,6 +56,7 @@ from serving_bench import (  # noqa: E402
     server_env,
     split_command,
     start_server,
+    startup_wait,
     stop_and_scan,
     tail_lines,
     wait_healthy,
@@ -473,7 +474,7 @@ def run(args: argparse.Namespace) -> int:
             rc: int | None = None
             row: dict[str, Any] | None = None
             try:
-                waited = wait_healthy(server, deadline.clip(args.startup_timeout_s, stop_reserve))
+                waited = wait_healthy(server, *startup_wait(deadline, args.startup_timeout_s, stop_reserve))
                 say(f"{cfg}: healthy after {waited:.1f}s")
                 warmup_server(server.base_url, str(model_dir), args.warmup_requests, timeout_s=deadline.clip(60.0, stop_reserve))
                 duration = int(min(args.duration_s, deadline.remaining() - stop_reserve - overhead))

@@ -413,8 +413,9 @@ def start_server(cmd: Sequence[str], env: dict[str, str], log_path: Path, port: 
     return Server(config=config, port=port, proc=proc, log_path=log_path, cmd=list(cmd))
 
 
-def wait_healthy(server: Server, timeout_s: float, poll_s: float = 0.5) -> float:
-    """Poll ``/health`` until 200; fail fast (with the log tail) if the server dies."""
+def wait_healthy(server: Server, timeout_s: float, poll_s: float = 0.5, bound: str = "--startup-timeout-s") -> float:
+    """Poll ``/health`` until 200; fail fast (with the log tail) if the server dies. ``bound``
+    names what set timeout_s, for the message of a server still starting when it runs out."""
     t0 = time.monotonic()
     end = t0 + max(0.0, timeout_s)
     url = server.base_url + "/health"
@@ -430,9 +431,16 @@ def wait_healthy(server: Server, timeout_s: float, poll_s: float = 0.5) -> float
         if time.monotonic() >= end:
             tail = "\n".join(tail_lines(server.log_path, 50))
             raise ServerError(
-                f"server {server.config} not healthy after {timeout_s:.0f}s; last 50 log lines:\n{tail}"
+                f"server {server.config} still starting (alive, not healthy) after {timeout_s:.0f}s, when "
+                f"{bound} ended the wait; last 50 log lines:\n{tail}"
             )
         time.sleep(poll_s)
+
+
+def startup_wait(deadline: Deadline, startup_timeout_s: float, reserve_s: float) -> tuple[float, float, str]:
+    """wait_healthy's (timeout_s, poll_s, bound) for a server start inside a budgeted run."""
+    wait_s = deadline.clip(startup_timeout_s, reserve_s)
+    return wait_s, 0.5, "--startup-timeout-s" if wait_s >= startup_timeout_s else "the run's budget (--budget-s)"
 
 
 def stop_server(server: Server, grace_s: float = 30.0, gpu_free_timeout_s: float = 30.0) -> None:
@@ -1538,7 +1546,7 @@ def _run_all(
             say(f"{tag}: starting server on port {port}: {shlex.join(cmd)}")
             server = start_server(cmd, server_env(SERVER_CONFIGS[cfg]), log_path, port, cfg)
             try:
-                waited = wait_healthy(server, deadline.clip(args.startup_timeout_s, stop_reserve))
+                waited = wait_healthy(server, *startup_wait(deadline, args.startup_timeout_s, stop_reserve))
                 est_startup = max(est_startup or 0.0, waited)
                 say(f"{tag}: healthy after {waited:.1f}s")
                 ok, bad = warmup_server(

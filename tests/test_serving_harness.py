@@ -437,6 +437,9 @@ elif argv[:1] == ["serve"]:
     if os.environ.get("FAKE_VLLM_DIE"):
         print("fatal: fake startup failure", flush=True)
         sys.exit(3)
+    if os.environ.get("FAKE_VLLM_SLOW_START_S"):  # e.g. a JIT build during start-up
+        print("INFO building kernels", flush=True)
+        time.sleep(float(os.environ["FAKE_VLLM_SLOW_START_S"]))
     tag = ("yali" if os.environ.get("YALI_ENABLE") == "1"
            else "nccl" if "--disable-custom-all-reduce" in argv else "vllm-default")
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -583,6 +586,25 @@ def test_wait_healthy_fails_fast_with_log_tail(tmp_path, fake_vllm):
         sb.stop_server(srv, grace_s=2)
     assert time.monotonic() - t0 < 20
     assert "fake startup failure" in str(ei.value) and "exited with code 3" in str(ei.value)
+
+
+def test_wait_healthy_says_what_ended_the_wait(tmp_path, fake_vllm):
+    """A server still starting when the wait ends is reported as alive and still starting, with the
+    bound that ended the wait (e.g. the run's budget), not as a crash."""
+    port = sb.pick_port(free_port())
+    env = sb.server_env(sb.SERVER_CONFIGS["vllm-default"])
+    env["FAKE_VLLM_SLOW_START_S"] = "60"
+    srv = sb.start_server([sys.executable, str(fake_vllm), "serve", "/m", "--port", str(port)], env, tmp_path / "s.log", port,
+                          "vllm-default")
+    try:
+        with pytest.raises(sb.ServerError) as ei:
+            sb.wait_healthy(srv, timeout_s=1.5, bound="the run's budget (--budget-s)")
+        assert srv.alive()
+    finally:
+        sb.stop_server(srv, grace_s=2)
+    msg = str(ei.value)
+    assert "still starting (alive, not healthy) after 2s" in msg and "the run's budget (--budget-s)" in msg
+    assert "building kernels" in msg  # the log tail shows what it was doing
 
 
 def test_run_bounded_times_out_and_kills(tmp_path):
