@@ -59,9 +59,14 @@ VARIANTS = {
     "push-pdl": ({"YALI_DEV_PDL": "1"}, "flash", SMALL + ",1M,4M,8M"),
     "stream-nopdl": ({"YALI_DEV_PDL": "0"}, "stream", "16M,64M"),
     "stream-pdl": ({"YALI_DEV_PDL": "1"}, "stream", "16M,64M"),
+    # Round 6: flash-push receivers waiting for their vectors one after the other
+    # (the default) against polling all of them each round (YALI_DEV_BATCH_POLL=1).
+    "push-poll-each": ({"YALI_DEV_BATCH_POLL": "0"}, "flash", SMALL + ",1M,2M,4M,8M"),
+    "push-poll-batch": ({"YALI_DEV_BATCH_POLL": "1"}, "flash", SMALL + ",1M,2M,4M,8M"),
 }
 ROUND4 = [k for k in VARIANTS if k.startswith("push-cta")]
 ROUND5 = ["push-nopdl", "push-pdl", "stream-nopdl", "stream-pdl"]
+ROUND6 = ["push-poll-each", "push-poll-batch"]
 
 
 def worker(rank, port, args, q):
@@ -75,7 +80,7 @@ def worker(rank, port, args, q):
     dev = torch.device("cuda", rank)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     rows = []
-    rounds = {"round4": ROUND4, "round5": ROUND5}
+    rounds = {"round4": ROUND4, "round5": ROUND5, "round6": ROUND6}
     names = rounds.get(args.variants) or (args.variants.split(",") if args.variants else list(VARIANTS))
     base_env = {k: v for k, v in os.environ.items() if k.startswith("YALI_")}
     for vi, label in enumerate(names):
@@ -131,7 +136,7 @@ def table(rows):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--variants", default="", help="comma list of variant labels, or round4 / round5 (default: all)")
+    ap.add_argument("--variants", default="", help="comma list of variant labels, or round4 / round5 / round6 (default: all)")
     ap.add_argument("--replays", type=int, default=15)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--name", default="tune-" + time.strftime("%Y%m%d-%H%M%S"))

@@ -2,8 +2,10 @@
 # Do the kernels of the working tree compile to the same machine code as those of REV?
 #   scripts/same_kernels.sh [REV]        (default HEAD)
 # Compiles csrc/core/yali/rank.cu (every kernel lives in it) of REV and of the working tree for
-# sm_90a and diffs the SASS of all functions, with the anonymous-namespace hash (which depends on
-# the file's contents) masked. Exit 0: identical, so a refactor needs no new GPU run; 1: differ.
+# sm_90a and compares the SASS of every function, with the anonymous-namespace hash (which depends
+# on the file's contents) masked. Exit 0: every function of REV is still there with the same code
+# (functions with new code, e.g. an opt-in variant, are listed), so what the GPU measured on REV
+# still describes the paths that run that code; 1: some function of REV changed or is gone.
 # Needs nvcc, and cuobjdump from the CUDA toolkit or from triton's bundled copy.
 set -euo pipefail
 rev="${1:-HEAD}"
@@ -22,9 +24,36 @@ sass() {  # $1: tree with csrc/, $2: output
 sass "$tmp" "$tmp/rev" & p1=$!
 sass "$root" "$tmp/tree" & p2=$!
 wait "$p1"; wait "$p2"  # either failing stops the script (set -e)
-n="$(grep -c 'Function :' "$tmp/tree.sass")"
-if diff -q "$tmp/rev.sass" "$tmp/tree.sass" > /dev/null; then
-  echo "same_kernels: the $n functions of the working tree compile to the same SASS as $rev"
-else
-  echo "same_kernels: SASS differs from $rev:"; diff "$tmp/rev.sass" "$tmp/tree.sass" | head -40; exit 1
-fi
+# Compare function bodies: every function of REV must still be there, instruction for instruction
+# (under any name: a new defaulted template argument renames it); functions whose code is new are listed.
+python3 - "$tmp/rev.sass" "$tmp/tree.sass" "$rev" <<'PY'
+import collections, re, subprocess, sys
+
+def functions(path):
+    out, name = {}, None
+    for line in open(path):
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            name = m.group(1)
+            out[name] = []
+        elif name:
+            out[name].append(line)
+    return {n: "".join(b) for n, b in out.items()}
+
+def demangle(names):
+    try:
+        return subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True).stdout.split("\n")
+    except OSError:
+        return list(names)
+
+rev, tree, rev_name = functions(sys.argv[1]), functions(sys.argv[2]), sys.argv[3]
+tree_bodies, rev_bodies = collections.Counter(tree.values()), set(rev.values())
+gone = [n for n, b in rev.items() if tree_bodies[b] == 0]
+new = [n for n, b in tree.items() if b not in rev_bodies]
+print(f"same_kernels: {len(rev) - len(gone)} of the {len(rev)} functions of {rev_name} compile to the same SASS in the working tree")
+for d in demangle(new)[: len(new)]:
+    print(f"  new code: {d}")
+for d in demangle(gone)[: len(gone)]:
+    print(f"  CHANGED or removed: {d}")
+sys.exit(1 if gone else 0)
+PY

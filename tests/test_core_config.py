@@ -105,6 +105,7 @@ def test_stream_chunks_fit_slots(monkeypatch):
     ("YALI_DEV_LL_MAX", "64M", "byte count"),
     ("YALI_DEV_PUSH_CTA_BYTES", "100", "byte count"),
     ("YALI_DEV_PDL", "2", "integer in [0, 1]"),
+    ("YALI_DEV_BATCH_POLL", "2", "integer in [0, 1]"),
     ("YALI_TIMEOUT_S", "-1", "seconds"),
 ])
 def test_bad_values_name_the_variable(monkeypatch, var, value, fragment):
@@ -120,6 +121,12 @@ def test_good_values_parse(monkeypatch):
     monkeypatch.setenv("YALI_TIMEOUT_S", "0")
     c = config.kernel_config()
     assert c["max_bytes"] == 256 * MiB and c["slot_bytes"] == 32 * KiB and c["timeout_s"] == 0
+
+
+def test_batch_poll_is_opt_in(monkeypatch):
+    assert config.kernel_config()["batch_poll"] == 0  # the measured default: wait for one vector at a time
+    monkeypatch.setenv("YALI_DEV_BATCH_POLL", "1")
+    assert config.kernel_config()["batch_poll"] == 1
 
 
 @pytest.mark.parametrize("value,expected", [("1", True), ("on", True), ("No", False), ("", True)])

@@ -111,13 +111,16 @@ def test_fused_suite_time_bound(suite):
 
 
 # The fused kernel on odd grids: 5 CTAs sending 272-byte chunks that do not line
-# up with rows, each CTA owning several rows; and without PDL. Same checks on a
+# up with rows, each CTA owning several rows; without PDL; and with the receivers
+# polling all their vectors per round (YALI_DEV_BATCH_POLL=1). Same checks on a
 # smaller plan, each setting in its own pair.
 ODD_PLAN_HIDDEN = (2048, 5120, 8192)
 ODD_PLAN_TOKENS = (1, 3, 32, 513)
 ODD_SETTINGS = {
     "odd-grids": {"YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_PUSH_CTA_BYTES": "272"},
     "no-pdl": {"YALI_DEV_PDL": "0"},
+    "batch-poll": {"YALI_DEV_BATCH_POLL": "1"},
+    "batch-poll-odd-grids": {"YALI_DEV_BATCH_POLL": "1", "YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_PUSH_CTA_BYTES": "272"},
 }
 
 

@@ -104,6 +104,7 @@ Config Config::from_env() {
   env_int("YALI_DEV_SLOTS", 2, kMaxSlots, &c.slots);
   env_bytes("YALI_DEV_SLOT_BYTES", 4096, size_t(16) << 20, 4096, &c.slot_bytes);
   env_int("YALI_DEV_PDL", 0, 1, &c.pdl);
+  env_int("YALI_DEV_BATCH_POLL", 0, 1, &c.batch_poll);
   if (const char* t = std::getenv("YALI_TIMEOUT_S"); t && *t) {
     char* end = nullptr;
     double v = std::strtod(t, &end);
@@ -128,6 +129,7 @@ void Config::validate() const {
   check_int("YALI_DEV_SLOTS", slots, 2, kMaxSlots);
   check_range("YALI_DEV_SLOT_BYTES", slot_bytes, 4096, size_t(16) << 20, 4096);
   check_int("YALI_DEV_PDL", pdl, 0, 1);
+  check_int("YALI_DEV_BATCH_POLL", batch_poll, 0, 1);
   if (!(timeout_s >= 0.0 && timeout_s <= 86400.0))
     bad("YALI_TIMEOUT_S", std::to_string(timeout_s), "seconds in [0, 86400]");
 }
@@ -139,7 +141,7 @@ std::string Config::to_string() const {
     << " ll_cta_bytes=" << ll_cta_bytes << " push_max=" << push_max << " push_cta_bytes=" << push_cta_bytes
     << " oneshot_max=" << oneshot_max
     << " stream_min=" << stream_min << " flash_ctas=" << flash_ctas << " flash_cta_bytes=" << flash_cta_bytes
-    << " lanes=" << lanes << " slots=" << slots << " slot_bytes=" << slot_bytes << " pdl=" << pdl << " timeout_s=" << timeout_s;
+    << " lanes=" << lanes << " slots=" << slots << " slot_bytes=" << slot_bytes << " pdl=" << pdl << " batch_poll=" << batch_poll << " timeout_s=" << timeout_s;
   return o.str();
 }
 

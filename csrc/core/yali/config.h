@@ -45,6 +45,7 @@ struct Config {
   int slots = 8;                       // YALI_DEV_SLOTS: ring slots per lane
   size_t slot_bytes = 64u << 10;       // YALI_DEV_SLOT_BYTES
   int pdl = 1;                         // YALI_DEV_PDL: 1 = launch with programmatic dependent launch, 0 = plain
+  int batch_poll = 0;                  // YALI_DEV_BATCH_POLL: 1 = flash-push / fused receivers poll all their vectors per round
   double timeout_s = 300.0;            // YALI_TIMEOUT_S: a kernel waiting longer aborts (0 = never)
 
   static Config from_env();  // throws std::invalid_argument naming the bad variable

@@ -109,7 +109,7 @@ __device__ __forceinline__ void load_row(Vec16 (&v)[kV], const void* base, int r
   }
 }
 
-template <typename T, int kV>
+template <typename T, int kV, bool kBatchPoll = false>
 __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kernel(FusedArgs a) {
   wait_prior_grids();
   constexpr int kU = 4;  // sent vectors in flight per thread
@@ -149,11 +149,18 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kern
       const int j = t + u * kFlashThreads;
       if (j < a.row_vecs) theirs[u] = load_push(from_peer + base + j);
     }
+    if constexpr (kBatchPoll) {  // see wait_push_batch
+      const auto at = [&](int u) -> const Vec16* {
+        const int j = t + u * kFlashThreads;
+        return j < a.row_vecs ? from_peer + base + j : nullptr;
+      };
+      wait_push_batch(theirs, at, a.f.timeout_ns, a.f.abort, Kernel::FlashPush);
+    }
 #pragma unroll
     for (int u = 0; u < kV; ++u) {
       const int j = t + u * kFlashThreads;
       if (j < a.row_vecs) {
-        wait_push(from_peer + base + j, theirs[u], a.f.timeout_ns, a.f.abort, Kernel::FlashPush);
+        if constexpr (!kBatchPoll) wait_push(from_peer + base + j, theirs[u], a.f.timeout_ns, a.f.abort, Kernel::FlashPush);
         x[u] = add_vec<T>(canonical<T>(x[u]), theirs[u]);
         clear_push(from_peer + base + j);
       }

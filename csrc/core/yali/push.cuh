@@ -88,9 +88,42 @@ __device__ __forceinline__ void push_send(Vec16* to_peer, Vec16 (&v)[kU], Range 
   }
 }
 
+// Spins until every vector u of a thread's batch arrived; at(u) is its address
+// in my push area (nullptr: the batch has no vector u) and v[u] holds a first
+// load of it. Each round re-loads every vector still empty before it looks at
+// any of them, so a thread's polls overlap and it sees its last vector about one
+// L2 round trip after that lands. wait_push() one vector after the other costs
+// up to one round trip per vector whose first load came too early.
+// (YALI_DEV_BATCH_POLL=1; the one-at-a-time wait is the measured default.)
+template <int kU, typename At>
+__device__ __forceinline__ void wait_push_batch(Vec16 (&v)[kU], At at, uint64_t timeout_ns, AbortInfo* abort,
+                                                Kernel kernel) {
+  const auto all_arrived = [&] {
+    bool all = true;
+#pragma unroll
+    for (int u = 0; u < kU; ++u) all &= at(u) == nullptr || push_arrived(v[u]);
+    return all;
+  };
+  if (all_arrived()) return;
+  const uint64_t start = global_timer_ns();
+  for (uint32_t spins = 1;; ++spins) {
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (at(u) != nullptr && !push_arrived(v[u])) v[u] = load_push(at(u));
+    if (all_arrived()) return;
+    if (timeout_ns != 0 && (spins & 1023u) == 0 && global_timer_ns() - start > timeout_ns) {
+      uint32_t seen = kPushEmpty;
+#pragma unroll
+      for (int u = kU - 1; u >= 0; --u)
+        if (at(u) != nullptr && !push_arrived(v[u])) seen = v[u].x;
+      abort_kernel(abort, kernel, 6, kPushEmpty, seen);
+    }
+  }
+}
+
 // out = in(rank 0) + in(rank 1). CTA b owns vectors split_range(b) on both
 // ranks: it sends them, then receives the peer's copies of the same vectors.
-template <typename T>
+template <typename T, bool kBatchPoll = false>
 __global__ void __launch_bounds__(kFlashThreads, 1) flash_push_kernel(FlashArgs a) {
   wait_prior_grids();
   constexpr int kU = 4;  // vectors in flight per thread
@@ -117,11 +150,18 @@ __global__ void __launch_bounds__(kFlashThreads, 1) flash_push_kernel(FlashArgs 
         v[u] = load_input_vector<T>(a.in, k, a.nbytes);
       }
     }
+    if constexpr (kBatchPoll) {
+      const auto at = [&](int u) -> const Vec16* {
+        const size_t k = i + size_t(u) * kFlashThreads;
+        return k < r.end ? from_peer + k : nullptr;
+      };
+      wait_push_batch(theirs, at, a.timeout_ns, a.abort, Kernel::FlashPush);
+    }
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const size_t k = i + size_t(u) * kFlashThreads;
       if (k < r.end) {
-        wait_push(from_peer + k, theirs[u], a.timeout_ns, a.abort, Kernel::FlashPush);
+        if constexpr (!kBatchPoll) wait_push(from_peer + k, theirs[u], a.timeout_ns, a.abort, Kernel::FlashPush);
         store_output_vector<T>(a.out, k, a.nbytes, add_vec<T>(canonical<T>(v[u]), theirs[u]));
         clear_push(from_peer + k);
       }

@@ -71,10 +71,13 @@ cudaError_t with_element_type(DType dtype, F&& f) {
 }
 
 template <typename T>
-cudaError_t launch_typed(const Plan& p, const FlashArgs& f, const StreamArgs& s, bool pdl, cudaStream_t stream) {
+cudaError_t launch_typed(const Plan& p, const FlashArgs& f, const StreamArgs& s, bool pdl, bool batch_poll,
+                         cudaStream_t stream) {
   switch (p.kernel) {
     case Kernel::FlashLL: return launch(flash_ll_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
-    case Kernel::FlashPush: return launch(flash_push_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
+    case Kernel::FlashPush:
+      return launch(batch_poll ? flash_push_kernel<T, true> : flash_push_kernel<T, false>, p.blocks, kFlashThreads,
+                    stream, pdl, f);
     case Kernel::FlashOneShot: return launch(flash_oneshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
     case Kernel::FlashTwoShot: return launch(flash_twoshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
     case Kernel::Stream: return launch(stream_kernel<T>, p.blocks, kStreamThreads, stream, pdl, s);
@@ -183,7 +186,7 @@ cudaError_t Rank::all_reduce(const void* in, void* out, size_t nbytes, DType dty
     f = flash_args(in, out, nbytes);
   }
   return with_element_type(dtype, [&](auto zero) {
-    return launch_typed<decltype(zero)>(p, f, s, config_.pdl != 0, stream);
+    return launch_typed<decltype(zero)>(p, f, s, config_.pdl != 0, config_.batch_poll != 0, stream);
   });
 }
 
@@ -217,18 +220,22 @@ FlashArgs Rank::flash_args(const void* in, void* out, size_t nbytes) const {
 namespace {
 
 template <typename T, int kV>
-cudaError_t launch_fused(const FusedArgs& a, bool one_launch, int grid, bool pdl, cudaStream_t stream) {
-  return launch(one_launch ? fused_allreduce_rmsnorm_kernel<T, kV> : add_rmsnorm_kernel<T, kV>, grid, kFlashThreads,
-                stream, pdl, a);
+cudaError_t launch_fused(const FusedArgs& a, bool one_launch, int grid, bool pdl, bool batch_poll,
+                         cudaStream_t stream) {
+  const auto kernel = !one_launch ? add_rmsnorm_kernel<T, kV>
+                      : batch_poll ? fused_allreduce_rmsnorm_kernel<T, kV, true>
+                                   : fused_allreduce_rmsnorm_kernel<T, kV, false>;
+  return launch(kernel, grid, kFlashThreads, stream, pdl, a);
 }
 
 template <typename T>
-cudaError_t launch_fused_rows(const FusedArgs& a, bool one_launch, int grid, bool pdl, cudaStream_t stream) {
+cudaError_t launch_fused_rows(const FusedArgs& a, bool one_launch, int grid, bool pdl, bool batch_poll,
+                              cudaStream_t stream) {
   const int per_thread = (a.row_vecs + kFlashThreads - 1) / kFlashThreads;  // vectors of a row per thread
-  if (per_thread <= 1) return launch_fused<T, 1>(a, one_launch, grid, pdl, stream);
-  if (per_thread <= 2) return launch_fused<T, 2>(a, one_launch, grid, pdl, stream);
-  if (per_thread <= 4) return launch_fused<T, 4>(a, one_launch, grid, pdl, stream);
-  if (per_thread <= 8) return launch_fused<T, 8>(a, one_launch, grid, pdl, stream);
+  if (per_thread <= 1) return launch_fused<T, 1>(a, one_launch, grid, pdl, batch_poll, stream);
+  if (per_thread <= 2) return launch_fused<T, 2>(a, one_launch, grid, pdl, batch_poll, stream);
+  if (per_thread <= 4) return launch_fused<T, 4>(a, one_launch, grid, pdl, batch_poll, stream);
+  if (per_thread <= 8) return launch_fused<T, 8>(a, one_launch, grid, pdl, batch_poll, stream);
   return cudaErrorInvalidValue;
 }
 
@@ -274,7 +281,7 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
     grid = int(std::min<size_t>(rows, 1024));
   }
   return with_element_type(dtype, [&](auto zero) {
-    return launch_fused_rows<decltype(zero)>(a, one_launch, grid, config_.pdl != 0, stream);
+    return launch_fused_rows<decltype(zero)>(a, one_launch, grid, config_.pdl != 0, config_.batch_poll != 0, stream);
   });
 }
 
