@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -256,3 +257,21 @@ def write_json_and_markdown(out_dir: str | os.PathLike[str], stem: str, obj: dic
 def load_results(path: str | os.PathLike[str]) -> dict[str, Any]:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def load_results_of_kind(paths: Sequence[str | os.PathLike[str]], kind: str) -> list[dict[str, Any]]:
+    """The result files at ``paths``; SystemExit naming the first that is not of ``kind``."""
+    docs = []
+    for path in paths:
+        doc = load_results(path)
+        if doc.get("kind") != kind:
+            raise SystemExit(f"{path}: kind is {doc.get('kind')!r}, expected {kind!r}")
+        docs.append(doc)
+    return docs
+
+
+def merge_sources(paths: Sequence[Path], out: Path) -> tuple[list[str], list[str]]:
+    """For result files merged into ``out``: (each file, each file's directory), relative to ``out``,
+    so that the merged result names its sources and the files they name stay findable."""
+    dirs = [Path(os.path.relpath(p.parent, out)).as_posix() for p in paths]
+    return [f"{d}/{p.name}" for d, p in zip(dirs, paths)], dirs

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serving_bench as sb  # noqa: E402
-from _results import results_header, write_results  # noqa: E402
+from _results import load_results_of_kind, results_header, write_json_and_markdown  # noqa: E402
 
 KIND = "decode-profile"
 # First match wins; names are CUDA kernel names as the profiler records them.
@@ -227,13 +227,17 @@ def profile_config(args, cfg: str, model_dir: Path, out: Path, deadline: "sb.Dea
     say(f"{cfg}: server stopped; traces: {len(list(trace_dir.rglob('*.json*')))} files")
 
 
+def write_doc(out: Path, doc: dict) -> str:
+    """OUT/decode-profile.json and its markdown beside it; returns the markdown."""
+    md = markdown(doc)
+    write_json_and_markdown(out, "decode-profile", doc, md)
+    return md
+
+
 def merge(paths: list[Path], out: Path) -> int:
     """One decode-profile document from several: records and top kernels of each, in order
     (a config in two files keeps the later one's top kernels); the sources are listed."""
-    docs = [json.loads(Path(p).read_text()) for p in paths]
-    for p, d in zip(paths, docs):
-        if d.get("kind") != KIND:
-            raise SystemExit(f"{p}: kind {d.get('kind')!r}, expected {KIND!r}")
+    docs = load_results_of_kind(paths, KIND)
     doc = results_header(KIND, {"tokens": docs[0].get("tokens"), "model_size": docs[0].get("model_size"),
                                 "merged_from": [{"file": str(p), "date": d.get("date"), "command": d.get("command")}
                                                 for p, d in zip(paths, docs)]})
@@ -245,10 +249,7 @@ def merge(paths: list[Path], out: Path) -> int:
     for p, d in zip(paths, docs):
         traces = Path(p).parent / "traces"
         doc["step_times"].update(d.get("step_times") or (step_times(traces) if traces.is_dir() else {}))
-    out.mkdir(parents=True, exist_ok=True)
-    write_results(str(out / "decode-profile.json"), doc)
-    (out / "decode-profile.md").write_text(markdown(doc))
-    print(markdown(doc))
+    print(write_doc(out, doc))
     return 0
 
 
@@ -285,9 +286,7 @@ def main() -> int:
         if args.dry_run:
             return 0
     doc = profile_doc(trace_root, args.tokens, {"model_size": args.model_size})
-    write_results(str(out / "decode-profile.json"), doc)
-    (out / "decode-profile.md").write_text(markdown(doc))
-    print(markdown(doc))
+    print(write_doc(out, doc))
     return 0 if doc["records"] else 1
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -35,7 +34,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import MULTICAST_OFF_ENV, child_env, load_results, results_header, write_results  # noqa: E402
+from _results import (  # noqa: E402
+    MULTICAST_OFF_ENV,
+    child_env,
+    load_results_of_kind,
+    merge_sources,
+    results_header,
+    write_json_and_markdown,
+    write_results,
+)
 from serving_bench import (  # noqa: E402
     DEFAULT_CONFIGS,
     SERVER_CONFIGS,
@@ -336,18 +343,10 @@ def merge_load_tests(docs: Sequence[dict[str, Any]], sources: Sequence[str], pre
 
 
 def merge_main(paths: Sequence[Path], out: Path) -> int:
-    docs = []
-    for path in paths:
-        doc = load_results(path)
-        if doc.get("kind") != KIND:
-            raise SystemExit(f"{path}: kind is {doc.get('kind')!r}, expected {KIND!r}")
-        docs.append(doc)
-    rel = [Path(os.path.relpath(p.parent, out)).as_posix() for p in paths]
-    doc = merge_load_tests(docs, [f"{r}/{p.name}" for r, p in zip(rel, paths)], rel)
-    stem = "soak" if doc.get("mode") == "soak" else "load-test"
-    json_path = write_results(out / f"{stem}.json", doc)
-    (out / f"{stem}.md").write_text(render_markdown(doc), encoding="utf-8")
-    print(f"merged {len(paths)} results into {json_path} and {out / (stem + '.md')}")
+    doc = merge_load_tests(load_results_of_kind(paths, KIND), *merge_sources(paths, out))
+    json_path = write_json_and_markdown(out, "soak" if doc.get("mode") == "soak" else "load-test", doc,
+                                        render_markdown(doc))
+    print(f"merged {len(paths)} results into {json_path} and its .md")
     return 0
 
 

@@ -48,8 +48,10 @@ from _results import (  # noqa: E402
     MULTICAST_OFF_ENV,
     REPO_ROOT,
     child_env,
-    load_results,
+    load_results_of_kind,
+    merge_sources,
     results_header,
+    write_json_and_markdown,
     write_results,
 )
 
@@ -1363,9 +1365,8 @@ class LoadTests:
                 rc = row.get("locust_rc") if row else None
                 doc["verdict"] = self.lt.soak_verdict(row, scan, rc, bool(scan and scan.get("yali_on")))
                 say(f"soak verdict: {'PASS' if doc['verdict']['pass'] else 'FAIL'} {doc['verdict']['reasons']}")
-            stem = "soak" if mode == "soak" else "load-test"
-            write_results(self.out / f"{stem}.json", doc)
-            (self.out / f"{stem}.md").write_text(self.lt.render_markdown(doc), encoding="utf-8")
+            write_json_and_markdown(self.out, "soak" if mode == "soak" else "load-test", doc,
+                                    self.lt.render_markdown(doc))
 
 
 def write_decode_profile(out: Path, tokens: int, model_size: str) -> Path | None:
@@ -1376,10 +1377,8 @@ def write_decode_profile(out: Path, tokens: int, model_size: str) -> Path | None
                                      {"model_size": model_size, "source": "serving_bench --profile-tokens"})
     if not doc["records"]:
         return None
-    path = out / "decode-profile.json"
-    write_results(str(path), doc)
-    (out / "decode-profile.md").write_text(decode_profile.markdown(doc))
-    return path
+    decode_profile.write_doc(out, doc)
+    return out / "decode-profile.json"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -1688,19 +1687,12 @@ def merge_results(docs: Sequence[dict[str, Any]], sources: Sequence[str],
 
 
 def report_only(paths: Sequence[Path], out: Path | None) -> int:
-    docs = []
-    for path in paths:
-        doc = load_results(path)
-        if doc.get("kind") != KIND:
-            raise SystemExit(f"{path}: kind is {doc.get('kind')!r}, expected {KIND!r}")
-        docs.append(doc)
+    docs = load_results_of_kind(paths, KIND)
     if len(docs) == 1:
         doc, json_path = docs[0], paths[0]
     else:
         out = out or default_out("serving-merged")
-        # Sources and the files they name, relative to the merged result's directory.
-        rel = [Path(os.path.relpath(p.parent, out)).as_posix() for p in paths]
-        doc = merge_results(docs, [f"{r}/{p.name}" for r, p in zip(rel, paths)], rel)
+        doc = merge_results(docs, *merge_sources(paths, out))
         json_path = write_results(out / RESULT_NAME, doc)
         print(f"merged {len(paths)} results into {json_path}")
     md, plots = write_report(doc, json_path, out)
