@@ -473,7 +473,8 @@ def run(args: argparse.Namespace) -> int:
             rc: int | None = None
             row: dict[str, Any] | None = None
             try:
-                waited = wait_healthy(server, *startup_wait(deadline, args.startup_timeout_s, stop_reserve))
+                wait_s, bound = startup_wait(deadline, args.startup_timeout_s, stop_reserve)
+                waited = wait_healthy(server, wait_s, bound=bound)
                 say(f"{cfg}: healthy after {waited:.1f}s")
                 warmup_server(server.base_url, str(model_dir), args.warmup_requests, timeout_s=deadline.clip(60.0, stop_reserve))
                 duration = int(min(args.duration_s, deadline.remaining() - stop_reserve - overhead))

@@ -439,10 +439,10 @@ def wait_healthy(server: Server, timeout_s: float, poll_s: float = 0.5, bound: s
         time.sleep(poll_s)
 
 
-def startup_wait(deadline: Deadline, startup_timeout_s: float, reserve_s: float) -> tuple[float, float, str]:
-    """wait_healthy's (timeout_s, poll_s, bound) for a server start inside a budgeted run."""
+def startup_wait(deadline: Deadline, startup_timeout_s: float, reserve_s: float) -> tuple[float, str]:
+    """wait_healthy's timeout_s and bound for a server start inside a budgeted run."""
     wait_s = deadline.clip(startup_timeout_s, reserve_s)
-    return wait_s, 0.5, "--startup-timeout-s" if wait_s >= startup_timeout_s else "the run's budget (--budget-s)"
+    return wait_s, "--startup-timeout-s" if wait_s >= startup_timeout_s else "the run's budget (--budget-s)"
 
 
 def stop_server(server: Server, grace_s: float = 30.0, gpu_free_timeout_s: float = 30.0) -> None:
@@ -1545,7 +1545,8 @@ def _run_all(
             say(f"{tag}: starting server on port {port}: {shlex.join(cmd)}")
             server = start_server(cmd, server_env(SERVER_CONFIGS[cfg]), log_path, port, cfg)
             try:
-                waited = wait_healthy(server, *startup_wait(deadline, args.startup_timeout_s, stop_reserve))
+                wait_s, bound = startup_wait(deadline, args.startup_timeout_s, stop_reserve)
+                waited = wait_healthy(server, wait_s, bound=bound)
                 est_startup = max(est_startup or 0.0, waited)
                 say(f"{tag}: healthy after {waited:.1f}s")
                 ok, bad = warmup_server(
