@@ -33,7 +33,7 @@ MULTICAST_OFF_ENV: dict[str, str] = {
 }
 
 VERSION_KEYS = ("torch", "cuda", "nccl", "vllm", "yali_vllm", "git")
-HEADER_KEYS = ("kind", "date", "command", "host", "versions")
+HEADER_KEYS = ("kind", "date", "command", "host", "versions", "yali_env")
 
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -225,6 +225,9 @@ def results_header(kind: str, extra: dict[str, Any] | None = None) -> dict[str, 
         "command": " ".join(sys.argv),
         "host": host_info(),
         "versions": versions(),
+        # The YALI_* knobs in force (e.g. YALI_DEV_BATCH_POLL=1): a figure measured with a
+        # non-default kernel setting must say so in its own file.
+        "yali_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("YALI_")},
     }
     for k, val in (extra or {}).items():
         if k in HEADER_KEYS:
