@@ -59,14 +59,13 @@ VARIANTS = {
     "push-pdl": ({"YALI_DEV_PDL": "1"}, "flash", SMALL + ",1M,4M,8M"),
     "stream-nopdl": ({"YALI_DEV_PDL": "0"}, "stream", "16M,64M"),
     "stream-pdl": ({"YALI_DEV_PDL": "1"}, "stream", "16M,64M"),
-    # Round 6: flash-push receivers waiting for their vectors one after the other
-    # (the default) against polling all of them each round (YALI_DEV_BATCH_POLL=1).
-    "push-poll-each": ({"YALI_DEV_BATCH_POLL": "0"}, "flash", SMALL + ",1M,2M,4M,8M"),
-    "push-poll-batch": ({"YALI_DEV_BATCH_POLL": "1"}, "flash", SMALL + ",1M,2M,4M,8M"),
+    # Round 6 (tune-20261122-r6) measured flash-push receivers polling all their vectors
+    # each round against one after the other: batched was slower at 2K-1M and 8M, so
+    # flash-push kept the one-at-a-time wait and the knob (YALI_DEV_BATCH_POLL) was removed.
+    # Only the fused op polls batched, from YALI_DEV_FUSED_BATCH_POLL_MIN on.
 }
 ROUND4 = [k for k in VARIANTS if k.startswith("push-cta")]
 ROUND5 = ["push-nopdl", "push-pdl", "stream-nopdl", "stream-pdl"]
-ROUND6 = ["push-poll-each", "push-poll-batch"]
 
 
 def worker(rank, port, args, q):
@@ -80,7 +79,7 @@ def worker(rank, port, args, q):
     dev = torch.device("cuda", rank)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     rows = []
-    rounds = {"round4": ROUND4, "round5": ROUND5, "round6": ROUND6}
+    rounds = {"round4": ROUND4, "round5": ROUND5}
     names = rounds.get(args.variants) or (args.variants.split(",") if args.variants else list(VARIANTS))
     base_env = {k: v for k, v in os.environ.items() if k.startswith("YALI_")}
     for vi, label in enumerate(names):
@@ -136,7 +135,7 @@ def table(rows):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--variants", default="", help="comma list of variant labels, or round4 / round5 / round6 (default: all)")
+    ap.add_argument("--variants", default="", help="comma list of variant labels, or round4 / round5 (default: all)")
     ap.add_argument("--replays", type=int, default=15)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--name", default="tune-" + time.strftime("%Y%m%d-%H%M%S"))

@@ -106,7 +106,9 @@ def test_stream_chunks_fit_slots(monkeypatch):
     ("YALI_DEV_LL_MAX", "64M", "byte count"),
     ("YALI_DEV_PUSH_CTA_BYTES", "100", "byte count"),
     ("YALI_DEV_PDL", "2", "integer in [0, 1]"),
-    ("YALI_DEV_BATCH_POLL", "2", "integer in [0, 1]"),
+    ("YALI_DEV_FUSED_BATCH_POLL_MIN", "-1", "byte count"),
+    ("YALI_DEV_BATCH_POLL", "1", "no such YALI_DEV_* knob"),  # removed in session 5: refused, not ignored
+    ("YALI_DEV_PUSH_CTA_BYTE", "1K", "YALI_DEV_PUSH_CTA_BYTES"),  # a typo names the known knobs
     ("YALI_TIMEOUT_S", "-1", "seconds"),
 ])
 def test_bad_values_name_the_variable(monkeypatch, var, value, fragment):
@@ -124,10 +126,13 @@ def test_good_values_parse(monkeypatch):
     assert c["max_bytes"] == 256 * MiB and c["slot_bytes"] == 32 * KiB and c["timeout_s"] == 0
 
 
-def test_batch_poll_is_opt_in(monkeypatch):
-    assert config.kernel_config()["batch_poll"] == 0  # the measured default: wait for one vector at a time
-    monkeypatch.setenv("YALI_DEV_BATCH_POLL", "1")
-    assert config.kernel_config()["batch_poll"] == 1
+def test_fused_batch_poll_threshold(monkeypatch):
+    # the measured default: the fused op polls a row's vectors batched from 32 tokens of hidden 8192 bf16 on
+    assert config.kernel_config()["fused_batch_poll_min"] == 512 * KiB
+    monkeypatch.setenv("YALI_DEV_FUSED_BATCH_POLL_MIN", "0")  # always batched
+    assert config.kernel_config()["fused_batch_poll_min"] == 0
+    monkeypatch.setenv("YALI_DEV_FUSED_BATCH_POLL_MIN", "1G")
+    assert config.kernel_config()["fused_batch_poll_min"] == 1 << 30
 
 
 @pytest.mark.parametrize("value,expected", [("1", True), ("on", True), ("No", False), ("", True)])

@@ -101,8 +101,7 @@ def test_bad_or_different_settings_fail_both_ranks():
 # small/mid-size kernels (flash-ll, one-shot), two-shot, a tiny stream ring
 # (thousands of chunks per lane cycling 2 slots, so every slot reuse waits on a
 # credit), push/one-shot/stream on odd CTA/lane counts, launches without
-# programmatic dependent launch, and flash-push receivers polling all their
-# vectors per round (YALI_DEV_BATCH_POLL=1, alone and on odd grids).
+# programmatic dependent launch.
 NONDEFAULT = {
     "first-kernels": {"YALI_DEV_PUSH_MAX": "0"},
     "twoshot": {"YALI_DEV_PUSH_MAX": "0", "YALI_DEV_ONESHOT_MAX": "0", "YALI_DEV_LL_MAX": "0"},
@@ -111,8 +110,6 @@ NONDEFAULT = {
                   "YALI_DEV_FLASH_CTA_BYTES": "4K", "YALI_DEV_LANES": "5", "YALI_DEV_SLOT_BYTES": "8K"},
     "push-odd-grids": {"YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_PUSH_CTA_BYTES": "272"},
     "no-pdl": {"YALI_DEV_PDL": "0"},  # plain launches (PDL is the default)
-    "batch-poll": {"YALI_DEV_BATCH_POLL": "1"},
-    "batch-poll-odd-grids": {"YALI_DEV_BATCH_POLL": "1", "YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_PUSH_CTA_BYTES": "272"},
 }
 
 

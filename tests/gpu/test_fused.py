@@ -112,15 +112,19 @@ def test_fused_suite_time_bound(suite):
 
 # The fused kernel on odd grids: 5 CTAs sending 272-byte chunks that do not line
 # up with rows, each CTA owning several rows; without PDL; and with the receivers
-# polling all their vectors per round (YALI_DEV_BATCH_POLL=1). Same checks on a
-# smaller plan, each setting in its own pair.
+# of every size polling a row's vectors batched (YALI_DEV_FUSED_BATCH_POLL_MIN=0),
+# or none of them (1G: one vector at a time). The default switches at 512 KiB,
+# which this plan crosses at 32 and 513 tokens. Same checks on a smaller plan,
+# each setting in its own pair.
 ODD_PLAN_HIDDEN = (2048, 5120, 8192)
 ODD_PLAN_TOKENS = (1, 3, 32, 513)
 ODD_SETTINGS = {
     "odd-grids": {"YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_PUSH_CTA_BYTES": "272"},
     "no-pdl": {"YALI_DEV_PDL": "0"},
-    "batch-poll": {"YALI_DEV_BATCH_POLL": "1"},
-    "batch-poll-odd-grids": {"YALI_DEV_BATCH_POLL": "1", "YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_PUSH_CTA_BYTES": "272"},
+    "batch-poll-always": {"YALI_DEV_FUSED_BATCH_POLL_MIN": "0"},
+    "batch-poll-always-odd-grids": {"YALI_DEV_FUSED_BATCH_POLL_MIN": "0", "YALI_DEV_FLASH_CTAS": "5",
+                                    "YALI_DEV_PUSH_CTA_BYTES": "272"},
+    "batch-poll-never": {"YALI_DEV_FUSED_BATCH_POLL_MIN": "1G"},
 }
 
 

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <sstream>
 #include <stdexcept>
+#include <unistd.h>  // environ
 
 #include "layout.h"
 
@@ -79,9 +80,33 @@ void check_int(const char* var, int v, int lo, int hi) {
 
 size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
 
+// Every YALI_DEV_* variable from_env() reads. A name not in here is refused, so a
+// misspelt or removed knob (YALI_DEV_BATCH_POLL) cannot be silently ignored.
+constexpr const char* kDevKnobs[] = {
+    "YALI_DEV_FLASH_BYTES", "YALI_DEV_LL_MAX",     "YALI_DEV_LL_CTA_BYTES",   "YALI_DEV_PUSH_MAX",
+    "YALI_DEV_PUSH_CTA_BYTES", "YALI_DEV_ONESHOT_MAX", "YALI_DEV_STREAM_MIN", "YALI_DEV_FLASH_CTAS",
+    "YALI_DEV_FLASH_CTA_BYTES", "YALI_DEV_LANES",  "YALI_DEV_SLOTS",          "YALI_DEV_SLOT_BYTES",
+    "YALI_DEV_PDL",         "YALI_DEV_FUSED_BATCH_POLL_MIN"};
+
+void refuse_unknown_dev_knobs() {
+  constexpr char kPrefix[] = "YALI_DEV_";
+  for (char** e = environ; e && *e; ++e) {
+    const std::string entry(*e);
+    if (entry.rfind(kPrefix, 0) != 0) continue;
+    const size_t eq = entry.find('=');
+    const std::string name = entry.substr(0, eq);
+    if (std::none_of(std::begin(kDevKnobs), std::end(kDevKnobs), [&](const char* k) { return name == k; })) {
+      std::string known;
+      for (const char* k : kDevKnobs) known += (known.empty() ? "" : ", ") + std::string(k);
+      throw std::invalid_argument(entry + " is invalid: no such YALI_DEV_* knob (known: " + known + ")");
+    }
+  }
+}
+
 }  // namespace
 
 Config Config::from_env() {
+  refuse_unknown_dev_knobs();
   Config c;
   if (const char* m = std::getenv("YALI_KERNEL_MODE"); m && *m) {
     const std::string v(m);
@@ -104,7 +129,7 @@ Config Config::from_env() {
   env_int("YALI_DEV_SLOTS", 2, kMaxSlots, &c.slots);
   env_bytes("YALI_DEV_SLOT_BYTES", 4096, size_t(16) << 20, 4096, &c.slot_bytes);
   env_int("YALI_DEV_PDL", 0, 1, &c.pdl);
-  env_int("YALI_DEV_BATCH_POLL", 0, 1, &c.batch_poll);
+  env_bytes("YALI_DEV_FUSED_BATCH_POLL_MIN", 0, size_t(1) << 40, 1, &c.fused_batch_poll_min);
   if (const char* t = std::getenv("YALI_TIMEOUT_S"); t && *t) {
     char* end = nullptr;
     double v = std::strtod(t, &end);
@@ -129,7 +154,7 @@ void Config::validate() const {
   check_int("YALI_DEV_SLOTS", slots, 2, kMaxSlots);
   check_range("YALI_DEV_SLOT_BYTES", slot_bytes, 4096, size_t(16) << 20, 4096);
   check_int("YALI_DEV_PDL", pdl, 0, 1);
-  check_int("YALI_DEV_BATCH_POLL", batch_poll, 0, 1);
+  check_range("YALI_DEV_FUSED_BATCH_POLL_MIN", fused_batch_poll_min, 0, size_t(1) << 40, 1);
   if (!(timeout_s >= 0.0 && timeout_s <= 86400.0))
     bad("YALI_TIMEOUT_S", std::to_string(timeout_s), "seconds in [0, 86400]");
 }
@@ -141,7 +166,7 @@ std::string Config::to_string() const {
     << " ll_cta_bytes=" << ll_cta_bytes << " push_max=" << push_max << " push_cta_bytes=" << push_cta_bytes
     << " oneshot_max=" << oneshot_max
     << " stream_min=" << stream_min << " flash_ctas=" << flash_ctas << " flash_cta_bytes=" << flash_cta_bytes
-    << " lanes=" << lanes << " slots=" << slots << " slot_bytes=" << slot_bytes << " pdl=" << pdl << " batch_poll=" << batch_poll << " timeout_s=" << timeout_s;
+    << " lanes=" << lanes << " slots=" << slots << " slot_bytes=" << slot_bytes << " pdl=" << pdl << " fused_batch_poll_min=" << fused_batch_poll_min << " timeout_s=" << timeout_s;
   return o.str();
 }
 

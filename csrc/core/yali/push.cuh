@@ -93,8 +93,10 @@ __device__ __forceinline__ void push_send(Vec16* to_peer, Vec16 (&v)[kU], Range 
 // load of it. Each round re-loads every vector still empty before it looks at
 // any of them, so a thread's polls overlap and it sees its last vector about one
 // L2 round trip after that lands. wait_push() one vector after the other costs
-// up to one round trip per vector whose first load came too early.
-// (YALI_DEV_BATCH_POLL=1; the one-at-a-time wait is the measured default.)
+// up to one round trip per vector whose first load came too early, but it
+// re-loads nothing that was not needed. The fused op uses this from
+// Config::fused_batch_poll_min on; flash-push waits one vector at a time,
+// which measured faster at 2 KiB-1 MiB and 8 MiB (tune-20261122-r6).
 template <int kU, typename At>
 __device__ __forceinline__ void wait_push_batch(Vec16 (&v)[kU], At at, uint64_t timeout_ns, AbortInfo* abort,
                                                 Kernel kernel) {
@@ -123,7 +125,7 @@ __device__ __forceinline__ void wait_push_batch(Vec16 (&v)[kU], At at, uint64_t 
 
 // out = in(rank 0) + in(rank 1). CTA b owns vectors split_range(b) on both
 // ranks: it sends them, then receives the peer's copies of the same vectors.
-template <typename T, bool kBatchPoll = false>
+template <typename T>
 __global__ void __launch_bounds__(kFlashThreads, 1) flash_push_kernel(FlashArgs a) {
   wait_prior_grids();
   constexpr int kU = 4;  // vectors in flight per thread
@@ -150,18 +152,11 @@ __global__ void __launch_bounds__(kFlashThreads, 1) flash_push_kernel(FlashArgs 
         v[u] = load_input_vector<T>(a.in, k, a.nbytes);
       }
     }
-    if constexpr (kBatchPoll) {
-      const auto at = [&](int u) -> const Vec16* {
-        const size_t k = i + size_t(u) * kFlashThreads;
-        return k < r.end ? from_peer + k : nullptr;
-      };
-      wait_push_batch(theirs, at, a.timeout_ns, a.abort, Kernel::FlashPush);
-    }
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const size_t k = i + size_t(u) * kFlashThreads;
       if (k < r.end) {
-        if constexpr (!kBatchPoll) wait_push(from_peer + k, theirs[u], a.timeout_ns, a.abort, Kernel::FlashPush);
+        wait_push(from_peer + k, theirs[u], a.timeout_ns, a.abort, Kernel::FlashPush);
         store_output_vector<T>(a.out, k, a.nbytes, add_vec<T>(canonical<T>(v[u]), theirs[u]));
         clear_push(from_peer + k);
       }

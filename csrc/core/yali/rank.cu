@@ -71,13 +71,11 @@ cudaError_t with_element_type(DType dtype, F&& f) {
 }
 
 template <typename T>
-cudaError_t launch_typed(const Plan& p, const FlashArgs& f, const StreamArgs& s, bool pdl, bool batch_poll,
-                         cudaStream_t stream) {
+cudaError_t launch_typed(const Plan& p, const FlashArgs& f, const StreamArgs& s, bool pdl, cudaStream_t stream) {
   switch (p.kernel) {
     case Kernel::FlashLL: return launch(flash_ll_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
     case Kernel::FlashPush:
-      return launch(batch_poll ? flash_push_kernel<T, true> : flash_push_kernel<T, false>, p.blocks, kFlashThreads,
-                    stream, pdl, f);
+      return launch(flash_push_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
     case Kernel::FlashOneShot: return launch(flash_oneshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
     case Kernel::FlashTwoShot: return launch(flash_twoshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
     case Kernel::Stream: return launch(stream_kernel<T>, p.blocks, kStreamThreads, stream, pdl, s);
@@ -186,7 +184,7 @@ cudaError_t Rank::all_reduce(const void* in, void* out, size_t nbytes, DType dty
     f = flash_args(in, out, nbytes);
   }
   return with_element_type(dtype, [&](auto zero) {
-    return launch_typed<decltype(zero)>(p, f, s, config_.pdl != 0, config_.batch_poll != 0, stream);
+    return launch_typed<decltype(zero)>(p, f, s, config_.pdl != 0, stream);
   });
 }
 
@@ -280,8 +278,9 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
     a.sum = norm_out;
     grid = int(std::min<size_t>(rows, 1024));
   }
+  const bool batch_poll = nbytes >= config_.fused_batch_poll_min;  // see Config::fused_batch_poll_min
   return with_element_type(dtype, [&](auto zero) {
-    return launch_fused_rows<decltype(zero)>(a, one_launch, grid, config_.pdl != 0, config_.batch_poll != 0, stream);
+    return launch_fused_rows<decltype(zero)>(a, one_launch, grid, config_.pdl != 0, batch_poll, stream);
   });
 }
 
