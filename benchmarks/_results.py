@@ -225,7 +225,7 @@ def results_header(kind: str, extra: dict[str, Any] | None = None) -> dict[str, 
         "command": " ".join(sys.argv),
         "host": host_info(),
         "versions": versions(),
-        # The YALI_* knobs in force (e.g. YALI_DEV_BATCH_POLL=1): a figure measured with a
+        # The YALI_* knobs in force (e.g. YALI_DEV_FUSED_BATCH_POLL_MIN=0): a figure measured with a
         # non-default kernel setting must say so in its own file.
         "yali_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("YALI_")},
     }

@@ -222,10 +222,10 @@ def test_markdown_table_has_verdict_columns():
 
 # ------------------------------------------------------------------------ JSON schema
 def test_results_header_has_common_keys(tmp_path, monkeypatch):
-    monkeypatch.setenv("YALI_DEV_BATCH_POLL", "1")
+    monkeypatch.setenv("YALI_DEV_FUSED_BATCH_POLL_MIN", "0")
     monkeypatch.setenv("NOT_YALI_X", "1")
     hdr = _results.results_header("serving-benchmark", {"records": []})
-    assert hdr["yali_env"]["YALI_DEV_BATCH_POLL"] == "1"  # a non-default knob is on record
+    assert hdr["yali_env"]["YALI_DEV_FUSED_BATCH_POLL_MIN"] == "0"  # a non-default knob is on record
     assert all(k.startswith("YALI_") for k in hdr["yali_env"])
     assert hdr["kind"] == "serving-benchmark"
     for k in ("kind", "date", "command", "host", "versions", "records"):

@@ -1,0 +1,64 @@
+"""The GPU-host scripts (scripts/gpu_host/) run only on the GPU host, where a mistake costs device
+time: check here that they parse, keep NVLink multicast off, and name only kernel knobs that exist."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted((REPO / "scripts" / "gpu_host").glob("*.sh"))
+MULTICAST_OFF = ("NCCL_NVLS_ENABLE=0", "TORCH_SYMM_MEM_DISABLE_MULTICAST=1", "NVSHMEM_DISABLE_NVLS=1",
+                 "VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm")
+
+
+def known_dev_knobs() -> set[str]:
+    """The YALI_DEV_* names the C++ core accepts (config.cpp's kDevKnobs)."""
+    src = (REPO / "csrc" / "core" / "yali" / "config.cpp").read_text()
+    table = re.search(r"kDevKnobs\[\]\s*=\s*\{(.*?)\};", src, re.S)
+    assert table, "kDevKnobs not found in config.cpp"
+    return set(re.findall(r'"(YALI_DEV_\w+)"', table.group(1)))
+
+
+def test_there_are_scripts():
+    assert len(SCRIPTS) >= 5 and (REPO / "scripts" / "gpu_host" / "env.sh") in SCRIPTS
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_script_parses(script):
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_env_sh_turns_multicast_off():
+    text = (REPO / "scripts" / "gpu_host" / "env.sh").read_text()
+    exports = " ".join(line for line in text.splitlines() if line.startswith("export "))
+    for setting in MULTICAST_OFF:
+        assert setting in exports, setting
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if s.name != "env.sh"], ids=lambda p: p.name)
+def test_script_sources_env_before_running_python(script):
+    text = script.read_text()
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+    first_python = next((i for i, line in enumerate(lines) if "python3 " in line), None)
+    if first_python is None:
+        pytest.skip("runs no python")
+    sources = [i for i, line in enumerate(lines) if re.search(r"(^|;|\s)(\.|source) scripts/gpu_host/env\.sh", line)]
+    # install_and_bench.sh installs the stack first and sources env.sh after; the others at the top
+    assert sources and sources[0] < first_python, f"{script.name} runs python before sourcing env.sh"
+
+
+def test_only_existing_kernel_knobs_are_named():
+    known = known_dev_knobs()
+    assert "YALI_DEV_FUSED_BATCH_POLL_MIN" in known and "YALI_DEV_BATCH_POLL" not in known
+    files = [*SCRIPTS, REPO / "benchmarks" / "tune.py", *sorted((REPO / "tests" / "gpu").glob("*.py"))]
+    for f in files:
+        # names in settings, not in comments that record what was removed
+        code = "\n".join(line.split("#", 1)[0] for line in f.read_text().splitlines())
+        unknown = set(re.findall(r"YALI_DEV_\w+", code)) - known
+        assert not unknown, f"{f.relative_to(REPO)} names knobs the core refuses: {sorted(unknown)}"
