@@ -92,6 +92,9 @@ VLLM_RESULT_KEYS: dict[str, tuple[str, ...]] = {
     "output_tok_s": ("output_throughput",),
     "req_s": ("request_throughput",),
 }
+# Beyond the schema's row: the mean TPOT over a point's requests. Under mixed prefill/decode
+# (concurrency 32) the per-request TPOTs spread and their median can move more than their mean.
+EXTRA_RESULT_KEYS: dict[str, tuple[str, ...]] = {"tpot_ms_mean": ("mean_tpot_ms",)}
 
 
 # ============================================================== configurations
@@ -840,7 +843,7 @@ def parse_bench_result(result: dict[str, Any] | str | Path) -> dict[str, Any]:
         with open(result, encoding="utf-8") as f:
             result = json.load(f)
     row: dict[str, Any] = {}
-    for key, candidates in VLLM_RESULT_KEYS.items():
+    for key, candidates in {**VLLM_RESULT_KEYS, **EXTRA_RESULT_KEYS}.items():
         val = None
         for c in candidates:
             if c in result:
@@ -863,7 +866,7 @@ def make_record(config: str, concurrency: int, repeat: int, parsed: dict[str, An
     rec = {"config": config, "concurrency": int(concurrency), "repeat": int(repeat)}
     for k in ROW_KEYS[3:]:
         rec[k] = parsed.get(k)
-    for k in ("completed", "duration_s", "num_prompts"):
+    for k in ("completed", "duration_s", "num_prompts", *EXTRA_RESULT_KEYS):
         if k in parsed:
             rec[k] = parsed[k]
     rec.update(extra)
@@ -882,6 +885,7 @@ class Metric:
 METRICS: tuple[Metric, ...] = (
     Metric("tpot_ms_p50", "TPOT p50 (ms)", True, "{:.3f}"),
     Metric("tpot_ms_p99", "TPOT p99 (ms)", True, "{:.3f}"),
+    Metric("tpot_ms_mean", "TPOT mean (ms)", True, "{:.3f}"),
     Metric("itl_ms_p50", "ITL p50 (ms)", True, "{:.3f}"),
     Metric("itl_ms_p99", "ITL p99 (ms)", True, "{:.3f}"),
     Metric("ttft_ms_p50", "TTFT p50 (ms)", True, "{:.1f}"),
@@ -1687,11 +1691,31 @@ def merge_results(docs: Sequence[dict[str, Any]], sources: Sequence[str],
     return merged
 
 
+def backfill_extra_keys(doc: dict[str, Any], base: Path) -> int:
+    """Fills the EXTRA_RESULT_KEYS a record lacks (written before they existed) from its
+    ``result_file`` (relative to ``base``, the result's directory) where that file is kept.
+    Returns how many records gained a value."""
+    filled = 0
+    for r in doc.get("records") or []:
+        missing = [k for k in EXTRA_RESULT_KEYS if r.get(k) is None]
+        path = base / r["result_file"] if missing and r.get("result_file") else None
+        if path is None or not path.is_file():
+            continue
+        parsed = parse_bench_result(path)
+        for k in missing:
+            if parsed.get(k) is not None:
+                r[k] = parsed[k]
+                filled += 1
+    return filled
+
+
 def report_only(paths: Sequence[Path], out: Path | None) -> int:
     docs = load_results_of_kind(paths, KIND)
     if len(docs) == 1:
         doc, json_path = docs[0], paths[0]
     else:
+        for doc, path in zip(docs, paths):  # the merged file gets what its sources' raw files hold
+            backfill_extra_keys(doc, Path(path).parent)
         out = out or default_out("serving-merged")
         doc = merge_results(docs, *merge_sources(paths, out))
         json_path = write_results(out / RESULT_NAME, doc)

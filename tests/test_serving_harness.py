@@ -1044,6 +1044,38 @@ def test_report_only_merges_runs(tmp_path):
     assert "| 2 |" in nccl_row and "(better)" in nccl_row
 
 
+def test_merge_backfills_the_mean_tpot_from_kept_result_files(tmp_path):
+    """Records written before tpot_ms_mean existed get it in a merge from their kept raw file;
+    a record whose raw file is gone keeps None, and the markdown shows the column."""
+    paths = []
+    for i, (mean_y, mean_n) in enumerate(((5.40, 6.40), (5.44, 6.42))):
+        recs = make_records({("yali", 32): [5.0 + i / 100], ("nccl", 32): [6.0 + i / 100]})
+        for r, mean in zip(recs, (mean_y, mean_n)):
+            del r["tpot_ms_mean"]  # as written before the key existed
+            r["result_file"] = f"raw/{r['config']}-r1-c32.json"
+            res = vllm_bench_result(concurrency=32)
+            res["mean_tpot_ms"] = mean
+            if not (i == 1 and r["config"] == "nccl"):  # this one's raw file was not kept
+                (tmp_path / f"run{i}" / "raw").mkdir(parents=True, exist_ok=True)
+                (tmp_path / f"run{i}" / r["result_file"]).write_text(json.dumps(res))
+        doc = _results.results_header(sb.KIND, {"model": {"size": "70b"}, "workload": {}, "records": recs,
+                                                "server_logs": [], "errors": [], "skipped": []})
+        paths.append(_results.write_results(tmp_path / f"run{i}" / "serving-benchmark.json", doc))
+    out = tmp_path / "merged"
+    assert sb.main(["--report-only", *map(str, paths), "--out", str(out)]) == 0
+    merged = json.loads((out / "serving-benchmark.json").read_text())
+    means = {(r["config"], r["repeat"]): r.get("tpot_ms_mean") for r in merged["records"]}
+    assert means == {("yali", 1): 5.40, ("nccl", 1): 6.40, ("yali", 2): 5.44, ("nccl", 2): None}
+    md = (out / "serving-benchmark.md").read_text()
+    assert "TPOT mean (ms)" in md
+    yali_row = next(line for line in md.splitlines() if line.startswith("| yali | 2 |"))
+    assert "5.420 ± 0.020" in yali_row
+    # a fresh parse carries it too
+    res = vllm_bench_result()
+    res["mean_tpot_ms"] = 5.33
+    assert sb.make_record("yali", 8, 1, sb.parse_bench_result(res))["tpot_ms_mean"] == 5.33
+
+
 def test_locust_and_soak_on_the_benchmark_servers(tmp_path, fake_vllm, monkeypatch):
     """--locust-users / --soak-s: locust runs on the servers serving_bench started, after their
     points (no extra server start): a load-test row per config, the yali soak with its verdict."""
