@@ -48,7 +48,7 @@ struct Config {
   // YALI_DEV_FUSED_BATCH_POLL_MIN: the fused op's receivers poll all their vectors of a row per
   // round (wait_push_batch) from this message size on, one vector after the other below it.
   // Measured on 2xH200 (hidden 8192, bf16): batched is 0.1-0.3 us faster from 32 tokens (512 KiB)
-  // on, 0.07-0.7 us slower at 1-16 tokens (tune r6 / fused-20261122-batch-poll).
+  // on, 0.2-0.7 us slower at 1-16 tokens (benchmarks/results/fused-variants-20261122-r3).
   size_t fused_batch_poll_min = 512u << 10;
   double timeout_s = 300.0;            // YALI_TIMEOUT_S: a kernel waiting longer aborts (0 = never)
 
