@@ -278,3 +278,9 @@ def merge_sources(paths: Sequence[Path], out: Path) -> tuple[list[str], list[str
     so that the merged result names its sources and the files they name stay findable."""
     dirs = [Path(os.path.relpath(p.parent, out)).as_posix() for p in paths]
     return [f"{d}/{p.name}" for d, p in zip(dirs, paths)], dirs
+
+
+def under(prefix: str, path: Any) -> Any:
+    """A file a merge source names (``path``, relative to that source), made relative to the
+    merged result by its source directory ``prefix`` (from merge_sources); other values as they are."""
+    return f"{prefix}/{path}" if prefix and isinstance(path, str) and path else path

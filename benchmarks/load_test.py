@@ -40,6 +40,7 @@ from _results import (  # noqa: E402
     load_results_of_kind,
     merge_sources,
     results_header,
+    under,
     write_json_and_markdown,
     write_results,
 )
@@ -336,8 +337,7 @@ def merge_load_tests(docs: Sequence[dict[str, Any]], sources: Sequence[str], pre
         merged[key] = []
     for d, src, prefix in zip(docs, sources, prefixes):
         merged["records"] += [{**r, "source": src} for r in d.get("records") or []]
-        merged["server_logs"] += [{**e, "log_file": f"{prefix}/{e['log_file']}" if e.get("log_file") else e.get("log_file")}
-                                  for e in d.get("server_logs") or []]
+        merged["server_logs"] += [{**e, "log_file": under(prefix, e.get("log_file"))} for e in d.get("server_logs") or []]
         merged["errors"] += [{**e, "source": src} for e in d.get("errors") or []]
     return merged
 

@@ -51,6 +51,7 @@ from _results import (  # noqa: E402
     load_results_of_kind,
     merge_sources,
     results_header,
+    under,
     write_json_and_markdown,
     write_results,
 )
@@ -1669,10 +1670,6 @@ def merge_results(docs: Sequence[dict[str, Any]], sources: Sequence[str],
     next_rep: dict[str, int] = {}
     for i, d in enumerate(docs):
         prefix = prefixes[i] if prefixes else ""
-
-        def moved(path: Any) -> Any:
-            return f"{prefix}/{path}" if prefix and isinstance(path, str) and path else path
-
         renum: dict[tuple[str, int], int] = {}
         for cfg, rep in sorted({(r["config"], int(r["repeat"])) for r in d.get("records") or []} |
                                {(s["config"], int(s["repeat"])) for s in d.get("server_logs") or [] if s.get("repeat") is not None}):
@@ -1683,19 +1680,17 @@ def merge_results(docs: Sequence[dict[str, Any]], sources: Sequence[str],
             return renum.get((e.get("config"), int(rep)), rep) if rep is not None else rep
 
         for r in d.get("records") or []:
-            merged["records"].append({**r, "repeat": repeat_of(r), "result_file": moved(r.get("result_file"))})
+            merged["records"].append({**r, "repeat": repeat_of(r), "result_file": under(prefix, r.get("result_file"))})
         for e in d.get("server_logs") or []:
-            merged["server_logs"].append({**e, "repeat": repeat_of(e), "log_file": moved(e.get("log_file"))})
+            merged["server_logs"].append({**e, "repeat": repeat_of(e), "log_file": under(prefix, e.get("log_file"))})
         for key in ("errors", "skipped"):
             merged[key] += [{**e, "repeat": repeat_of(e), "source": sources[i]} for e in d.get(key) or []]
     return merged
 
 
-def backfill_extra_keys(doc: dict[str, Any], base: Path) -> int:
+def backfill_extra_keys(doc: dict[str, Any], base: Path) -> None:
     """Fills the EXTRA_RESULT_KEYS a record lacks (written before they existed) from its
-    ``result_file`` (relative to ``base``, the result's directory) where that file is kept.
-    Returns how many records gained a value."""
-    filled = 0
+    ``result_file`` (relative to ``base``, the result's directory) where that file is kept."""
     for r in doc.get("records") or []:
         missing = [k for k in EXTRA_RESULT_KEYS if r.get(k) is None]
         path = base / r["result_file"] if missing and r.get("result_file") else None
@@ -1705,8 +1700,6 @@ def backfill_extra_keys(doc: dict[str, Any], base: Path) -> int:
         for k in missing:
             if parsed.get(k) is not None:
                 r[k] = parsed[k]
-                filled += 1
-    return filled
 
 
 def report_only(paths: Sequence[Path], out: Path | None) -> int:
