@@ -16,11 +16,12 @@ MULTICAST_OFF = ("NCCL_NVLS_ENABLE=0", "TORCH_SYMM_MEM_DISABLE_MULTICAST=1", "NV
 
 
 def known_dev_knobs() -> set[str]:
-    """The YALI_DEV_* names the C++ core accepts (config.cpp's kDevKnobs)."""
+    """The YALI_DEV_* names the C++ core accepts: those Config::from_env() reads (through
+    dev_bytes / dev_int, which also make them the list any other name is refused against)."""
     src = (REPO / "csrc" / "core" / "yali" / "config.cpp").read_text()
-    table = re.search(r"kDevKnobs\[\]\s*=\s*\{(.*?)\};", src, re.S)
-    assert table, "kDevKnobs not found in config.cpp"
-    return set(re.findall(r'"(YALI_DEV_\w+)"', table.group(1)))
+    names = set(re.findall(r'dev_(?:bytes|int)\("(YALI_DEV_\w+)"', src))
+    assert len(names) >= 10, f"found only {sorted(names)} in config.cpp"
+    return names
 
 
 def test_there_are_scripts():

@@ -7,6 +7,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <unistd.h>  // environ
+#include <vector>
 
 #include "layout.h"
 
@@ -80,25 +81,19 @@ void check_int(const char* var, int v, int lo, int hi) {
 
 size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
 
-// Every YALI_DEV_* variable from_env() reads. A name not in here is refused, so a
-// misspelt or removed knob (YALI_DEV_BATCH_POLL) cannot be silently ignored.
-constexpr const char* kDevKnobs[] = {
-    "YALI_DEV_FLASH_BYTES", "YALI_DEV_LL_MAX",     "YALI_DEV_LL_CTA_BYTES",   "YALI_DEV_PUSH_MAX",
-    "YALI_DEV_PUSH_CTA_BYTES", "YALI_DEV_ONESHOT_MAX", "YALI_DEV_STREAM_MIN", "YALI_DEV_FLASH_CTAS",
-    "YALI_DEV_FLASH_CTA_BYTES", "YALI_DEV_LANES",  "YALI_DEV_SLOTS",          "YALI_DEV_SLOT_BYTES",
-    "YALI_DEV_PDL",         "YALI_DEV_FUSED_BATCH_POLL_MIN"};
-
-void refuse_unknown_dev_knobs() {
+// Refuses every YALI_DEV_* variable of the environment that is not in `known` (the
+// names from_env() read), so a misspelt or removed knob (YALI_DEV_BATCH_POLL) cannot
+// be silently ignored.
+void refuse_unknown_dev_knobs(const std::vector<std::string>& known) {
   constexpr char kPrefix[] = "YALI_DEV_";
   for (char** e = environ; e && *e; ++e) {
     const std::string entry(*e);
     if (entry.rfind(kPrefix, 0) != 0) continue;
-    const size_t eq = entry.find('=');
-    const std::string name = entry.substr(0, eq);
-    if (std::none_of(std::begin(kDevKnobs), std::end(kDevKnobs), [&](const char* k) { return name == k; })) {
-      std::string known;
-      for (const char* k : kDevKnobs) known += (known.empty() ? "" : ", ") + std::string(k);
-      throw std::invalid_argument(entry + " is invalid: no such YALI_DEV_* knob (known: " + known + ")");
+    const std::string name = entry.substr(0, entry.find('='));
+    if (std::find(known.begin(), known.end(), name) == known.end()) {
+      std::string list;
+      for (const std::string& k : known) list += (list.empty() ? "" : ", ") + k;
+      throw std::invalid_argument(entry + " is invalid: no such YALI_DEV_* knob (known: " + list + ")");
     }
   }
 }
@@ -106,8 +101,16 @@ void refuse_unknown_dev_knobs() {
 }  // namespace
 
 Config Config::from_env() {
-  refuse_unknown_dev_knobs();
   Config c;
+  std::vector<std::string> dev_knobs;  // every YALI_DEV_* name read below; any other is refused
+  const auto dev_bytes = [&](const char* var, size_t lo, size_t hi, size_t multiple, size_t* out) {
+    dev_knobs.emplace_back(var);
+    env_bytes(var, lo, hi, multiple, out);
+  };
+  const auto dev_int = [&](const char* var, int lo, int hi, int* out) {
+    dev_knobs.emplace_back(var);
+    env_int(var, lo, hi, out);
+  };
   if (const char* m = std::getenv("YALI_KERNEL_MODE"); m && *m) {
     const std::string v(m);
     if (v == "auto") c.mode = KernelMode::Auto;
@@ -116,20 +119,21 @@ Config Config::from_env() {
     else bad("YALI_KERNEL_MODE", v, "one of auto, flash, stream");
   }
   env_bytes("YALI_MAX_BYTES", 16, size_t(1) << 40, 1, &c.max_bytes);
-  env_bytes("YALI_DEV_FLASH_BYTES", 4096, size_t(1) << 30, 4096, &c.flash_bytes);
-  env_bytes("YALI_DEV_LL_MAX", 0, size_t(16) << 20, 16, &c.ll_max);
-  env_bytes("YALI_DEV_LL_CTA_BYTES", 512, size_t(16) << 20, 16, &c.ll_cta_bytes);
-  env_bytes("YALI_DEV_PUSH_MAX", 0, size_t(1) << 30, 16, &c.push_max);
-  env_bytes("YALI_DEV_PUSH_CTA_BYTES", 256, size_t(16) << 20, 16, &c.push_cta_bytes);
-  env_bytes("YALI_DEV_ONESHOT_MAX", 0, size_t(1) << 30, 1, &c.oneshot_max);
-  env_bytes("YALI_DEV_STREAM_MIN", 0, size_t(1) << 40, 1, &c.stream_min);
-  env_int("YALI_DEV_FLASH_CTAS", 1, kMaxFlashCtas, &c.flash_ctas);
-  env_bytes("YALI_DEV_FLASH_CTA_BYTES", 512, size_t(64) << 20, 16, &c.flash_cta_bytes);
-  env_int("YALI_DEV_LANES", 1, kMaxLanes, &c.lanes);
-  env_int("YALI_DEV_SLOTS", 2, kMaxSlots, &c.slots);
-  env_bytes("YALI_DEV_SLOT_BYTES", 4096, size_t(16) << 20, 4096, &c.slot_bytes);
-  env_int("YALI_DEV_PDL", 0, 1, &c.pdl);
-  env_bytes("YALI_DEV_FUSED_BATCH_POLL_MIN", 0, size_t(1) << 40, 1, &c.fused_batch_poll_min);
+  dev_bytes("YALI_DEV_FLASH_BYTES", 4096, size_t(1) << 30, 4096, &c.flash_bytes);
+  dev_bytes("YALI_DEV_LL_MAX", 0, size_t(16) << 20, 16, &c.ll_max);
+  dev_bytes("YALI_DEV_LL_CTA_BYTES", 512, size_t(16) << 20, 16, &c.ll_cta_bytes);
+  dev_bytes("YALI_DEV_PUSH_MAX", 0, size_t(1) << 30, 16, &c.push_max);
+  dev_bytes("YALI_DEV_PUSH_CTA_BYTES", 256, size_t(16) << 20, 16, &c.push_cta_bytes);
+  dev_bytes("YALI_DEV_ONESHOT_MAX", 0, size_t(1) << 30, 1, &c.oneshot_max);
+  dev_bytes("YALI_DEV_STREAM_MIN", 0, size_t(1) << 40, 1, &c.stream_min);
+  dev_int("YALI_DEV_FLASH_CTAS", 1, kMaxFlashCtas, &c.flash_ctas);
+  dev_bytes("YALI_DEV_FLASH_CTA_BYTES", 512, size_t(64) << 20, 16, &c.flash_cta_bytes);
+  dev_int("YALI_DEV_LANES", 1, kMaxLanes, &c.lanes);
+  dev_int("YALI_DEV_SLOTS", 2, kMaxSlots, &c.slots);
+  dev_bytes("YALI_DEV_SLOT_BYTES", 4096, size_t(16) << 20, 4096, &c.slot_bytes);
+  dev_int("YALI_DEV_PDL", 0, 1, &c.pdl);
+  dev_bytes("YALI_DEV_FUSED_BATCH_POLL_MIN", 0, size_t(1) << 40, 1, &c.fused_batch_poll_min);
+  refuse_unknown_dev_knobs(dev_knobs);
   if (const char* t = std::getenv("YALI_TIMEOUT_S"); t && *t) {
     char* end = nullptr;
     double v = std::strtod(t, &end);

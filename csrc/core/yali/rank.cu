@@ -74,8 +74,7 @@ template <typename T>
 cudaError_t launch_typed(const Plan& p, const FlashArgs& f, const StreamArgs& s, bool pdl, cudaStream_t stream) {
   switch (p.kernel) {
     case Kernel::FlashLL: return launch(flash_ll_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
-    case Kernel::FlashPush:
-      return launch(flash_push_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
+    case Kernel::FlashPush: return launch(flash_push_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
     case Kernel::FlashOneShot: return launch(flash_oneshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
     case Kernel::FlashTwoShot: return launch(flash_twoshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
     case Kernel::Stream: return launch(stream_kernel<T>, p.blocks, kStreamThreads, stream, pdl, s);
