@@ -4,7 +4,7 @@
 #   experiments.sh tests   the fused sweeps with clusters of 1, 2, 3, 4, 8 CTAs per row, batched
 #                          polling and odd grids (tests/gpu/test_fused.py -k cluster)            ~2 min
 #   experiments.sh bench   the full fused benchmark (YALI, FlashInfer, unfused; one run each) with
-#                          clusters of 1, 4 and 8, then YALI alone with 2                        ~7 min
+#                          clusters of 1, 4 and 8, then YALI alone with 2 and 3                   ~5 min
 # Each result file's yali_config / yali_env records the setting it ran with.
 . scripts/gpu_host/env.sh
 day=$(date +%Y%m%d)
@@ -21,7 +21,7 @@ case "${1:-all}" in
         --name "fused-$day-cluster-$c" --budget-s 100 --timeout 140 2>&1 | tee "/tmp/exp/fused-$day-cluster-$c.log" \
         | grep -E "^\| [0-9]" | cut -d'|' -f2,4,5,7 | tr '\n' ' '; echo
     done
-    for c in 2; do
+    for c in 2 3; do
       YALI_DEV_FUSED_CLUSTER=$c timeout 100 python3 benchmarks/fused_bench.py --backends yali-fused --out /tmp/exp \
         --name "fused-$day-cluster-$c" --budget-s 60 2>&1 | tee "/tmp/exp/fused-$day-cluster-$c.log" \
         | grep -E "^\| [0-9]" | cut -d'|' -f2,4 | tr '\n' ' '; echo " <- YALI_DEV_FUSED_CLUSTER=$c"
