@@ -107,8 +107,6 @@ def test_stream_chunks_fit_slots(monkeypatch):
     ("YALI_DEV_PUSH_CTA_BYTES", "100", "byte count"),
     ("YALI_DEV_PDL", "2", "integer in [0, 1]"),
     ("YALI_DEV_FUSED_BATCH_POLL_MIN", "-1", "byte count"),
-    ("YALI_DEV_FUSED_CLUSTER", "0", "integer in [1, 8]"),
-    ("YALI_DEV_FUSED_CLUSTER", "16", "integer in [1, 8]"),  # above the portable cluster size
     ("YALI_DEV_BATCH_POLL", "1", "no such YALI_DEV_* knob"),  # removed in session 5: refused, not ignored
     ("YALI_DEV_PUSH_CTA_BYTE", "1K", "YALI_DEV_PUSH_CTA_BYTES"),  # a typo names the known knobs
     ("YALI_TIMEOUT_S", "-1", "seconds"),
@@ -135,15 +133,6 @@ def test_fused_batch_poll_threshold(monkeypatch):
     assert config.kernel_config()["fused_batch_poll_min"] == 0
     monkeypatch.setenv("YALI_DEV_FUSED_BATCH_POLL_MIN", "1G")
     assert config.kernel_config()["fused_batch_poll_min"] == 1 << 30
-
-
-def test_fused_cluster_knob(monkeypatch):
-    # CTAs sharing a row of the fused op (thread block clusters); 1 keeps one CTA per row
-    default = config.kernel_config()["fused_cluster"]
-    assert 1 <= default <= 8
-    for v in ("1", "2", "4", "8", "3"):
-        monkeypatch.setenv("YALI_DEV_FUSED_CLUSTER", v)
-        assert config.kernel_config()["fused_cluster"] == int(v)
 
 
 @pytest.mark.parametrize("value,expected", [("1", True), ("on", True), ("No", False), ("", True)])

@@ -199,14 +199,6 @@ class YaliCommunicator:
             raise RuntimeError("yali: fused_allreduce_rmsnorm on a closed YaliCommunicator")
         return ops.fused_allreduce_rmsnorm(self._handle, x, residual, weight, eps, norm_out, residual_out)
 
-    def fused_launch(self, rows: int, hidden: int, dtype: torch.dtype) -> dict:
-        """How a fused op of [rows, hidden] `dtype` runs here: one_launch (else all-reduce, then add +
-        norm), grid (CTAs), cluster (CTAs sharing each row; 1 = rows whole) and batch_poll."""
-        if self._handle is None:
-            raise RuntimeError("yali: fused_launch on a closed YaliCommunicator")
-        one, grid, cluster, batch = _ext.ops().fused_launch(self._handle, int(rows), int(hidden), dtype)
-        return {"one_launch": bool(one), "grid": int(grid), "cluster": int(cluster), "batch_poll": bool(batch)}
-
     def device_calls(self) -> int:
         """YALI kernel launches that ran on this GPU (graph replays included). Synchronises."""
         return int(_ext.ops().device_calls(self._handle))

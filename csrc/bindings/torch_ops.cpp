@@ -182,15 +182,6 @@ std::vector<int64_t> plan(int64_t nbytes, int64_t mode) {
   return {int64_t(p.kernel), int64_t(p.blocks), int64_t(p.chunk_bytes)};
 }
 
-// How this communicator runs a fused op of [rows, hidden] dtype: [one launch (0/1), grid,
-// CTAs per row (cluster), batched poll (0/1)]. Tests and benchmarks record it.
-std::vector<int64_t> fused_launch(int64_t handle, int64_t rows, int64_t hidden, at::ScalarType dtype) {
-  TORCH_CHECK_VALUE(rows > 0 && hidden > 0, "yali: fused_launch needs rows > 0 and hidden > 0, got ", rows, ", ",
-                    hidden);
-  const yali::FusedLaunch l = get(handle)->fused_launch(size_t(rows), size_t(hidden), to_dtype(dtype));
-  return {int64_t(l.one_launch), int64_t(l.grid), int64_t(l.cluster), int64_t(l.batch_poll)};
-}
-
 std::string config_string() { return config_from_env().to_string(); }
 int64_t shared_bytes_for_env() { return int64_t(yali::shared_buffer_bytes(config_from_env())); }
 int64_t buffer_bytes(int64_t handle) { return int64_t(get(handle)->buffer_bytes()); }
@@ -229,7 +220,6 @@ TORCH_LIBRARY(yali, m) {
       "fused_allreduce_rmsnorm(int comm, Tensor input, Tensor? residual, Tensor weight, float eps, "
       "Tensor(a!) norm_out, Tensor(b!) residual_out) -> ()");
   m.def("plan(int nbytes, int mode=-1) -> int[]", &plan);
-  m.def("fused_launch(int comm, int rows, int hidden, ScalarType dtype) -> int[]", &fused_launch);
   m.def("config_string() -> str", &config_string);
   m.def("shared_bytes_for_env() -> int", &shared_bytes_for_env);
   m.def("buffer_bytes(int comm) -> int", &buffer_bytes);

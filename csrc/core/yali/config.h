@@ -28,9 +28,6 @@ constexpr int kStreamThreads = 512;  // half senders, half receivers
 // The fused all-reduce + RMSNorm kernel keeps one row in registers: at most
 // kFlashThreads threads x 8 vectors x 16 bytes (hidden 32768 in 16-bit types).
 constexpr size_t kFusedMaxRowBytes = size_t(kFlashThreads) * 8 * 16;
-// The most CTAs that may share a row of the fused op (Config::fused_cluster): the portable
-// thread block cluster size.
-constexpr int kMaxFusedCluster = 8;
 
 struct Config {
   KernelMode mode = KernelMode::Auto;  // YALI_KERNEL_MODE
@@ -53,9 +50,6 @@ struct Config {
   // Measured on 2xH200 (hidden 8192, bf16): batched is 0.1-0.3 us faster from 32 tokens (512 KiB)
   // on, 0.2-0.7 us slower at 1-16 tokens (benchmarks/results/fused-variants-20261122-r3).
   size_t fused_batch_poll_min = 512u << 10;
-  // YALI_DEV_FUSED_CLUSTER: CTAs that share each row of the one-launch fused op (a thread block
-  // cluster, Hopper on; fused.cuh "Split rows"). 1 = one CTA per row.
-  int fused_cluster = 1;
   double timeout_s = 300.0;            // YALI_TIMEOUT_S: a kernel waiting longer aborts (0 = never)
 
   static Config from_env();  // throws std::invalid_argument naming the bad variable

@@ -1,7 +1,5 @@
 #include "rank.h"
 
-#include <algorithm>
-#include <cstdint>
 #include <cstring>
 #include <stdexcept>
 
@@ -40,22 +38,14 @@ __global__ void fill_words(uint32_t* p, size_t n, uint32_t v) {
 }
 
 // One launch, with programmatic dependent launch when `pdl` (see ptx.cuh:
-// wait_prior_grids, which every YALI kernel runs first), in 1-D clusters of
-// `cluster` CTAs when cluster > 1 (grid a multiple of it).
+// wait_prior_grids, which every YALI kernel runs first).
 template <typename Args>
-cudaError_t launch(void (*kernel)(Args), int grid, int threads, cudaStream_t stream, bool pdl, const Args& args,
-                   int cluster = 1) {
-  cudaLaunchAttribute attr[2];
+cudaError_t launch(void (*kernel)(Args), int grid, int threads, cudaStream_t stream, bool pdl, const Args& args) {
+  cudaLaunchAttribute attr[1];
   unsigned n = 0;
   if (pdl) {
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (cluster > 1) {
-    attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = unsigned(cluster);
-    attr[n].val.clusterDim.y = 1;
-    attr[n++].val.clusterDim.z = 1;
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(grid));
@@ -65,28 +55,6 @@ cudaError_t launch(void (*kernel)(Args), int grid, int threads, cudaStream_t str
   cfg.attrs = attr;
   cfg.numAttrs = n;
   return cudaLaunchKernelEx(&cfg, kernel, args);
-}
-
-// How many clusters of `cluster` CTAs of `kernel` the current device runs at once
-// (0: none, or the query failed).
-template <typename Args>
-int resident_clusters(void (*kernel)(Args), int cluster) {
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = unsigned(cluster);
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(cluster));
-  cfg.blockDim = dim3(unsigned(kFlashThreads));
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
-    cudaGetLastError();  // not sticky; leave no error behind for the caller's next check
-    return 0;
-  }
-  return n;
 }
 
 // Calls f with a value of dtype's element type; f uses only its type, e.g.
@@ -114,21 +82,6 @@ cudaError_t launch_typed(const Plan& p, const FlashArgs& f, const StreamArgs& s,
   }
 }
 
-// Clusters of `cluster` CTAs of the split-row fused kernels that the current
-// device runs at once, for the instantiation with the most registers per thread
-// of each dtype (8 vectors per thread), so the answer holds for every one.
-int resident_fused_clusters(int cluster) {
-  int n = INT32_MAX;
-  const auto least = [&](auto zero) {
-    using T = decltype(zero);
-    n = std::min(n, resident_clusters(fused_allreduce_rmsnorm_kernel<T, 8, false, true>, cluster));
-    n = std::min(n, resident_clusters(fused_allreduce_rmsnorm_kernel<T, 8, true, true>, cluster));
-    return cudaSuccess;
-  };
-  for (DType t : {DType::F32, DType::F16, DType::BF16}) with_element_type(t, least);
-  return n;
-}
-
 }  // namespace
 
 Rank::Rank(int device, int rank, const Config& config)
@@ -139,9 +92,6 @@ Rank::Rank(int device, int rank, const Config& config)
   int major = 0;
   check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
   if (major < 7) throw std::runtime_error("yali: needs compute capability 7.0+ (system-scope acquire/release)");
-  // Split rows need thread block clusters (sm_90+), and every CTA of a launch resident at once
-  // (each waits for the peer's, which wait for ours): the grid is capped at what runs together.
-  if (config_.fused_cluster > 1 && major >= 9) fused_resident_clusters_ = resident_fused_clusters(config_.fused_cluster);
   check(cudaMalloc(&shared_, layout_.total), "cudaMalloc(shared buffer)");
   check(cudaMemset(shared_, 0, layout_.flags_end), "cudaMemset(flags)");
   // The flash-push area starts empty (push.cuh).
@@ -267,30 +217,22 @@ FlashArgs Rank::flash_args(const void* in, void* out, size_t nbytes) const {
 namespace {
 
 template <typename T, int kV>
-cudaError_t launch_fused(const FusedArgs& a, bool one_launch, int grid, int cluster, bool pdl, bool batch_poll,
+cudaError_t launch_fused(const FusedArgs& a, bool one_launch, int grid, bool pdl, bool batch_poll,
                          cudaStream_t stream) {
-  if (cluster > 1) {
-    const auto kernel = batch_poll ? fused_allreduce_rmsnorm_kernel<T, kV, true, true>
-                                   : fused_allreduce_rmsnorm_kernel<T, kV, false, true>;
-    return launch(kernel, grid, kFlashThreads, stream, pdl, a, cluster);
-  }
   const auto kernel = !one_launch ? add_rmsnorm_kernel<T, kV>
                       : batch_poll ? fused_allreduce_rmsnorm_kernel<T, kV, true>
                                    : fused_allreduce_rmsnorm_kernel<T, kV, false>;
   return launch(kernel, grid, kFlashThreads, stream, pdl, a);
 }
 
-// Picks the kernel for the vectors each thread holds of the part of a row its
-// CTA owns: a whole row, or 1/cluster of it.
 template <typename T>
-cudaError_t launch_fused_rows(const FusedArgs& a, bool one_launch, int grid, int cluster, bool pdl, bool batch_poll,
+cudaError_t launch_fused_rows(const FusedArgs& a, bool one_launch, int grid, bool pdl, bool batch_poll,
                               cudaStream_t stream) {
-  const int owned = (a.row_vecs + cluster - 1) / cluster;               // vectors of a row per CTA (at most)
-  const int per_thread = (owned + kFlashThreads - 1) / kFlashThreads;  // ... per thread
-  if (per_thread <= 1) return launch_fused<T, 1>(a, one_launch, grid, cluster, pdl, batch_poll, stream);
-  if (per_thread <= 2) return launch_fused<T, 2>(a, one_launch, grid, cluster, pdl, batch_poll, stream);
-  if (per_thread <= 4) return launch_fused<T, 4>(a, one_launch, grid, cluster, pdl, batch_poll, stream);
-  if (per_thread <= 8) return launch_fused<T, 8>(a, one_launch, grid, cluster, pdl, batch_poll, stream);
+  const int per_thread = (a.row_vecs + kFlashThreads - 1) / kFlashThreads;  // vectors of a row per thread
+  if (per_thread <= 1) return launch_fused<T, 1>(a, one_launch, grid, pdl, batch_poll, stream);
+  if (per_thread <= 2) return launch_fused<T, 2>(a, one_launch, grid, pdl, batch_poll, stream);
+  if (per_thread <= 4) return launch_fused<T, 4>(a, one_launch, grid, pdl, batch_poll, stream);
+  if (per_thread <= 8) return launch_fused<T, 8>(a, one_launch, grid, pdl, batch_poll, stream);
   return cudaErrorInvalidValue;
 }
 
@@ -321,44 +263,24 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
   a.row_vecs = int(row_bytes / 16);
   a.hidden = int(hidden);
   a.eps = eps;
-  const FusedLaunch l = fused_launch(rows, hidden, dtype);
-  if (!l.one_launch) {
+  const bool one_launch = fused_one_launch(rows, hidden, dtype);
+  // The sending is cut as flash-push cuts a message (push_cta_bytes per CTA, at
+  // most flash_ctas CTAs); every row needs an owner CTA too (rows b, b + grid, ...).
+  const size_t senders = std::min<size_t>(config_.flash_ctas,
+                                          std::max<size_t>(1, (nbytes + config_.push_cta_bytes - 1) / config_.push_cta_bytes));
+  int grid = int(std::max(senders, std::min<size_t>(rows, config_.flash_ctas)));
+  if (!one_launch) {
     // All-reduce into norm_out (it may be `in`; never residual, which may alias
     // residual_out), then the epilogue reads the sum from there, row by row.
     const cudaError_t e = all_reduce(in, norm_out, nbytes, dtype, stream, config_.mode);
     if (e != cudaSuccess) return e;
     a.sum = norm_out;
+    grid = int(std::min<size_t>(rows, 1024));
   }
+  const bool batch_poll = nbytes >= config_.fused_batch_poll_min;  // see Config::fused_batch_poll_min
   return with_element_type(dtype, [&](auto zero) {
-    return launch_fused_rows<decltype(zero)>(a, l.one_launch, l.grid, l.cluster, config_.pdl != 0, l.batch_poll,
-                                             stream);
+    return launch_fused_rows<decltype(zero)>(a, one_launch, grid, config_.pdl != 0, batch_poll, stream);
   });
-}
-
-FusedLaunch Rank::fused_launch(size_t rows, size_t hidden, DType dtype) const {
-  const size_t nbytes = rows * hidden * dtype_size(dtype);
-  FusedLaunch l;
-  l.one_launch = fused_one_launch(rows, hidden, dtype);
-  l.batch_poll = nbytes >= config_.fused_batch_poll_min;  // see Config::fused_batch_poll_min
-  if (!l.one_launch) {
-    l.grid = int(std::min<size_t>(rows, 1024));  // the add + norm kernel: a CTA per row
-    return l;
-  }
-  // The sending is cut as flash-push cuts a message (push_cta_bytes per CTA, at
-  // most flash_ctas CTAs); every row needs an owner CTA too (rows b, b + grid, ...).
-  const size_t senders = std::min<size_t>(config_.flash_ctas,
-                                          std::max<size_t>(1, (nbytes + config_.push_cta_bytes - 1) / config_.push_cta_bytes));
-  l.grid = int(std::max(senders, std::min<size_t>(rows, config_.flash_ctas)));
-  // Split rows: whole clusters, as many CTAs as the sending needs or one cluster
-  // per row, whichever is more, within flash_ctas and what runs at once. Without
-  // clusters (before sm_90, a failed query) or room for one, rows stay whole.
-  const int c = config_.fused_cluster;
-  const size_t most = c > 1 ? std::min<size_t>(config_.flash_ctas / c, size_t(fused_resident_clusters_)) : 0;
-  if (most >= 1) {
-    l.cluster = c;
-    l.grid = int(std::min(most, std::max((senders + c - 1) / c, rows))) * c;
-  }
-  return l;
 }
 
 uint64_t Rank::device_fused_calls() const {

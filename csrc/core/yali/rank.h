@@ -15,14 +15,6 @@ namespace yali {
 
 struct FlashArgs;
 
-// How one fused all-reduce + RMSNorm runs (Rank::fused_launch).
-struct FusedLaunch {
-  bool one_launch = false;  // one kernel; else a YALI all-reduce, then the add + norm kernel
-  int grid = 0;             // CTAs of the fused (or add + norm) kernel
-  int cluster = 1;          // CTAs sharing each row (a thread block cluster); 1: rows whole
-  bool batch_poll = false;  // receivers poll a row's vectors batched (Config::fused_batch_poll_min)
-};
-
 using IpcHandleBytes = std::array<uint8_t, sizeof(cudaIpcMemHandle_t)>;
 
 class Rank {
@@ -58,7 +50,6 @@ class Rank {
                                       void* norm_out, void* residual_out, size_t rows, size_t hidden, DType dtype,
                                       cudaStream_t stream) const;
   bool fused_one_launch(size_t rows, size_t hidden, DType dtype) const;
-  FusedLaunch fused_launch(size_t rows, size_t hidden, DType dtype) const;
 
   uint64_t device_calls() const;      // synchronising read of LocalState::calls
   uint64_t device_fused_calls() const;  // synchronising read of LocalState::fused_calls
@@ -82,7 +73,6 @@ class Rank {
   LocalState* state_ = nullptr;
   AbortInfo* abort_host_ = nullptr;
   AbortInfo* abort_dev_ = nullptr;
-  int fused_resident_clusters_ = 0;  // split-row fused launch: clusters that run at once (0: rows stay whole)
 };
 
 }  // namespace yali
