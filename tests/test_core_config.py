@@ -107,8 +107,6 @@ def test_stream_chunks_fit_slots(monkeypatch):
     ("YALI_DEV_PUSH_CTA_BYTES", "100", "byte count"),
     ("YALI_DEV_PDL", "2", "integer in [0, 1]"),
     ("YALI_DEV_FUSED_BATCH_POLL_MIN", "-1", "byte count"),
-    ("YALI_FUSED_PREFETCH_BYTES", "65M", "byte count in [0, 67108864]"),
-    ("YALI_FUSED_PREFETCH_BYTES", "100", "multiple of 16"),
     ("YALI_DEV_BATCH_POLL", "1", "no such YALI_DEV_* knob"),  # removed in session 5: refused, not ignored
     ("YALI_DEV_PUSH_CTA_BYTE", "1K", "YALI_DEV_PUSH_CTA_BYTES"),  # a typo names the known knobs
     ("YALI_TIMEOUT_S", "-1", "seconds"),
@@ -126,14 +124,6 @@ def test_good_values_parse(monkeypatch):
     monkeypatch.setenv("YALI_TIMEOUT_S", "0")
     c = config.kernel_config()
     assert c["max_bytes"] == 256 * MiB and c["slot_bytes"] == 32 * KiB and c["timeout_s"] == 0
-
-
-def test_fused_prefetch_bytes(monkeypatch):
-    assert config.kernel_config()["fused_prefetch_bytes"] == 16 * MiB
-    monkeypatch.setenv("YALI_FUSED_PREFETCH_BYTES", "0")  # off
-    assert config.kernel_config()["fused_prefetch_bytes"] == 0
-    monkeypatch.setenv("YALI_FUSED_PREFETCH_BYTES", "64M")
-    assert config.kernel_config()["fused_prefetch_bytes"] == 64 * MiB
 
 
 def test_fused_batch_poll_threshold(monkeypatch):

@@ -76,9 +76,8 @@ class StandInYali:
     def can_fuse(self, x, residual, weight):
         return self.fuse
 
-    def fused_allreduce_rmsnorm(self, x, residual, weight, eps, prefetch=None):
-        self.calls.append({"shape": list(x.shape), "residual": residual is not None, "eps": eps,
-                           "prefetch": None if prefetch is None else list(prefetch.shape)})
+    def fused_allreduce_rmsnorm(self, x, residual, weight, eps):
+        self.calls.append({"shape": list(x.shape), "residual": residual is not None, "eps": eps})
         return vllm_fusion.unfused(self.group, x, residual, weight, eps)
 
 
@@ -148,7 +147,7 @@ def test_op_registered_once_functional_schema():
     schema = op._schema
     assert str(schema) == (
         "vllm::yali_fused_allreduce_rmsnorm(Tensor input, Tensor? residual, Tensor weight, "
-        "float eps, str group_name, Tensor? prefetch=None) -> (Tensor, Tensor)"
+        "float eps, str group_name) -> (Tensor, Tensor)"
     )
     assert not schema.is_mutable
 
@@ -221,54 +220,6 @@ def test_yali_serves_when_it_can_fuse():
     norm, res_out = vllm_fusion.run_on_group(group, x, None, w, 1e-6)
     assert yali.calls == [(False, 1e-6)] and group.calls == 0
     assert torch.equal(norm, torch.ones_like(x)) and torch.equal(res_out, torch.full_like(x, 2.0))
-
-
-def test_prefetch_goes_to_yali_only():
-    """The next GEMM's weight reaches YALI's fused call as `prefetch`; the
-    unfused fallback ignores it and computes the same result."""
-    x, peer, res, w = _tensors()
-    lin = torch.randn(32, x.shape[1])
-    yali = StandInYali(fuse=True, group=StandInGroup(peer))
-    vllm_fusion.run_on_group(StandInGroup(peer, yali), x, res, w, 1e-6, lin)
-    assert yali.calls[0]["prefetch"] == [32, x.shape[1]]
-    refusing = StandInYali(fuse=False)
-    norm, res_out = vllm_fusion.run_on_group(StandInGroup(peer, refusing), x, res, w, 1e-6, lin)
-    exp = reference(x + peer, res, w, 1e-6)
-    assert refusing.calls == [] and torch.equal(norm, exp[0]) and torch.equal(res_out, exp[1])
-
-
-def _graph(fn, *args):
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    return make_fx(fn)(*args).graph
-
-
-@pytest.mark.parametrize("form", ["mm", "addmm", "view-mm", "two-gemms", "none", "weight-computed"])
-def test_consumer_weight_finds_the_gemm_parameter(form):
-    """consumer_weight follows the norm output through views to the first GEMM
-    and its weight operand back (through the transpose) to the graph input."""
-    import torch.nn.functional as F
-
-    def fn(x, w1, w2, b):
-        h = x * 2  # stands for the norm output
-        if form == "mm":
-            return F.linear(h, w1)
-        if form == "addmm":
-            return F.linear(h, w1, b)
-        if form == "view-mm":
-            return F.linear(h.view(2, 3, 8).reshape(6, 8), w1)
-        if form == "two-gemms":
-            return F.linear(h, w1) + F.linear(h, w2)
-        if form == "weight-computed":
-            return F.linear(h, w1 * 2)  # not a parameter: nothing to prefetch
-        return h.sum()
-
-    graph = _graph(fn, torch.randn(6, 8), torch.randn(4, 8), torch.randn(4, 8), torch.randn(4))
-    norm = next(n for n in graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.mul.Tensor
-                and n.args[1] == 2)
-    found = vllm_fusion.consumer_weight(norm)
-    expected = {"mm": "w1_1", "addmm": "w1_1", "view-mm": "w1_1", "two-gemms": "w1_1"}.get(form)
-    assert (found.name if found is not None else None) == expected
 
 
 # ------------------------------------------------------------ patching vLLM
@@ -443,15 +394,13 @@ def _two_rank_worker(rank: int, port: int, model_dir: str, outdir: str) -> None:
         # the last with its residual output dead (as at the final norm).
         yali_pass = vllm_fusion.YaliAllReduceFusionPass(cfg)
 
-        # The first two norms feed a linear layer (a row-parallel GEMM, whose
-        # weight the pass hands to the fused op to prefetch), the last does not.
-        def model(x, w0, w1, w2, lin1, lin2):
+        def model(x, w0, w1, w2):
             a = tensor_model_parallel_all_reduce(x)
             h = vllm.ir.ops.rms_norm(a, w0, 1e-5)
             res_ = a
-            b = tensor_model_parallel_all_reduce(torch.nn.functional.linear(h, lin1))
+            b = tensor_model_parallel_all_reduce(h * 2)
             h, res_ = vllm.ir.ops.fused_add_rms_norm(b, res_, w1, 1e-5)
-            c = tensor_model_parallel_all_reduce(torch.nn.functional.linear(h, lin2))
+            c = tensor_model_parallel_all_reduce(h + 1)
             h, _ = vllm.ir.ops.fused_add_rms_norm(c, res_, w2, 1e-6)
             return h, res_
 
@@ -459,8 +408,6 @@ def _two_rank_worker(rank: int, port: int, model_dir: str, outdir: str) -> None:
         hidden = 64
         args = [torch.randn(5, hidden, generator=g).bfloat16()]
         args += [torch.randn(hidden, generator=torch.Generator().manual_seed(10 + i)).bfloat16() for i in range(3)]
-        args += [(torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(20 + i)) / 8).bfloat16()
-                 for i in range(2)]
 
         def fresh():  # vLLM's CPU device communicator all-reduces in place
             return [a.clone() for a in args]
@@ -480,12 +427,6 @@ def _two_rank_worker(rank: int, port: int, model_dir: str, outdir: str) -> None:
         gm.recompile()
         res["after"] = _node_targets(gm)
         res["matched"] = yali_pass.matched_count
-        res["prefetch_count"] = yali_pass.prefetch_count
-        res["prefetch_args"] = [
-            (n.kwargs.get("prefetch").name if n.kwargs.get("prefetch") is not None else None)
-            for n in gm.graph.nodes if str(n.target) == "vllm.yali_fused_allreduce_rmsnorm.default"
-        ]
-        res["placeholders"] = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         res["uuid"] = yali_pass.uuid()  # part of Inductor's cache key
 
         comm.yali_comm = StandInYali(fuse=False, group=tp)  # refuses: unfused fallback
@@ -582,19 +523,10 @@ def test_two_ranks_rewritten_graph_computes_the_same(two_ranks):
         assert res["fallback_equal"] == [True, True]  # op's unfused fallback, real gloo sums
         assert res["fused_equal"] == [True, True]  # stand-in YALI called with the right arguments
         assert res["fused_calls"] == [
-            {"shape": [5, 64], "residual": False, "eps": 1e-5, "prefetch": [64, 64]},
-            {"shape": [5, 64], "residual": True, "eps": 1e-5, "prefetch": [64, 64]},
-            {"shape": [5, 64], "residual": True, "eps": 1e-6, "prefetch": None},
+            {"shape": [5, 64], "residual": False, "eps": 1e-5},
+            {"shape": [5, 64], "residual": True, "eps": 1e-5},
+            {"shape": [5, 64], "residual": True, "eps": 1e-6},
         ]
-
-
-def test_two_ranks_fused_ops_prefetch_their_gemms_weight(two_ranks):
-    """The first two fused ops get the next linear's weight (the graph inputs
-    lin1, lin2), the last (no GEMM after it) none."""
-    for res in two_ranks:
-        lin1, lin2 = res["placeholders"][4:6]
-        assert res["prefetch_args"] == [lin1, lin2, None], res
-        assert res["prefetch_count"] == 2
 
 
 def test_two_ranks_unmatched_variants_stay_unfused(two_ranks):

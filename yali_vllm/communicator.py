@@ -191,17 +191,13 @@ class YaliCommunicator:
 
     def fused_allreduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                                 eps: float, norm_out: torch.Tensor | None = None,
-                                residual_out: torch.Tensor | None = None, prefetch: torch.Tensor | None = None,
-                                prefetch_bytes: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+                                residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm_out, residual_out) of all-reduce(x) [+ residual] -> RMSNorm(weight, eps), one launch
         up to the flash buffer size. See ops.fused_allreduce_rmsnorm for the exact arithmetic.
-        `prefetch`: the weight of the GEMM that reads norm_out; the kernel asks L2 for its first
-        `prefetch_bytes` bytes (-1: YALI_FUSED_PREFETCH_BYTES) while it waits for the peer.
         Raises ValueError/TypeError/RuntimeError naming the problem for inputs can_fuse() refuses."""
         if self._handle is None:
             raise RuntimeError("yali: fused_allreduce_rmsnorm on a closed YaliCommunicator")
-        return ops.fused_allreduce_rmsnorm(self._handle, x, residual, weight, eps, norm_out, residual_out,
-                                           prefetch, prefetch_bytes)
+        return ops.fused_allreduce_rmsnorm(self._handle, x, residual, weight, eps, norm_out, residual_out)
 
     def device_calls(self) -> int:
         """YALI kernel launches that ran on this GPU (graph replays included). Synchronises."""

@@ -26,7 +26,7 @@ def register_fakes() -> None:
 
     @torch.library.register_fake("yali::fused_allreduce_rmsnorm")
     def _(comm: int, input: torch.Tensor, residual, weight: torch.Tensor, eps: float, norm_out: torch.Tensor,
-          residual_out: torch.Tensor, prefetch=None, prefetch_bytes: int = -1) -> None:
+          residual_out: torch.Tensor) -> None:
         torch._check(norm_out.shape == input.shape, lambda: "yali: norm_out must have input's shape")
         torch._check(residual_out.shape == input.shape, lambda: "yali: residual_out must have input's shape")
 
@@ -45,23 +45,17 @@ def all_reduce(comm: int, x: torch.Tensor, out: torch.Tensor | None = None, mode
 
 def fused_allreduce_rmsnorm(comm: int, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                             eps: float, norm_out: torch.Tensor | None = None,
-                            residual_out: torch.Tensor | None = None, prefetch: torch.Tensor | None = None,
-                            prefetch_bytes: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+                            residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch of all-reduce + residual add + RMSNorm over the last dimension of `x` ([tokens, hidden]).
 
     s = sum of x over both ranks (rounded to x.dtype, as a plain all-reduce returns it),
     z = s + residual in fp32 (z = s without a residual), residual_out = z rounded,
     norm_out = (z * rsqrt(mean(z^2) + eps)) rounded, times weight, rounded: vLLM's
     fused_add_rms_norm / rms_norm semantics. Returns (norm_out, residual_out).
-
-    `prefetch` (optional): the weight of the GEMM that will read norm_out. The kernel first asks
-    L2 for its leading `prefetch_bytes` bytes (-1: YALI_FUSED_PREFETCH_BYTES; capped at the
-    tensor's size), which that HBM-bound GEMM then finds there. It changes no result.
     """
     if norm_out is None:
         norm_out = torch.empty_like(x)
     if residual_out is None:
         residual_out = torch.empty_like(x)
-    torch.ops.yali.fused_allreduce_rmsnorm(comm, x, residual, weight, float(eps), norm_out, residual_out, prefetch,
-                                           int(prefetch_bytes))
+    torch.ops.yali.fused_allreduce_rmsnorm(comm, x, residual, weight, float(eps), norm_out, residual_out)
     return norm_out, residual_out

@@ -15,11 +15,6 @@ tensors and otherwise exactly vLLM's unfused sequence (the group's all-reduce,
 then ``vllm.ir.ops.fused_add_rms_norm`` / ``rms_norm``).  The op is functional
 (no mutation), so Inductor needs no auto-functionalisation for it.
 
-After the rewrite the pass gives each fused op the weight of the GEMM that
-reads its norm output (``prefetch=``, found by :func:`consumer_weight`): the
-kernel asks L2 for that weight's first YALI_FUSED_PREFETCH_BYTES while it waits
-for the peer, and the HBM-bound decode GEMM after it finds them there.
-
 Not covered: the Gemma "(1 + weight)" variants (fp32 weight; left to YALI's
 all-reduce + vLLM's norm) and FlashInfer's all-reduce+RMSNorm+FP8/NVFP4-quant
 variants (YALI has no quantising kernel: the all-reduce+RMSNorm part of such a
@@ -32,8 +27,6 @@ needs vLLM's CUDA ops), so it loads, and the pass runs, on a CPU machine.
 # op function's annotations, which must be real types.
 
 import logging
-import operator
-import os
 
 import torch
 import torch._inductor.pattern_matcher as pm
@@ -102,15 +95,12 @@ def unfused(group, input: torch.Tensor, residual, weight: torch.Tensor, eps: flo
     return out, res
 
 
-def run_on_group(group, input: torch.Tensor, residual, weight: torch.Tensor, eps: float, prefetch=None):
+def run_on_group(group, input: torch.Tensor, residual, weight: torch.Tensor, eps: float):
     """YALI's fused kernel when the group's YaliCommunicator takes the tensors,
     else the unfused sequence.  Every rank decides alike (same shapes, dtypes
-    and layouts), so both run the same collective.  `prefetch` (the next GEMM's
-    weight) only goes to YALI's kernel; it changes no result."""
+    and layouts), so both run the same collective."""
     yc = getattr(getattr(group, "device_communicator", None), "yali_comm", None)
     if yc is not None and yc.can_fuse(input, residual, weight):
-        if prefetch is not None and prefetch.device == input.device:
-            return yc.fused_allreduce_rmsnorm(input, residual, weight, eps, prefetch=prefetch)
         return yc.fused_allreduce_rmsnorm(input, residual, weight, eps)
     return unfused(group, input, residual, weight, eps)
 
@@ -132,14 +122,12 @@ def yali_fused_allreduce_rmsnorm(
     weight: torch.Tensor,
     eps: float,
     group_name: str,
-    prefetch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm_out, residual_out): all-reduce of `input` over group `group_name`,
     plus `residual` when given, then RMSNorm(weight, eps); vLLM's
     fused_add_rms_norm / rms_norm semantics (residual_out is the all-reduce
-    output when there is no residual).  `prefetch`: the weight of the GEMM that
-    reads norm_out, warmed into L2 by YALI's kernel (no effect on the result)."""
-    return run_on_group(_group(group_name), input, residual, weight, eps, prefetch)
+    output when there is no residual)."""
+    return run_on_group(_group(group_name), input, residual, weight, eps)
 
 
 def _yali_fused_allreduce_rmsnorm_fake(
@@ -148,7 +136,6 @@ def _yali_fused_allreduce_rmsnorm_fake(
     weight: torch.Tensor,
     eps: float,
     group_name: str,
-    prefetch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(input), torch.empty_like(input)
 
@@ -251,81 +238,7 @@ def _register_patterns(
     return ["all_reduce+rms_norm", "all_reduce+fused_add_rms_norm", "all_reduce+fused_add_rms_norm[norm only]"]
 
 
-# --------------------------------------------------------------------------
-# The next GEMM's weight (prefetch hint)
-# --------------------------------------------------------------------------
-
-_aten = torch.ops.aten
-# Ops that only re-view a tensor: followed from the norm output to its GEMM and
-# from the GEMM's weight operand back to the parameter.
-_VIEW_OPS = frozenset({
-    _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.permute.default,
-    _aten.t.default, _aten.transpose.int,
-})
-# GEMM op -> (activation argument index, weight argument index), as F.linear
-# appears in a post-grad graph (mm / addmm of the weight's transpose) or not
-# decomposed (linear).
-_GEMM_OPS = {
-    _aten.mm.default: (0, 1),
-    _aten.addmm.default: (1, 2),
-    _aten.linear.default: (0, 1),
-}
-
-
-def _through_views(node: fx.Node) -> fx.Node:
-    while node.op == "call_function" and node.target in _VIEW_OPS and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node
-
-
-def consumer_weight(norm_out: fx.Node, position: dict | None = None) -> fx.Node | None:
-    """The graph input (a parameter: placeholder or get_attr) that is the weight
-    of the first GEMM reading `norm_out` (through views only), or None.
-    `position`: node -> index in the graph (computed when not given)."""
-    position = position if position is not None else {n: i for i, n in enumerate(norm_out.graph.nodes)}
-    frontier, seen = [norm_out], set()
-    while frontier:
-        node = frontier.pop(0)
-        for user in sorted(node.users, key=lambda n: position.get(n, len(position))):
-            if user in seen:
-                continue
-            seen.add(user)
-            if user.op != "call_function":
-                continue
-            if user.target in _VIEW_OPS:
-                frontier.append(user)
-            elif user.target in _GEMM_OPS:
-                act, wt = _GEMM_OPS[user.target]
-                if len(user.args) > wt and user.args[act] is node and isinstance(user.args[wt], fx.Node):
-                    w = _through_views(user.args[wt])
-                    # before the fused op in the graph, so it can be an argument of it
-                    if w.op in ("placeholder", "get_attr") and position.get(w, 0) < position.get(norm_out, 0):
-                        return w
-    return None
-
-
-def attach_prefetch(graph: fx.Graph) -> tuple[int, int]:
-    """Gives every YALI fused op of `graph` whose norm output feeds a GEMM that
-    GEMM's weight as `prefetch`.  Returns (ops with a prefetch, fused ops)."""
-    target, attached, total = fused_op(), 0, 0
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    for node in graph.nodes:
-        if node.op != "call_function" or node.target is not target:
-            continue
-        total += 1
-        if node.kwargs.get("prefetch") is not None or len(node.args) > 5:
-            attached += 1
-            continue
-        norm_out = next((u for u in node.users if u.target is operator.getitem and u.args[1] == 0), None)
-        weight = consumer_weight(norm_out, position) if norm_out is not None else None
-        if weight is not None:
-            node.kwargs = {**node.kwargs, "prefetch": weight}
-            attached += 1
-    return attached, total
-
-
 _logged_patterns = False
-_logged_prefetch = False
 
 
 class YaliAllReduceFusionPass(VllmPatternMatcherPass):
@@ -375,9 +288,7 @@ class YaliAllReduceFusionPass(VllmPatternMatcherPass):
 
     def uuid(self) -> str:
         # Part of Inductor's cache key: cover the pattern code, not only the class.
-        return VllmInductorPass.hash_source(
-            type(self), _register_patterns, _norm_input_weight_dtype_match, consumer_weight, attach_prefetch
-        )
+        return VllmInductorPass.hash_source(type(self), _register_patterns, _norm_input_weight_dtype_match)
 
     def is_applicable_for_range(self, compile_range) -> bool:
         return not self.disabled
@@ -388,14 +299,4 @@ class YaliAllReduceFusionPass(VllmPatternMatcherPass):
             return
         self.matched_count = self.patterns.apply(graph)
         VllmPatternMatcherPass.match_table[self.pass_name] += self.matched_count
-        self.prefetch_count, fused = attach_prefetch(graph)
-        global _logged_prefetch
-        if fused and not _logged_prefetch:
-            _logged_prefetch = True
-            logger.info(
-                "YALI fusion pass: %s of %s fused ops in the first graph prefetch the weight of the GEMM after "
-                "them (YALI_FUSED_PREFETCH_BYTES=%s)", self.prefetch_count, fused,
-                os.environ.get("YALI_FUSED_PREFETCH_BYTES", "default"),
-            )
-        logger.debug("YaliAllReduceFusionPass replaced %s patterns; %s of %s fused ops prefetch their GEMM's weight",
-                     self.matched_count, self.prefetch_count, fused)
+        logger.debug("YaliAllReduceFusionPass replaced %s patterns", self.matched_count)

@@ -11,7 +11,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <mutex>
 #include <optional>
 #include <unordered_set>
@@ -133,13 +132,8 @@ void all_reduce(int64_t handle, const at::Tensor& input, at::Tensor& out, int64_
 }
 
 // (norm_out, residual_out) = RMSNorm(all_reduce(input) [+ residual]) over the last dimension.
-// `prefetch`: the weight of the GEMM that reads norm_out (vLLM's fusion pass
-// passes it), of which L2 is asked for the first `prefetch_bytes` bytes (-1: the
-// config's YALI_FUSED_PREFETCH_BYTES), capped at the tensor's own bytes. It must
-// be a dense tensor on input's device; its values are never read by the op.
 void fused_allreduce_rmsnorm(int64_t handle, const at::Tensor& input, const std::optional<at::Tensor>& residual,
-                             const at::Tensor& weight, double eps, at::Tensor& norm_out, at::Tensor& residual_out,
-                             const std::optional<at::Tensor>& prefetch, int64_t prefetch_bytes) {
+                             const at::Tensor& weight, double eps, at::Tensor& norm_out, at::Tensor& residual_out) {
   const yali::Rank* r = get(handle);
   TORCH_CHECK(input.is_cuda() && input.get_device() == r->device(), "yali: input must be on cuda:", r->device(),
               ", got ", input.device());
@@ -163,21 +157,6 @@ void fused_allreduce_rmsnorm(int64_t handle, const at::Tensor& input, const std:
   TORCH_CHECK(norm_out.data_ptr() != residual_out.data_ptr() &&
                   (!residual || norm_out.data_ptr() != residual->data_ptr()),
               "yali: norm_out must not alias residual or residual_out");
-  TORCH_CHECK_VALUE(prefetch_bytes >= -1, "yali: prefetch_bytes must be -1 (the config's) or >= 0, got ",
-                    prefetch_bytes);
-  size_t pf_bytes = 0;
-  if (prefetch) {
-    // A dense tensor (any order of strides, e.g. a transposed weight) covers
-    // exactly numel * element_size bytes from its lowest address, data_ptr.
-    TORCH_CHECK(prefetch->device() == input.device(), "yali: prefetch must be on ", input.device(), ", got ",
-                prefetch->device());
-    TORCH_CHECK(prefetch->is_non_overlapping_and_dense() &&
-                    std::all_of(prefetch->strides().begin(), prefetch->strides().end(), [](int64_t s) { return s >= 0; }),
-                "yali: prefetch must be a dense tensor (a weight or a transpose of one), got strides ",
-                prefetch->strides());
-    const size_t limit = prefetch_bytes >= 0 ? size_t(prefetch_bytes) : r->config().fused_prefetch_bytes;
-    pf_bytes = std::min(limit, size_t(prefetch->numel()) * prefetch->element_size());
-  }
   if (rows == 0) return;
   const size_t row_bytes = size_t(hidden) * input.element_size();
   TORCH_CHECK(row_bytes % 16 == 0 && row_bytes <= yali::kFusedMaxRowBytes, "yali: a row of ", hidden, " ",
@@ -190,8 +169,7 @@ void fused_allreduce_rmsnorm(int64_t handle, const at::Tensor& input, const std:
   const c10::cuda::CUDAGuard guard(input.device());
   const cudaError_t e = r->fused_allreduce_rmsnorm(
       input.data_ptr(), residual ? residual->data_ptr() : nullptr, weight.data_ptr(), float(eps), norm_out.data_ptr(),
-      residual_out.data_ptr(), size_t(rows), size_t(hidden), dt, c10::cuda::getCurrentCUDAStream().stream(),
-      pf_bytes ? prefetch->data_ptr() : nullptr, pf_bytes);
+      residual_out.data_ptr(), size_t(rows), size_t(hidden), dt, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(e == cudaSuccess, "yali: fused_allreduce_rmsnorm launch failed: ", cudaGetErrorString(e),
               " (tensors must be 16-byte aligned)");
 }
@@ -240,7 +218,7 @@ TORCH_LIBRARY(yali, m) {
   m.def("all_reduce(int comm, Tensor input, Tensor(a!) out, int kernel_mode=-1) -> ()");
   m.def(
       "fused_allreduce_rmsnorm(int comm, Tensor input, Tensor? residual, Tensor weight, float eps, "
-      "Tensor(a!) norm_out, Tensor(b!) residual_out, Tensor? prefetch=None, int prefetch_bytes=-1) -> ()");
+      "Tensor(a!) norm_out, Tensor(b!) residual_out) -> ()");
   m.def("plan(int nbytes, int mode=-1) -> int[]", &plan);
   m.def("config_string() -> str", &config_string);
   m.def("shared_bytes_for_env() -> int", &shared_bytes_for_env);

@@ -3,8 +3,6 @@
 #   fused.sh [all]       the 2-GPU tests (a gpu-test-run result), then the microbenchmark (< 9 min)
 #   fused.sh tests       only tests/gpu/test_fused.py                                  (< 3.5 min)
 #   fused.sh bench ...   only benchmarks/fused_bench.py; further arguments go to it    (< 5.5 min)
-#   fused.sh gemm ...    only benchmarks/fused_gemm_bench.py (the fused op + the GEMM after it, YALI
-#                        with and without prefetching the GEMM's weight); arguments go to it (< 5.5 min)
 #   fused.sh prebuild    start FlashInfer's JIT build in the background and return at once (run it
 #                        early, e.g. before another benchmark, so the fused benchmark finds it built)
 # The benchmark compares YALI with vLLM's FlashInfer fusion (trtllm backend only) and the unfused
@@ -42,17 +40,10 @@ run_bench() {
   if [ -f /tmp/fused-flashinfer-jit.log ]; then echo "--- FlashInfer JIT pre-build:"; tail -3 /tmp/fused-flashinfer-jit.log; fi
 }
 
-run_gemm_bench() {
-  timeout -k 20 "$((BUDGET_S + 110))" python3 benchmarks/fused_gemm_bench.py --out "$OUT" --name "fused-gemm-$STAMP" \
-    --budget-s "$BUDGET_S" --timeout "$((BUDGET_S + 90))" "$@" 2>&1 \
-    | tee "$OUT/fused-gemm-bench-$STAMP.log" | grep -v -i "warn" | tail -60
-}
-
 case "$MODE" in
   all)      nvidia-smi topo -m | head -3; prebuild; run_tests; run_bench "$@" ;;
   tests)    nvidia-smi topo -m | head -3; run_tests ;;
   bench)    run_bench "$@" ;;
-  gemm)     run_gemm_bench "$@" ;;
   prebuild) prebuild ;;
-  *)        echo "usage: $0 [all|tests|bench [fused_bench.py args]|gemm [fused_gemm_bench.py args]|prebuild]" >&2; exit 2 ;;
+  *)        echo "usage: $0 [all|tests|bench [fused_bench.py args]|prebuild]" >&2; exit 2 ;;
 esac

@@ -317,31 +317,7 @@ def digest(*tensors) -> str:
 
 def _fused_tag(spec) -> str:
     return (f"{spec['dtype']} tokens={spec['tokens']} hidden={spec['hidden']} "
-            f"residual={spec['residual']} eps={spec['eps']:g} inplace={spec.get('inplace', False)}"
-            + (f" prefetch={spec['prefetch']}" if spec.get("prefetch") else ""))
-
-
-# What a fused check hands the kernel to prefetch (the next GEMM's weight in vLLM): the result
-# must not change with any of them. Kind -> (tensor, prefetch_bytes).
-PREFETCH_KINDS = ("weight", "transposed", "unaligned", "tiny", "zero-bytes", "beyond-tensor")
-
-
-def prefetch_arg(kind, hidden: int, dtype, device):
-    if kind is None:
-        return None, -1
-    if kind == "weight":  # [out, in] as a linear layer holds it; the config's byte count
-        return torch.randn(1024, hidden, dtype=dtype, device=device), -1
-    if kind == "transposed":  # as the GEMM reads it (F.linear's weight.t()): dense, not contiguous
-        return torch.randn(1024, hidden, dtype=dtype, device=device).t(), -1
-    if kind == "unaligned":  # starts 3 elements into its allocation: the kernel rounds inward to 16 B
-        return torch.randn(100_003, dtype=dtype, device=device)[3:], -1
-    if kind == "tiny":  # less than one 16-byte granule: nothing to prefetch
-        return torch.randn(3, dtype=dtype, device=device), -1
-    if kind == "zero-bytes":
-        return torch.randn(64, hidden, dtype=dtype, device=device), 0
-    if kind == "beyond-tensor":  # asks for more than the tensor holds: capped at its end
-        return torch.randn(16, hidden, dtype=dtype, device=device), 64 << 20
-    raise ValueError(kind)
+            f"residual={spec['residual']} eps={spec['eps']:g} inplace={spec.get('inplace', False)}")
 
 
 def _fused_call(comm, spec, rank, seed, device):
@@ -359,10 +335,8 @@ def _fused_call(comm, spec, rank, seed, device):
         res_in = residual
         res_out = torch.full_like(mine, float("nan"))
     refused = not comm.can_fuse(mine, res_in, weight)
-    prefetch, prefetch_bytes = prefetch_arg(spec.get("prefetch"), spec["hidden"], dtype, device)
     if not refused:
-        comm.fused_allreduce_rmsnorm(mine, res_in, weight, spec["eps"], norm_out=norm, residual_out=res_out,
-                                     prefetch=prefetch, prefetch_bytes=prefetch_bytes)
+        comm.fused_allreduce_rmsnorm(mine, res_in, weight, spec["eps"], norm_out=norm, residual_out=res_out)
     return {"spec": spec, "refused": refused, "x0": x0, "x1": x1, "residual": residual, "weight": weight,
             "mine": mine, "keep": keep, "norm": norm, "res_out": res_out, "res_in": res_in}
 
@@ -528,13 +502,11 @@ def fused_graph(rank, group, replays, pool, seed, specs=FUSED_GRAPH_SPECS, comm=
         st.append(b)
     ar_x = torch.zeros(300_001, dtype=torch.bfloat16, device=dev)
     ar_out = torch.zeros_like(ar_x)
-    # every other fused op prefetches a "next GEMM's weight" (fixed address, as in a model)
-    next_weight = torch.randn(4096, 8192, dtype=torch.bfloat16, device=dev)
 
     def body():
         for k, (spec, b) in enumerate(zip(specs, st)):
             comm.fused_allreduce_rmsnorm(b["x"], b["res"], b["w"], spec["eps"], norm_out=b["norm"],
-                                         residual_out=b["res_out"], prefetch=next_weight if k % 2 == 0 else None)
+                                         residual_out=b["res_out"])
             if k == 1:
                 comm.all_reduce(ar_x, out=ar_out)
 
@@ -628,13 +600,10 @@ def fused_compiled(rank, group, comm=None):
     comm = comm or YaliCommunicator(group, dev)
     eps = 1e-6
 
-    next_weight = torch.randn(512, 4096, dtype=torch.bfloat16, device=dev)
-
     @torch.compile(fullgraph=True)
     def out_of_place(x, residual, weight):
-        # prefetch: the weight of the linear layer that reads norm (as vLLM's fusion pass passes it)
-        norm, res = comm.fused_allreduce_rmsnorm(x * 2, residual, weight, eps, prefetch=next_weight.t())
-        return norm, res, torch.nn.functional.linear(norm, next_weight).float().abs().sum()
+        norm, res = comm.fused_allreduce_rmsnorm(x * 2, residual, weight, eps)
+        return norm, res, norm.float().abs().sum()  # a consumer of the output in the same graph
 
     @torch.compile(fullgraph=True)
     def in_place(x, residual, weight):
@@ -663,37 +632,6 @@ def fused_compiled(rank, group, comm=None):
     return {"failures": failures}
 
 
-def fused_prefetch_errors(rank, group, comm=None):
-    """Bad `prefetch` arguments are refused before anything is launched, with a message naming
-    them; both ranks see the same refusal, so neither waits for the other. Returns
-    {case: message or None when nothing was raised}; then one good call proves the pair is fine."""
-    dev = torch.device("cuda", rank)
-    own = comm is None
-    comm = comm or YaliCommunicator(group, dev)
-    x0, x1, res, w = fused_inputs(5, 4, 2048, torch.bfloat16, dev, True)
-    mine = x0 if rank == 0 else x1
-    cases = {
-        "cpu": (torch.zeros(64, 2048, dtype=torch.bfloat16), -1),
-        "strided": (torch.zeros(64, 4096, dtype=torch.bfloat16, device=dev)[:, ::2], -1),
-        "negative-bytes": (torch.zeros(64, 2048, dtype=torch.bfloat16, device=dev), -5),
-    }
-    messages = {}
-    for name, (pf, nbytes) in cases.items():
-        try:
-            comm.fused_allreduce_rmsnorm(mine, res.clone(), w, 1e-5, prefetch=pf, prefetch_bytes=nbytes)
-            torch.cuda.synchronize(dev)
-            messages[name] = None
-        except Exception as e:
-            messages[name] = f"{type(e).__name__}: {e}".splitlines()[0]
-    norm, r = comm.fused_allreduce_rmsnorm(mine, res.clone(), w, 1e-5)
-    ref_norm, ref_res = fused_reference(x0, x1, res, w, 1e-5)
-    torch.cuda.synchronize(dev)
-    ok = compare_fused(norm, r, ref_norm, ref_res)["ok"]
-    if own:
-        comm.close()
-    return {"messages": messages, "good_call_ok": ok}
-
-
 def fused_suite(rank, group, plan, interleave_calls, graph_replays, seed):
     """Runs the fused scenarios above in one process pair on one communicator (the pair's start-up
     is paid once); each scenario's exception is reported instead of ending the run."""
@@ -709,7 +647,6 @@ def fused_suite(rank, group, plan, interleave_calls, graph_replays, seed):
         ("interleaved", lambda: fused_interleaved(rank, group, interleave_calls, seed + 1, comm=comm)),
         ("graph", lambda: fused_graph(rank, group, graph_replays, 4, seed + 2, comm=comm)),
         ("compiled", lambda: fused_compiled(rank, group, comm=comm)),
-        ("prefetch_errors", lambda: fused_prefetch_errors(rank, group, comm=comm)),
     ]
     for name, step in steps:
         t0 = time.time()

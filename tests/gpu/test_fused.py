@@ -23,11 +23,9 @@ GRAPH_REPLAYS = 1000
 
 def fused_plan():
     """Every dtype x hidden x tokens x with/without residual; eps alternates between 1e-5 and
-    1e-6, the residual is updated in place in every other pair of checks, and the prefetch
-    argument cycles through none and every kind of scenarios.PREFETCH_KINDS. (Its coverage is
+    1e-6 and the residual is updated in place in every other pair of checks. (Its coverage is
     checked on CPU: tests/test_fused_bench.py::test_gpu_fused_plan_covers_the_spec.)"""
     plan = []
-    prefetch = (None,) + scenarios.PREFETCH_KINDS
     for dname, hiddens, tokens in (("bf16", HIDDEN, TOKENS), ("fp16", HIDDEN, TOKENS),
                                    ("fp32", FP32_HIDDEN, FP32_TOKENS)):
         for hidden in hiddens:
@@ -35,8 +33,7 @@ def fused_plan():
                 j = len(plan) // 2
                 for with_res in (True, False):
                     plan.append({"dtype": dname, "tokens": t, "hidden": hidden, "residual": with_res,
-                                 "eps": EPS[(j + with_res) % 2], "inplace": with_res and (j // 2) % 2 == 0,
-                                 "prefetch": prefetch[len(plan) % len(prefetch)]})
+                                 "eps": EPS[(j + with_res) % 2], "inplace": with_res and (j // 2) % 2 == 0})
     return plan
 
 
@@ -104,16 +101,6 @@ def test_fused_cuda_graph_1000_replays(suite):
 def test_fused_torch_compile_fullgraph(suite):
     for rank, r in enumerate(_part(suite, "compiled")):
         assert not r["failures"], f"rank {rank}: {r['failures']}"
-
-
-@pytest.mark.timeout(170)
-def test_fused_prefetch_bad_arguments_refused_by_name(suite):
-    for rank, r in enumerate(_part(suite, "prefetch_errors")):
-        m = r["messages"]
-        assert m["cpu"] and "prefetch must be on cuda" in m["cpu"], (rank, m)
-        assert m["strided"] and "prefetch must be a dense tensor" in m["strided"], (rank, m)
-        assert m["negative-bytes"] and "prefetch_bytes must be -1" in m["negative-bytes"], (rank, m)
-        assert r["good_call_ok"], f"rank {rank}: the fused call after the refusals is wrong"
 
 
 @pytest.mark.timeout(170)

@@ -39,7 +39,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -368,9 +367,6 @@ def test_yali_fusion_tokens_match_flashinfer_and_unfused(model_dir, plugin_path,
         "all-reduce+RMSNorm fusion" in flashinfer["log"], flashinfer["log"][-6000:]
     assert "YALI fusion pass ON" not in flashinfer["log"]
     assert "YALI fusion pass" not in unfused["log"]  # no fusion pass is built at all
-    # The pass handed the fused ops the weight of the GEMM after them (QKV / gate_up) to prefetch.
-    pf = re.search(r"YALI fusion pass: (\d+) of (\d+) fused ops in the first graph prefetch", yali["log"])
-    assert pf and int(pf.group(1)) >= 1, yali["log"][-6000:]
 
     # The captured graphs replay YALI's fused kernel: in a Llama decoder every
     # all-reduce is followed by an RMSNorm, 2 per layer plus the embedding's.

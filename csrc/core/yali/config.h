@@ -28,8 +28,6 @@ constexpr int kStreamThreads = 512;  // half senders, half receivers
 // The fused all-reduce + RMSNorm kernel keeps one row in registers: at most
 // kFlashThreads threads x 8 vectors x 16 bytes (hidden 32768 in 16-bit types).
 constexpr size_t kFusedMaxRowBytes = size_t(kFlashThreads) * 8 * 16;
-// Largest YALI_FUSED_PREFETCH_BYTES: more than H200's 50 MB L2 would evict itself.
-constexpr size_t kMaxFusedPrefetchBytes = size_t(64) << 20;
 
 struct Config {
   KernelMode mode = KernelMode::Auto;  // YALI_KERNEL_MODE
@@ -52,12 +50,6 @@ struct Config {
   // Measured on 2xH200 (hidden 8192, bf16): batched is 0.1-0.3 us faster from 32 tokens (512 KiB)
   // on, 0.2-0.7 us slower at 1-16 tokens (benchmarks/results/fused-variants-20261122-r3).
   size_t fused_batch_poll_min = 512u << 10;
-  // YALI_FUSED_PREFETCH_BYTES: when the fused op is given the weight of the GEMM that reads its
-  // output (vLLM's fusion pass finds it), it first asks L2 to fetch up to this many of that
-  // weight's leading bytes. The all-reduce is latency-bound and leaves HBM idle; a decode GEMM is
-  // HBM-bound and reads its weight from the start, so the bytes fetched meanwhile are bytes the
-  // GEMM no longer waits for. 0 turns it off. The default is set by measurement (fused_gemm_bench).
-  size_t fused_prefetch_bytes = 16u << 20;
   double timeout_s = 300.0;            // YALI_TIMEOUT_S: a kernel waiting longer aborts (0 = never)
 
   static Config from_env();  // throws std::invalid_argument naming the bad variable

@@ -21,12 +21,6 @@
 // (vllm/ir/ops/layernorm.py). mean(z^2) is a fixed-order block reduction, so
 // both ranks produce identical bits.
 //
-// Prefetch (Config::fused_prefetch_bytes): given the weight of the GEMM that will
-// read norm_out, the kernel's first instructions ask L2 for that weight's leading
-// bytes. The exchange below is latency-bound (one NVLink trip, a few us) and leaves
-// HBM idle; the decode GEMM after it is HBM-bound and starts reading its weight at
-// the front, so it finds those bytes in L2. Prefetching changes no result.
-//
 // Above the one-launch size (Config::flash_bytes) the op runs a YALI all-reduce
 // into norm_out and then add_rmsnorm_kernel, the same epilogue on its own.
 #pragma once
@@ -41,8 +35,6 @@ struct FusedArgs {
   const void* weight;     // [hidden]
   void* norm_out;
   void* residual_out;     // may alias residual
-  const char* prefetch;   // nullptr: nothing to prefetch; else 16-byte aligned
-  size_t prefetch_bytes;  // a multiple of 16
   int rows;
   int row_vecs;           // 16-byte vectors per row
   int hidden;             // elements per row
@@ -117,23 +109,8 @@ __device__ __forceinline__ void load_row(Vec16 (&v)[kV], const void* base, int r
   }
 }
 
-// Pieces of the prefetch go round-robin over the CTAs first (piece i to CTA
-// i % grid), so that every SM's copy engine issues a share, not CTA 0's alone.
-__device__ __forceinline__ void prefetch_next_weight(const FusedArgs& a) {
-  constexpr size_t kPiece = 32u << 10;
-  if (a.prefetch == nullptr) return;
-  const size_t pieces = (a.prefetch_bytes + kPiece - 1) / kPiece;
-  for (size_t i = size_t(threadIdx.x) * gridDim.x + blockIdx.x; i < pieces; i += size_t(gridDim.x) * blockDim.x) {
-    const size_t off = i * kPiece;
-    prefetch_l2_bulk(a.prefetch + off, uint32_t(a.prefetch_bytes - off < kPiece ? a.prefetch_bytes - off : kPiece));
-  }
-}
-
 template <typename T, int kV, bool kBatchPoll = false>
 __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kernel(FusedArgs a) {
-  // The weight is a model parameter: no kernel before this one writes it, so the
-  // prefetch goes out before waiting for the previous kernel (PDL).
-  prefetch_next_weight(a);
   wait_prior_grids();
   constexpr int kU = 4;  // sent vectors in flight per thread
   const int t = threadIdx.x;

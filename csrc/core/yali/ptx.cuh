@@ -79,15 +79,6 @@ __device__ __forceinline__ void wait_prior_grids() {
 #endif
 }
 
-// Asks L2 to fetch [p, p + nbytes) from memory (sm_90 bulk prefetch through the
-// copy engine of this SM, TMA): nothing comes back to the SM and nothing waits for
-// it, so it costs the issuing thread one instruction. p and nbytes: multiples of 16.
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t nbytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(nbytes) : "memory");
-#endif
-}
-
 // Named barrier for a subset of the CTA's warps (warp-specialised kernels).
 __device__ __forceinline__ void group_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");

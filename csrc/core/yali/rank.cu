@@ -244,8 +244,7 @@ bool Rank::fused_one_launch(size_t rows, size_t hidden, DType dtype) const {
 
 cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, const void* weight, float eps,
                                           void* norm_out, void* residual_out, size_t rows, size_t hidden,
-                                          DType dtype, cudaStream_t stream, const void* prefetch,
-                                          size_t prefetch_bytes) const {
+                                          DType dtype, cudaStream_t stream) const {
   const size_t row_bytes = hidden * dtype_size(dtype);
   const uintptr_t any = reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(residual) |
                         reinterpret_cast<uintptr_t>(weight) | reinterpret_cast<uintptr_t>(norm_out) |
@@ -264,13 +263,6 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
   a.row_vecs = int(row_bytes / 16);
   a.hidden = int(hidden);
   a.eps = eps;
-  // Whole 16-byte granules inside [prefetch, prefetch + prefetch_bytes) only: the
-  // bulk prefetch wants both aligned, and nothing outside the weight is touched.
-  const uintptr_t pf_begin = (reinterpret_cast<uintptr_t>(prefetch) + 15) & ~uintptr_t(15);
-  const uintptr_t pf_end = reinterpret_cast<uintptr_t>(prefetch) + prefetch_bytes;
-  const size_t pf_bytes = pf_end > pf_begin ? (pf_end - pf_begin) & ~size_t(15) : 0;
-  a.prefetch = prefetch != nullptr && pf_bytes > 0 ? reinterpret_cast<const char*>(pf_begin) : nullptr;
-  a.prefetch_bytes = a.prefetch ? pf_bytes : 0;
   const bool one_launch = fused_one_launch(rows, hidden, dtype);
   // The sending is cut as flash-push cuts a message (push_cta_bytes per CTA, at
   // most flash_ctas CTAs); every row needs an owner CTA too (rows b, b + grid, ...).

@@ -46,14 +46,9 @@ class Rank {
   // YALI all-reduce into norm_out followed by the add + norm kernel. Rows must be
   // 16-byte multiples of at most kFusedMaxRowBytes and pointers 16-byte aligned;
   // otherwise (or above YALI_MAX_BYTES) returns cudaErrorInvalidValue.
-  // `prefetch` (may be nullptr): the weight of the GEMM that reads norm_out, of
-  // which the one-launch kernel asks L2 for the first `prefetch_bytes` bytes (see
-  // fused.cuh; the caller caps them at Config::fused_prefetch_bytes and at the
-  // weight's size). Only whole 16-byte granules inside that range are touched.
   cudaError_t fused_allreduce_rmsnorm(const void* in, const void* residual, const void* weight, float eps,
                                       void* norm_out, void* residual_out, size_t rows, size_t hidden, DType dtype,
-                                      cudaStream_t stream, const void* prefetch = nullptr,
-                                      size_t prefetch_bytes = 0) const;
+                                      cudaStream_t stream) const;
   bool fused_one_launch(size_t rows, size_t hidden, DType dtype) const;
 
   uint64_t device_calls() const;      // synchronising read of LocalState::calls
