@@ -121,6 +121,17 @@ SERVER_CONFIGS: dict[str, ServerConfig] = {
         "YALI_ENABLE=0: vLLM's custom all-reduce + FlashInfer all-reduce+RMSNorm "
         "fusion as vLLM configures it (backend trtllm)",
     ),
+    # The control for a yali vs vllm-default difference outside the all-reduce: YALI's plugin, its
+    # buffers and its all-reduce hook exactly as in "yali", but YALI_FUSION=0 makes vLLM build its
+    # FlashInfer fusion, so every decode all-reduce (all fused with an RMSNorm) runs FlashInfer's
+    # kernel, as in vllm-default.
+    "yali-flashinfer-fusion": ServerConfig(
+        "yali-flashinfer-fusion",
+        {"YALI_ENABLE": "1", "YALI_FUSION": "0"},
+        (),
+        "yali plugin on, YALI_FUSION=0: vLLM's FlashInfer all-reduce+RMSNorm fusion serves the "
+        "fused pairs (the control for effects of the plugin outside its fused kernel)",
+    ),
     "nccl": ServerConfig(
         "nccl",
         {"YALI_ENABLE": "0"},
@@ -570,14 +581,19 @@ def yali_log_warnings(config: str, key_lines: Sequence[str]) -> list[str]:
     on = any(YALI_ON_RE.search(ln) for ln in key_lines)
     off = [ln for ln in key_lines if YALI_OFF_RE.search(ln)]
     warnings: list[str] = []
-    if config == "yali":
+    if config in ("yali", "yali-flashinfer-fusion"):
         if not on:
-            warnings.append("no 'YALI all-reduce ON' line in the yali server's log: is the plugin installed and active?")
+            warnings.append(f"no 'YALI all-reduce ON' line in the {config} server's log: is the plugin installed "
+                            "and active?")
         if off:
-            warnings.append("the yali server logged 'YALI all-reduce OFF': " + off[0][-200:])
-        if on and not any(YALI_FUSION_ON_RE.search(ln) for ln in key_lines):
+            warnings.append(f"the {config} server logged 'YALI all-reduce OFF': " + off[0][-200:])
+        fused = any(YALI_FUSION_ON_RE.search(ln) for ln in key_lines)
+        if config == "yali" and on and not fused:
             warnings.append("no 'YALI fusion pass ON' line in the yali server's log: the all-reduce + RMSNorm "
                             "pairs ran through vLLM's FlashInfer fusion or unfused")
+        if config == "yali-flashinfer-fusion" and fused:
+            warnings.append("'YALI fusion pass ON' in the yali-flashinfer-fusion server's log: YALI_FUSION=0 did "
+                            "not hand the fused pairs to FlashInfer")
     elif on:
         warnings.append(f"'YALI all-reduce ON' in the {config} server's log: YALI_ENABLE=0 did not keep it off")
     return warnings

@@ -372,6 +372,13 @@ def test_scan_ignores_own_header_lines_and_checks_yali_state(tmp_path):
     assert "no 'YALI fusion pass ON'" in sb.yali_log_warnings("yali", on[:1])[0]
     assert sb.yali_log_warnings("nccl", scan["key_lines"]) == []
     assert "did not keep it off" in sb.yali_log_warnings("vllm-default", on)[0]
+    # the control: YALI on, its fusion pass off (FlashInfer's fusion serves the fused pairs)
+    control = [on[0], "INFO [vllm_plugin.py:420] YALI fusion pass OFF: disabled by YALI_FUSION; using vLLM's x"]
+    assert sb.yali_log_warnings("yali-flashinfer-fusion", control) == []
+    assert "YALI_FUSION=0 did not hand" in sb.yali_log_warnings("yali-flashinfer-fusion", on)[0]
+    assert "no 'YALI all-reduce ON'" in sb.yali_log_warnings("yali-flashinfer-fusion", control[1:])[0]
+    cfg = sb.SERVER_CONFIGS["yali-flashinfer-fusion"]
+    assert cfg.env == {"YALI_ENABLE": "1", "YALI_FUSION": "0"} and cfg.args == ()
 
 
 # ----------------------------------------------------------- processes (fake servers)

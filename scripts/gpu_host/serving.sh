@@ -4,7 +4,8 @@
 # (SERVING_BUDGET_S bounds the run, default 555 s. LOCUST_USERS > 0: a locust run of LOCUST_S
 # seconds (default 60) on each config's server after its points; SOAK_S > 0: then a soak of that
 # many seconds with 64 users on the yali server; both take their time from the same budget.)
-# REPEATS default 1, SUFFIX (result name) default r1, CONFIGS default yali,vllm-default,nccl
+# REPEATS default 1 (repeats alternate between the configs), SUFFIX (result name) default r1,
+# CONFIGS default yali,vllm-default,nccl (also: yali-flashinfer-fusion, the plugin with YALI_FUSION=0)
 # (three do not fit one call: split them and merge the results with
 # `serving_bench.py --report-only A.json B.json --out DIR`), PROFILE_TOKENS default 0: > 0 profiles
 # one request of that many tokens per config after its measurements (decode-profile.json/.md).
