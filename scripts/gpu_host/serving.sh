@@ -24,7 +24,7 @@ timeout -k 20 "$(( ${SERVING_BUDGET_S:-555} + 20 ))" python3 benchmarks/serving_
   | tee "$OUT/$name.log" | grep -v -i warn | tail -45
 cp "$work"/serving-benchmark.json "$OUT/$name.json" 2>/dev/null
 cat "$work"/serving-benchmark.md 2>/dev/null | head -40
-cat "$work"/decode-profile.md 2>/dev/null | head -30
+cat "$work"/decode-profile.md 2>/dev/null | head -60  # through the decode-step table
 for f in load-test soak; do cat "$work/$f.md" 2>/dev/null | head -30; done
 tar czf "$OUT/$name-raw.tgz" -C /tmp --exclude='*.pt.trace.json*' "$name"  # per-point JSONs, server logs, profile, locust CSV/HTML
 ls -la "$OUT"
