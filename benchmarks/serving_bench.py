@@ -577,25 +577,30 @@ _OWN_HEADER_PREFIXES = ("$ ", "# env: ")  # lines start_server()/run_bounded() w
 
 
 def yali_log_warnings(config: str, key_lines: Sequence[str]) -> list[str]:
-    """Sanity checks on one server's key log lines: yali on exactly where it should be."""
+    """Sanity checks on one server's key log lines: YALI's all-reduce and fusion pass on exactly
+    where the configuration's environment (SERVER_CONFIGS) asks for them."""
+    env = SERVER_CONFIGS[config].env if config in SERVER_CONFIGS else {}
+    wants_yali = env.get("YALI_ENABLE") == "1"
+    wants_fusion = wants_yali and env.get("YALI_FUSION") != "0"
     on = any(YALI_ON_RE.search(ln) for ln in key_lines)
     off = [ln for ln in key_lines if YALI_OFF_RE.search(ln)]
+    fused = any(YALI_FUSION_ON_RE.search(ln) for ln in key_lines)
     warnings: list[str] = []
-    if config in ("yali", "yali-flashinfer-fusion"):
-        if not on:
-            warnings.append(f"no 'YALI all-reduce ON' line in the {config} server's log: is the plugin installed "
-                            "and active?")
-        if off:
-            warnings.append(f"the {config} server logged 'YALI all-reduce OFF': " + off[0][-200:])
-        fused = any(YALI_FUSION_ON_RE.search(ln) for ln in key_lines)
-        if config == "yali" and on and not fused:
-            warnings.append("no 'YALI fusion pass ON' line in the yali server's log: the all-reduce + RMSNorm "
-                            "pairs ran through vLLM's FlashInfer fusion or unfused")
-        if config == "yali-flashinfer-fusion" and fused:
-            warnings.append("'YALI fusion pass ON' in the yali-flashinfer-fusion server's log: YALI_FUSION=0 did "
-                            "not hand the fused pairs to FlashInfer")
-    elif on:
-        warnings.append(f"'YALI all-reduce ON' in the {config} server's log: YALI_ENABLE=0 did not keep it off")
+    if not wants_yali:
+        if on:
+            warnings.append(f"'YALI all-reduce ON' in the {config} server's log: YALI_ENABLE=0 did not keep it off")
+        return warnings
+    if not on:
+        warnings.append(f"no 'YALI all-reduce ON' line in the {config} server's log: is the plugin installed "
+                        "and active?")
+    if off:
+        warnings.append(f"the {config} server logged 'YALI all-reduce OFF': " + off[0][-200:])
+    if wants_fusion and on and not fused:
+        warnings.append(f"no 'YALI fusion pass ON' line in the {config} server's log: the all-reduce + RMSNorm "
+                        "pairs ran through vLLM's FlashInfer fusion or unfused")
+    if not wants_fusion and fused:
+        warnings.append(f"'YALI fusion pass ON' in the {config} server's log: YALI_FUSION=0 did "
+                        "not hand the fused pairs to FlashInfer")
     return warnings
 
 
