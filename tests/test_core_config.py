@@ -206,3 +206,22 @@ def test_sm90a_code_is_in_the_library():
                          capture_output=True, text=True)
     archs = set(re.findall(r"arch = (sm_\w+)", out.stdout))
     assert archs == {"sm_90a"}, (archs, out.stderr[-2000:])
+
+
+def test_fused_launch_knobs(monkeypatch):
+    # defaults: 1 KiB sent per CTA, 512 threads, the row loads before the epoch fetch
+    c = config.kernel_config()
+    assert (c["fused_cta_bytes"], c["fused_threads"], c["fused_row_loads_early"]) == (KiB, 512, 1)
+    monkeypatch.setenv("YALI_DEV_FUSED_CTA_BYTES", "4k")
+    monkeypatch.setenv("YALI_DEV_FUSED_THREADS", "1024")
+    monkeypatch.setenv("YALI_DEV_FUSED_ROW_LOADS_EARLY", "0")
+    c = config.kernel_config()
+    assert (c["fused_cta_bytes"], c["fused_threads"], c["fused_row_loads_early"]) == (4 * KiB, 1024, 0)
+
+
+@pytest.mark.parametrize("var,value", [("YALI_DEV_FUSED_THREADS", "768"), ("YALI_DEV_FUSED_THREADS", "256"),
+                                       ("YALI_DEV_FUSED_ROW_LOADS_EARLY", "2"), ("YALI_DEV_FUSED_CTA_BYTES", "100")])
+def test_fused_launch_knobs_refused(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=var):
+        config.kernel_config()

@@ -114,17 +114,24 @@ def test_fused_suite_time_bound(suite):
 # up with rows, each CTA owning several rows; without PDL; and with the receivers
 # of every size polling a row's vectors batched (YALI_DEV_FUSED_BATCH_POLL_MIN=0),
 # or none of them (1G: one vector at a time). The default switches at 512 KiB,
-# which this plan crosses at 32 and 513 tokens. Same checks on a smaller plan,
-# each setting in its own pair.
-ODD_PLAN_HIDDEN = (2048, 5120, 8192)
+# which this plan crosses at 32 and 513 tokens. 1024-thread CTAs (one or two
+# vectors of a row per thread; fp32 rows of 16384 are too long and keep 512) and
+# the row loads issued after the send, alone and together on odd grids. Same
+# checks on a smaller plan, each setting in its own pair.
+ODD_PLAN_HIDDEN = (2048, 5120, 8192, 16384)
 ODD_PLAN_TOKENS = (1, 3, 32, 513)
 ODD_SETTINGS = {
-    "odd-grids": {"YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_PUSH_CTA_BYTES": "272"},
+    "odd-grids": {"YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_FUSED_CTA_BYTES": "272"},
     "no-pdl": {"YALI_DEV_PDL": "0"},
     "batch-poll-always": {"YALI_DEV_FUSED_BATCH_POLL_MIN": "0"},
     "batch-poll-always-odd-grids": {"YALI_DEV_FUSED_BATCH_POLL_MIN": "0", "YALI_DEV_FLASH_CTAS": "5",
-                                    "YALI_DEV_PUSH_CTA_BYTES": "272"},
+                                    "YALI_DEV_FUSED_CTA_BYTES": "272"},
     "batch-poll-never": {"YALI_DEV_FUSED_BATCH_POLL_MIN": "1G"},
+    "threads-1024": {"YALI_DEV_FUSED_THREADS": "1024"},
+    "row-loads-late": {"YALI_DEV_FUSED_ROW_LOADS_EARLY": "0"},
+    "threads-1024-row-loads-late-batch-poll-odd-grids": {
+        "YALI_DEV_FUSED_THREADS": "1024", "YALI_DEV_FUSED_ROW_LOADS_EARLY": "0",
+        "YALI_DEV_FUSED_BATCH_POLL_MIN": "0", "YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_FUSED_CTA_BYTES": "272"},
 }
 
 

@@ -133,6 +133,9 @@ Config Config::from_env() {
   dev_bytes("YALI_DEV_SLOT_BYTES", 4096, size_t(16) << 20, 4096, &c.slot_bytes);
   dev_int("YALI_DEV_PDL", 0, 1, &c.pdl);
   dev_bytes("YALI_DEV_FUSED_BATCH_POLL_MIN", 0, size_t(1) << 40, 1, &c.fused_batch_poll_min);
+  dev_bytes("YALI_DEV_FUSED_CTA_BYTES", 256, size_t(16) << 20, 16, &c.fused_cta_bytes);
+  dev_int("YALI_DEV_FUSED_THREADS", 512, 1024, &c.fused_threads);
+  dev_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", 0, 1, &c.fused_row_loads_early);
   refuse_unknown_dev_knobs(dev_knobs);
   if (const char* t = std::getenv("YALI_TIMEOUT_S"); t && *t) {
     char* end = nullptr;
@@ -159,6 +162,10 @@ void Config::validate() const {
   check_range("YALI_DEV_SLOT_BYTES", slot_bytes, 4096, size_t(16) << 20, 4096);
   check_int("YALI_DEV_PDL", pdl, 0, 1);
   check_range("YALI_DEV_FUSED_BATCH_POLL_MIN", fused_batch_poll_min, 0, size_t(1) << 40, 1);
+  check_range("YALI_DEV_FUSED_CTA_BYTES", fused_cta_bytes, 256, size_t(16) << 20, 16);
+  if (fused_threads != 512 && fused_threads != 1024)
+    bad("YALI_DEV_FUSED_THREADS", std::to_string(fused_threads), "512 or 1024");
+  check_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", fused_row_loads_early, 0, 1);
   if (!(timeout_s >= 0.0 && timeout_s <= 86400.0))
     bad("YALI_TIMEOUT_S", std::to_string(timeout_s), "seconds in [0, 86400]");
 }
@@ -170,7 +177,9 @@ std::string Config::to_string() const {
     << " ll_cta_bytes=" << ll_cta_bytes << " push_max=" << push_max << " push_cta_bytes=" << push_cta_bytes
     << " oneshot_max=" << oneshot_max
     << " stream_min=" << stream_min << " flash_ctas=" << flash_ctas << " flash_cta_bytes=" << flash_cta_bytes
-    << " lanes=" << lanes << " slots=" << slots << " slot_bytes=" << slot_bytes << " pdl=" << pdl << " fused_batch_poll_min=" << fused_batch_poll_min << " timeout_s=" << timeout_s;
+    << " lanes=" << lanes << " slots=" << slots << " slot_bytes=" << slot_bytes << " pdl=" << pdl << " fused_batch_poll_min=" << fused_batch_poll_min
+    << " fused_cta_bytes=" << fused_cta_bytes << " fused_threads=" << fused_threads
+    << " fused_row_loads_early=" << fused_row_loads_early << " timeout_s=" << timeout_s;
   return o.str();
 }
 

@@ -50,6 +50,15 @@ struct Config {
   // Measured on 2xH200 (hidden 8192, bf16): batched is 0.1-0.3 us faster from 32 tokens (512 KiB)
   // on, 0.2-0.7 us slower at 1-16 tokens (benchmarks/results/fused-variants-20261122-r3).
   size_t fused_batch_poll_min = 512u << 10;
+  // YALI_DEV_FUSED_CTA_BYTES: bytes of the message each CTA of the one-launch fused op sends
+  // (at most flash_ctas CTAs); flash-push's own split is push_cta_bytes.
+  size_t fused_cta_bytes = 1u << 10;
+  // YALI_DEV_FUSED_THREADS: threads per CTA of the one-launch fused op, 512 or 1024 (1024 only
+  // for rows of at most 2048 vectors; longer rows keep 512).
+  int fused_threads = 512;
+  // YALI_DEV_FUSED_ROW_LOADS_EARLY: 1 = a row's weight / input / residual loads go out before the
+  // epoch fetch, 0 = right after this CTA's send (fused.cuh).
+  int fused_row_loads_early = 1;
   double timeout_s = 300.0;            // YALI_TIMEOUT_S: a kernel waiting longer aborts (0 = never)
 
   static Config from_env();  // throws std::invalid_argument naming the bad variable

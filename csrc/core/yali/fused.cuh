@@ -2,8 +2,8 @@
 // `all_reduce -> fused_add_rms_norm` / `all_reduce -> rms_norm` pair).
 //
 // The exchange is flash-push (push.cuh), with two kinds of work per CTA:
-//  * sending: the message is cut into one contiguous chunk per CTA, exactly as
-//    flash-push cuts it (Config::push_cta_bytes per CTA, at most flash_ctas
+//  * sending: the message is cut into one contiguous chunk per CTA, as
+//    flash-push cuts it (Config::fused_cta_bytes per CTA, at most flash_ctas
 //    CTAs), and every CTA stores its chunk into the peer's push area. One SM
 //    alone cannot keep many NVLink stores in flight: a 32 KiB flash-push sent
 //    16 KiB per CTA took 4.00 us against 3.12 us at 1 KiB per CTA (tune r4),
@@ -43,8 +43,9 @@ struct FusedArgs {
 
 // Sum of v over the CTA, the same bits in every thread and on both ranks
 // (butterfly within warps, then warp sums added in warp order).
+template <int kThreads>
 __device__ __forceinline__ float block_sum(float v) {
-  __shared__ float warp_sums[kFlashThreads / 32];
+  __shared__ float warp_sums[kThreads / 32];
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
   __syncthreads();  // the previous row's readers are done with warp_sums
@@ -52,16 +53,16 @@ __device__ __forceinline__ float block_sum(float v) {
   __syncthreads();
   float total = 0.f;
 #pragma unroll
-  for (int w = 0; w < kFlashThreads / 32; ++w) total += warp_sums[w];
+  for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
   return total;
 }
 
 // The epilogue for one row, called by all threads of the CTA. Thread t holds,
-// for u with j = t + u * kFlashThreads < row_vecs, vector j of the all-reduced
+// for u with j = t + u * kThreads < row_vecs, vector j of the all-reduced
 // row in s[u], of the residual row in r[u] (unused without a residual) and of
 // the weight in w[u]: every load was issued before the wait that precedes this,
 // so no memory latency is left in here but the stores.
-template <typename T, int kV>
+template <typename T, int kThreads, int kV>
 __device__ __forceinline__ void rmsnorm_row(const FusedArgs& a, int row, const Vec16 (&s)[kV], const Vec16 (&r)[kV],
                                             const Vec16 (&w)[kV]) {
   constexpr int kN = 16 / sizeof(T);
@@ -70,7 +71,7 @@ __device__ __forceinline__ void rmsnorm_row(const FusedArgs& a, int row, const V
   float sq = 0.f;
 #pragma unroll
   for (int u = 0; u < kV; ++u) {
-    const int j = threadIdx.x + u * kFlashThreads;
+    const int j = threadIdx.x + u * kThreads;
     if (j >= a.row_vecs) continue;
     unpack<T>(s[u], z[u]);
     if (a.residual) {
@@ -83,10 +84,10 @@ __device__ __forceinline__ void rmsnorm_row(const FusedArgs& a, int row, const V
 #pragma unroll
     for (int i = 0; i < kN; ++i) sq = fmaf(z[u][i], z[u][i], sq);
   }
-  const float inv_rms = rsqrtf(block_sum(sq) / float(a.hidden) + a.eps);
+  const float inv_rms = rsqrtf(block_sum<kThreads>(sq) / float(a.hidden) + a.eps);
 #pragma unroll
   for (int u = 0; u < kV; ++u) {
-    const int j = threadIdx.x + u * kFlashThreads;
+    const int j = threadIdx.x + u * kThreads;
     if (j >= a.row_vecs) continue;
     float ww[kN], o[kN];
     unpack<T>(w[u], ww);
@@ -98,19 +99,25 @@ __device__ __forceinline__ void rmsnorm_row(const FusedArgs& a, int row, const V
 
 // Loads this thread's vectors of row `row` of the [rows, row_vecs] array at
 // `base` into v; nothing for base == nullptr or row >= rows.
-template <int kV>
+template <int kThreads, int kV>
 __device__ __forceinline__ void load_row(Vec16 (&v)[kV], const void* base, int row, const FusedArgs& a) {
   if (base == nullptr || row >= a.rows) return;
   const Vec16* p = static_cast<const Vec16*>(base) + size_t(row) * a.row_vecs;
 #pragma unroll
   for (int u = 0; u < kV; ++u) {
-    const int j = threadIdx.x + u * kFlashThreads;
+    const int j = threadIdx.x + u * kThreads;
     if (j < a.row_vecs) v[u] = load_local_input(p + j);
   }
 }
 
-template <typename T, int kV, bool kBatchPoll = false>
-__global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kernel(FusedArgs a) {
+// kThreads: 512, or 1024 for rows of at most 2 * 1024 vectors, where every
+// thread then waits on fewer vectors of the row. kRowLoadsEarly: the row's
+// weight, input and residual loads go out before the epoch fetch (inside a
+// model they come from DRAM and have the whole wait to land), or after the send,
+// so that they do not queue in front of the epoch fetch and the sent vectors of
+// this CTA (in the microbenchmark they are L2 hits). Config::fused_* pick both.
+template <typename T, int kThreads, int kV, bool kBatchPoll, bool kRowLoadsEarly>
+__global__ void __launch_bounds__(kThreads, 1) fused_allreduce_rmsnorm_kernel(FusedArgs a) {
   wait_prior_grids();
   constexpr int kU = 4;  // sent vectors in flight per thread
   const int t = threadIdx.x;
@@ -118,15 +125,14 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kern
   const Range chunk = split_range(0, a.f.nbytes / 16, gridDim.x, blockIdx.x);  // what this CTA sends
   const Vec16* in = static_cast<const Vec16*>(a.f.in);
   const auto input = [&](size_t k) { return load_local_input(in + k); };  // rows are whole vectors: no tail
-  // Every load is issued before the epoch fetch: they are independent, and
-  // inside a model the residual and the weight are usually not in L2 any more
-  // (the GEMM before this streamed its weights through it), so loading them
-  // after the peer's data arrived would put DRAM latencies on the critical path.
   Vec16 p[kU], w[kV], x[kV], r[kV];
-  load_batch(p, chunk.begin + t, chunk.end, input);
-  load_row(w, first < a.rows ? a.weight : nullptr, 0, a);
-  load_row(x, a.f.in, first, a);
-  load_row(r, a.residual, first, a);
+  const auto load_first_row = [&] {
+    load_row<kThreads>(w, first < a.rows ? a.weight : nullptr, 0, a);
+    load_row<kThreads>(x, a.f.in, first, a);
+    load_row<kThreads>(r, a.residual, first, a);
+  };
+  load_batch<kU, kThreads>(p, chunk.begin + t, chunk.end, input);
+  if constexpr (kRowLoadsEarly) load_first_row();
   const uint64_t e = flash_begin(a.f);
   if (blockIdx.x == 0 && t == 0) atomicAdd(reinterpret_cast<unsigned long long*>(&a.f.state->fused_calls), 1ull);
   const size_t par = (e & 1) * a.f.parity_bytes;
@@ -134,38 +140,39 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kern
   Vec16* from_peer = reinterpret_cast<Vec16*>(a.f.my_push + par);
 
   // 1. send my chunk
-  push_send<T>(to_peer, p, chunk, input);
+  push_send<T, kU, kThreads>(to_peer, p, chunk, input);
+  if constexpr (!kRowLoadsEarly) load_first_row();  // in flight while the peer's data crosses the link
   // 2. per row of mine: receive the peer's partial sums, add mine, normalise.
   //    A later row's input and residual loads go out together with its polls.
   for (int row = first; row < a.rows; row += gridDim.x) {
     const size_t base = size_t(row) * a.row_vecs;
     if (row != first) {
-      load_row(x, a.f.in, row, a);
-      load_row(r, a.residual, row, a);
+      load_row<kThreads>(x, a.f.in, row, a);
+      load_row<kThreads>(r, a.residual, row, a);
     }
     Vec16 theirs[kV];
 #pragma unroll
     for (int u = 0; u < kV; ++u) {
-      const int j = t + u * kFlashThreads;
+      const int j = t + u * kThreads;
       if (j < a.row_vecs) theirs[u] = load_push(from_peer + base + j);
     }
     if constexpr (kBatchPoll) {  // see wait_push_batch
       const auto at = [&](int u) -> const Vec16* {
-        const int j = t + u * kFlashThreads;
+        const int j = t + u * kThreads;
         return j < a.row_vecs ? from_peer + base + j : nullptr;
       };
       wait_push_batch(theirs, at, a.f.timeout_ns, a.f.abort, Kernel::FlashPush);
     }
 #pragma unroll
     for (int u = 0; u < kV; ++u) {
-      const int j = t + u * kFlashThreads;
+      const int j = t + u * kThreads;
       if (j < a.row_vecs) {
         if constexpr (!kBatchPoll) wait_push(from_peer + base + j, theirs[u], a.f.timeout_ns, a.f.abort, Kernel::FlashPush);
         x[u] = add_vec<T>(canonical<T>(x[u]), theirs[u]);
         clear_push(from_peer + base + j);
       }
     }
-    rmsnorm_row<T, kV>(a, row, x, r, w);
+    rmsnorm_row<T, kThreads, kV>(a, row, x, r, w);
   }
 }
 
@@ -177,11 +184,11 @@ __global__ void __launch_bounds__(kFlashThreads, 1) add_rmsnorm_kernel(FusedArgs
   if (blockIdx.x == 0 && threadIdx.x == 0)
     atomicAdd(reinterpret_cast<unsigned long long*>(&a.f.state->fused_calls), 1ull);
   Vec16 w[kV], s[kV], r[kV];
-  load_row(w, int(blockIdx.x) < a.rows ? a.weight : nullptr, 0, a);
+  load_row<kFlashThreads>(w, int(blockIdx.x) < a.rows ? a.weight : nullptr, 0, a);
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    load_row(s, a.sum, row, a);
-    load_row(r, a.residual, row, a);
-    rmsnorm_row<T, kV>(a, row, s, r, w);
+    load_row<kFlashThreads>(s, a.sum, row, a);
+    load_row<kFlashThreads>(r, a.residual, row, a);
+    rmsnorm_row<T, kFlashThreads, kV>(a, row, s, r, w);
   }
 }
 

@@ -216,23 +216,33 @@ FlashArgs Rank::flash_args(const void* in, void* out, size_t nbytes) const {
 
 namespace {
 
-template <typename T, int kV>
-cudaError_t launch_fused(const FusedArgs& a, bool one_launch, int grid, bool pdl, bool batch_poll,
-                         cudaStream_t stream) {
-  const auto kernel = !one_launch ? add_rmsnorm_kernel<T, kV>
-                      : batch_poll ? fused_allreduce_rmsnorm_kernel<T, kV, true>
-                                   : fused_allreduce_rmsnorm_kernel<T, kV, false>;
-  return launch(kernel, grid, kFlashThreads, stream, pdl, a);
+// The one place that maps the fused op's run-time choices to a kernel.
+template <typename T, int kThreads, int kV>
+cudaError_t launch_fused(const FusedArgs& a, const FusedLaunch& l, cudaStream_t stream) {
+  if (!l.one_launch) {  // fused_launch gives the epilogue kernel its 512 threads
+    if constexpr (kThreads == kFlashThreads) return launch(add_rmsnorm_kernel<T, kV>, l.grid, kThreads, stream, l.pdl, a);
+    return cudaErrorInvalidValue;
+  }
+  void (*kernel)(FusedArgs);
+  if (l.batch_poll) kernel = l.row_loads_early ? fused_allreduce_rmsnorm_kernel<T, kThreads, kV, true, true>
+                                                    : fused_allreduce_rmsnorm_kernel<T, kThreads, kV, true, false>;
+  else kernel = l.row_loads_early ? fused_allreduce_rmsnorm_kernel<T, kThreads, kV, false, true>
+                                  : fused_allreduce_rmsnorm_kernel<T, kThreads, kV, false, false>;
+  return launch(kernel, l.grid, kThreads, stream, l.pdl, a);
 }
 
 template <typename T>
-cudaError_t launch_fused_rows(const FusedArgs& a, bool one_launch, int grid, bool pdl, bool batch_poll,
-                              cudaStream_t stream) {
-  const int per_thread = (a.row_vecs + kFlashThreads - 1) / kFlashThreads;  // vectors of a row per thread
-  if (per_thread <= 1) return launch_fused<T, 1>(a, one_launch, grid, pdl, batch_poll, stream);
-  if (per_thread <= 2) return launch_fused<T, 2>(a, one_launch, grid, pdl, batch_poll, stream);
-  if (per_thread <= 4) return launch_fused<T, 4>(a, one_launch, grid, pdl, batch_poll, stream);
-  if (per_thread <= 8) return launch_fused<T, 8>(a, one_launch, grid, pdl, batch_poll, stream);
+cudaError_t launch_fused_rows(const FusedArgs& a, const FusedLaunch& l, cudaStream_t stream) {
+  const int per_thread = (a.row_vecs + l.threads - 1) / l.threads;  // vectors of a row per thread
+  if (l.threads == 1024) {
+    if (per_thread <= 1) return launch_fused<T, 1024, 1>(a, l, stream);
+    if (per_thread <= 2) return launch_fused<T, 1024, 2>(a, l, stream);
+    return cudaErrorInvalidValue;
+  }
+  if (per_thread <= 1) return launch_fused<T, kFlashThreads, 1>(a, l, stream);
+  if (per_thread <= 2) return launch_fused<T, kFlashThreads, 2>(a, l, stream);
+  if (per_thread <= 4) return launch_fused<T, kFlashThreads, 4>(a, l, stream);
+  if (per_thread <= 8) return launch_fused<T, kFlashThreads, 8>(a, l, stream);
   return cudaErrorInvalidValue;
 }
 
@@ -263,24 +273,35 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
   a.row_vecs = int(row_bytes / 16);
   a.hidden = int(hidden);
   a.eps = eps;
-  const bool one_launch = fused_one_launch(rows, hidden, dtype);
-  // The sending is cut as flash-push cuts a message (push_cta_bytes per CTA, at
-  // most flash_ctas CTAs); every row needs an owner CTA too (rows b, b + grid, ...).
-  const size_t senders = std::min<size_t>(config_.flash_ctas,
-                                          std::max<size_t>(1, (nbytes + config_.push_cta_bytes - 1) / config_.push_cta_bytes));
-  int grid = int(std::max(senders, std::min<size_t>(rows, config_.flash_ctas)));
-  if (!one_launch) {
+  const FusedLaunch l = fused_launch(rows, hidden, dtype);
+  if (!l.one_launch) {
     // All-reduce into norm_out (it may be `in`; never residual, which may alias
     // residual_out), then the epilogue reads the sum from there, row by row.
     const cudaError_t e = all_reduce(in, norm_out, nbytes, dtype, stream, config_.mode);
     if (e != cudaSuccess) return e;
     a.sum = norm_out;
-    grid = int(std::min<size_t>(rows, 1024));
   }
-  const bool batch_poll = nbytes >= config_.fused_batch_poll_min;  // see Config::fused_batch_poll_min
-  return with_element_type(dtype, [&](auto zero) {
-    return launch_fused_rows<decltype(zero)>(a, one_launch, grid, config_.pdl != 0, batch_poll, stream);
-  });
+  return with_element_type(dtype, [&](auto zero) { return launch_fused_rows<decltype(zero)>(a, l, stream); });
+}
+
+FusedLaunch Rank::fused_launch(size_t rows, size_t hidden, DType dtype) const {
+  FusedLaunch l;
+  const size_t nbytes = rows * hidden * dtype_size(dtype);
+  const size_t row_vecs = hidden * dtype_size(dtype) / 16;
+  l.one_launch = fused_one_launch(rows, hidden, dtype);
+  l.pdl = config_.pdl != 0;
+  if (!l.one_launch) {  // the epilogue kernel alone: one CTA per row, up to 1024 CTAs
+    l.grid = int(std::min<size_t>(rows, 1024));
+    return l;
+  }
+  // The sending is cut into fused_cta_bytes per CTA (at most flash_ctas CTAs);
+  // every row needs an owner CTA too (rows b, b + grid, ...).
+  const size_t senders = std::min<size_t>(config_.flash_ctas, std::max<size_t>(1, (nbytes + config_.fused_cta_bytes - 1) / config_.fused_cta_bytes));
+  l.grid = int(std::max(senders, std::min<size_t>(rows, config_.flash_ctas)));
+  l.threads = config_.fused_threads == 1024 && row_vecs <= 2 * 1024 ? 1024 : kFlashThreads;
+  l.batch_poll = nbytes >= config_.fused_batch_poll_min;  // see Config::fused_batch_poll_min
+  l.row_loads_early = config_.fused_row_loads_early != 0;
+  return l;
 }
 
 uint64_t Rank::device_fused_calls() const {

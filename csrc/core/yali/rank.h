@@ -15,6 +15,16 @@ namespace yali {
 
 struct FlashArgs;
 
+// How the fused op runs for one shape (Rank::fused_launch decides, the launch follows it).
+struct FusedLaunch {
+  bool one_launch = true;       // false: YALI all-reduce, then the add + norm kernel
+  int grid = 0;                 // CTAs
+  int threads = kFlashThreads;  // per CTA (the one-launch kernel: Config::fused_threads where the row fits)
+  bool batch_poll = false;      // Config::fused_batch_poll_min
+  bool row_loads_early = true;  // Config::fused_row_loads_early
+  bool pdl = true;
+};
+
 using IpcHandleBytes = std::array<uint8_t, sizeof(cudaIpcMemHandle_t)>;
 
 class Rank {
@@ -50,6 +60,7 @@ class Rank {
                                       void* norm_out, void* residual_out, size_t rows, size_t hidden, DType dtype,
                                       cudaStream_t stream) const;
   bool fused_one_launch(size_t rows, size_t hidden, DType dtype) const;
+  FusedLaunch fused_launch(size_t rows, size_t hidden, DType dtype) const;
 
   uint64_t device_calls() const;      // synchronising read of LocalState::calls
   uint64_t device_fused_calls() const;  // synchronising read of LocalState::fused_calls
