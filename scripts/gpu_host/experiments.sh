@@ -21,6 +21,8 @@ SETTINGS=(
   "FUSED_THREADS=1024 FUSED_ROW_LOADS_EARLY=0 FUSED_CTA_BYTES=4K"
   ""
 )
+# EXPERIMENT_SETTINGS="A=1 B=2;C=3;" replaces the list (settings split at ';', an empty one = default).
+if [ -n "${EXPERIMENT_SETTINGS:-}" ]; then IFS=';' read -r -a SETTINGS <<< "$EXPERIMENT_SETTINGS"; fi
 case "${1:-all}" in
   tests|all)
     YALI_TIMEOUT_S=30 timeout 300 python3 benchmarks/record_test_run.py --out "$OUT/gpu-tests-fused-launch-$day.json" -- \
@@ -34,6 +36,7 @@ case "${1:-all}" in
       env $(for kv in $v; do printf 'YALI_DEV_%s ' "$kv"; done) timeout 100 python3 benchmarks/fused_bench.py \
         --backends yali-fused --tokens 1,2,4,8,16,32,64,128 --out "$OUT/exp" --name "$name" --budget-s 60 2>&1 \
         | grep -E "^\| [0-9]" | cut -d'|' -f2,4 | tr '\n' ' '; echo " <- ${v:-default}"
-    done ;;
+    done
+    tar czf "$OUT/fused-launch-$day.tgz" -C "$OUT" exp && rm -rf "$OUT/exp" ;;
   *) echo "usage: $0 [tests|bench|all]" >&2; exit 2 ;;
 esac
