@@ -702,6 +702,8 @@ def worker(rank, port, args, q):
                    "samples": len(per_op), **chk}
             if name == "unfused":
                 row["ar_path"] = unfused_path(be.dc, mine)
+            if name == "yali-fused":  # the launch YALI chose for this shape (CTAs, CTAs per row, ...)
+                row["yali_launch"] = be.yali.fused_launch(tokens, hidden, dtype)
             del made, op
         except Exception as e:
             err = f"{type(e).__name__}: {e}".splitlines()[0][:300]

@@ -207,6 +207,12 @@ class YaliCommunicator:
         """Fused all-reduce + RMSNorm launches that ran on this GPU (graph replays included). Synchronises."""
         return int(_ext.ops().device_fused_calls(self._handle))
 
+    def fused_launch(self, rows: int, hidden: int, dtype: torch.dtype) -> dict:
+        """How a fused call of `rows` x `hidden` `dtype` runs: one launch or not, CTAs, CTAs per row
+        (split), batched receive poll, row loads before the epoch fetch."""
+        v = _ext.ops().fused_launch(self._handle, rows, hidden, dtype)
+        return dict(zip(("one_launch", "grid", "split", "batch_poll", "row_loads_early"), (int(x) for x in v)))
+
     def abort_message(self) -> str:
         """Why a kernel gave up waiting for the peer ("" if none did)."""
         return _ext.ops().abort_message(self._handle) if self._handle is not None else ""

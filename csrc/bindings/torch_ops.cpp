@@ -200,6 +200,12 @@ int64_t device_fused_calls(int64_t handle) {
   }
 }
 std::string abort_message(int64_t handle) { return get(handle)->abort_message(); }
+// How a fused call of this shape runs: [one_launch, grid, split, batch_poll, row_loads_early].
+std::vector<int64_t> fused_launch(int64_t handle, int64_t rows, int64_t hidden, at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(rows > 0 && hidden > 0, "yali: fused_launch needs rows > 0 and hidden > 0, got ", rows, ", ", hidden);
+  const yali::FusedLaunch l = get(handle)->fused_launch(size_t(rows), size_t(hidden), to_dtype(dtype));
+  return {l.one_launch, l.grid, l.split, l.batch_poll, l.row_loads_early};
+}
 std::string handle_config(int64_t handle) { return get(handle)->config().to_string(); }
 
 int64_t device_count() {
@@ -226,6 +232,7 @@ TORCH_LIBRARY(yali, m) {
   m.def("device_calls(int comm) -> int", &device_calls);
   m.def("device_fused_calls(int comm) -> int", &device_fused_calls);
   m.def("abort_message(int comm) -> str", &abort_message);
+  m.def("fused_launch(int comm, int rows, int hidden, ScalarType dtype) -> int[]", &fused_launch);
   m.def("handle_config(int comm) -> str", &handle_config);
   m.def("device_count() -> int", &device_count);
 }

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The fused op's launch shape next to its default (no vLLM needed):
 #   experiments.sh tests   tests/gpu/test_fused.py: the default suite and every non-default setting
-#                          (odd grids, no PDL, batched / never batched poll, 1024 threads, row
-#                          loads after the send)                                                 ~1.5 min
+#                          (odd grids, no PDL, batched / never batched poll, row loads after the
+#                          send, rows split over CTAs), then the whole suite with split rows    ~2.5 min
 #   experiments.sh bench   the fused op (yali-fused only, 1-128 tokens) once per setting of
 #                          SETTINGS below, the default first and last (drift check)              ~5 min
 # Compare the rows with the fused benchmark's yali-fused / flashinfer-trtllm rows of the same machine.
@@ -11,14 +11,15 @@
 day=$(date +%Y%m%d)
 SETTINGS=(
   ""
-  "FUSED_ROW_LOADS_EARLY=0"
-  "FUSED_THREADS=1024"
-  "FUSED_THREADS=1024 FUSED_ROW_LOADS_EARLY=0"
-  "FUSED_CTA_BYTES=512"
-  "FUSED_CTA_BYTES=2K"
-  "FUSED_CTA_BYTES=4K"
-  "FUSED_THREADS=1024 FUSED_ROW_LOADS_EARLY=0 FUSED_CTA_BYTES=512"
-  "FUSED_THREADS=1024 FUSED_ROW_LOADS_EARLY=0 FUSED_CTA_BYTES=4K"
+  "FUSED_SPLIT=2"
+  "FUSED_SPLIT=4"
+  "FUSED_SPLIT=8"
+  "FUSED_SPLIT=16"
+  "FUSED_SPLIT=32"
+  "FUSED_SPLIT=4 FUSED_ROW_LOADS_EARLY=0"
+  "FUSED_SPLIT=16 FUSED_ROW_LOADS_EARLY=0"
+  "FUSED_SPLIT=32 FUSED_ROW_LOADS_EARLY=0"
+  "FUSED_ROW_LOADS_EARLY=0 FUSED_CTA_BYTES=4K"
   ""
 )
 # EXPERIMENT_SETTINGS="A=1 B=2;C=3;" replaces the list (settings split at ';', an empty one = default).
@@ -27,7 +28,12 @@ case "${1:-all}" in
   tests|all)
     YALI_TIMEOUT_S=30 timeout 300 python3 benchmarks/record_test_run.py --out "$OUT/gpu-tests-fused-launch-$day.json" -- \
       -q -p no:cacheprovider tests/gpu/test_fused.py tests/test_core_config.py 2>&1 \
-      | tee "$OUT/gpu-tests-fused-launch-$day.log" | tail -15 ;;&
+      | tee "$OUT/gpu-tests-fused-launch-$day.log" | tail -15
+    # the whole fused suite (sweep, interleaved with plain all-reduces, 1000 graph replays,
+    # torch.compile) with rows split over up to 8 CTAs
+    YALI_DEV_FUSED_SPLIT=8 YALI_TIMEOUT_S=30 timeout 200 python3 benchmarks/record_test_run.py \
+      --out "$OUT/gpu-tests-fused-split8-$day.json" -- -q -p no:cacheprovider tests/gpu/test_fused.py \
+      -k "not nondefault" 2>&1 | tee "$OUT/gpu-tests-fused-split8-$day.log" | tail -5 ;;&
   bench|all)
     n=0
     for v in "${SETTINGS[@]}"; do

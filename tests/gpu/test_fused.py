@@ -114,10 +114,10 @@ def test_fused_suite_time_bound(suite):
 # up with rows, each CTA owning several rows; without PDL; and with the receivers
 # of every size polling a row's vectors batched (YALI_DEV_FUSED_BATCH_POLL_MIN=0),
 # or none of them (1G: one vector at a time). The default switches at 512 KiB,
-# which this plan crosses at 32 and 513 tokens. 1024-thread CTAs (one or two
-# vectors of a row per thread; fp32 rows of 16384 are too long and keep 512) and
-# the row loads issued after the send, alone and together on odd grids. Same
-# checks on a smaller plan, each setting in its own pair.
+# which this plan crosses at 32 and 513 tokens. The row loads issued after the
+# send; rows split over 4, 32 (with late loads) and 3 CTAs (batched, odd grids:
+# 5 CTAs take one row in 3 parts, but 3 rows whole). Same checks on a smaller
+# plan, each setting in its own pair; a split setting must have split some row.
 ODD_PLAN_HIDDEN = (2048, 5120, 8192, 16384)
 ODD_PLAN_TOKENS = (1, 3, 32, 513)
 ODD_SETTINGS = {
@@ -127,11 +127,11 @@ ODD_SETTINGS = {
     "batch-poll-always-odd-grids": {"YALI_DEV_FUSED_BATCH_POLL_MIN": "0", "YALI_DEV_FLASH_CTAS": "5",
                                     "YALI_DEV_FUSED_CTA_BYTES": "272"},
     "batch-poll-never": {"YALI_DEV_FUSED_BATCH_POLL_MIN": "1G"},
-    "threads-1024": {"YALI_DEV_FUSED_THREADS": "1024"},
     "row-loads-late": {"YALI_DEV_FUSED_ROW_LOADS_EARLY": "0"},
-    "threads-1024-row-loads-late-batch-poll-odd-grids": {
-        "YALI_DEV_FUSED_THREADS": "1024", "YALI_DEV_FUSED_ROW_LOADS_EARLY": "0",
-        "YALI_DEV_FUSED_BATCH_POLL_MIN": "0", "YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_FUSED_CTA_BYTES": "272"},
+    "split-4": {"YALI_DEV_FUSED_SPLIT": "4"},
+    "split-32-row-loads-late": {"YALI_DEV_FUSED_SPLIT": "32", "YALI_DEV_FUSED_ROW_LOADS_EARLY": "0"},
+    "split-3-batch-poll-odd-grids": {"YALI_DEV_FUSED_SPLIT": "3", "YALI_DEV_FUSED_BATCH_POLL_MIN": "0",
+                                     "YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_FUSED_CTA_BYTES": "272"},
 }
 
 
@@ -144,3 +144,6 @@ def test_fused_sweep_nondefault_configs(name):
         assert not r["failures"], f"rank {rank}: " + "\n".join(r["failures"][:20])
         assert r["launched"] == len(plan) == r["device_fused_calls"]
     assert res[0]["digests"] == res[1]["digests"], "the ranks' outputs differ"
+    want = int(ODD_SETTINGS[name].get("YALI_DEV_FUSED_SPLIT", "1"))
+    splits = {s["split"] for s in res[0]["stats"]}
+    assert max(splits) == want, f"{name}: rows split into {sorted(splits)} parts, expected up to {want}"

@@ -134,7 +134,7 @@ Config Config::from_env() {
   dev_int("YALI_DEV_PDL", 0, 1, &c.pdl);
   dev_bytes("YALI_DEV_FUSED_BATCH_POLL_MIN", 0, size_t(1) << 40, 1, &c.fused_batch_poll_min);
   dev_bytes("YALI_DEV_FUSED_CTA_BYTES", 256, size_t(16) << 20, 16, &c.fused_cta_bytes);
-  dev_int("YALI_DEV_FUSED_THREADS", 512, 1024, &c.fused_threads);
+  dev_int("YALI_DEV_FUSED_SPLIT", 1, kFusedMaxSplit, &c.fused_split);
   dev_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", 0, 1, &c.fused_row_loads_early);
   refuse_unknown_dev_knobs(dev_knobs);
   if (const char* t = std::getenv("YALI_TIMEOUT_S"); t && *t) {
@@ -163,8 +163,7 @@ void Config::validate() const {
   check_int("YALI_DEV_PDL", pdl, 0, 1);
   check_range("YALI_DEV_FUSED_BATCH_POLL_MIN", fused_batch_poll_min, 0, size_t(1) << 40, 1);
   check_range("YALI_DEV_FUSED_CTA_BYTES", fused_cta_bytes, 256, size_t(16) << 20, 16);
-  if (fused_threads != 512 && fused_threads != 1024)
-    bad("YALI_DEV_FUSED_THREADS", std::to_string(fused_threads), "512 or 1024");
+  check_int("YALI_DEV_FUSED_SPLIT", fused_split, 1, kFusedMaxSplit);
   check_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", fused_row_loads_early, 0, 1);
   if (!(timeout_s >= 0.0 && timeout_s <= 86400.0))
     bad("YALI_TIMEOUT_S", std::to_string(timeout_s), "seconds in [0, 86400]");
@@ -178,7 +177,7 @@ std::string Config::to_string() const {
     << " oneshot_max=" << oneshot_max
     << " stream_min=" << stream_min << " flash_ctas=" << flash_ctas << " flash_cta_bytes=" << flash_cta_bytes
     << " lanes=" << lanes << " slots=" << slots << " slot_bytes=" << slot_bytes << " pdl=" << pdl << " fused_batch_poll_min=" << fused_batch_poll_min
-    << " fused_cta_bytes=" << fused_cta_bytes << " fused_threads=" << fused_threads
+    << " fused_cta_bytes=" << fused_cta_bytes << " fused_split=" << fused_split
     << " fused_row_loads_early=" << fused_row_loads_early << " timeout_s=" << timeout_s;
   return o.str();
 }

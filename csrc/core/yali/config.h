@@ -28,6 +28,8 @@ constexpr int kStreamThreads = 512;  // half senders, half receivers
 // The fused all-reduce + RMSNorm kernel keeps one row in registers: at most
 // kFlashThreads threads x 8 vectors x 16 bytes (hidden 32768 in 16-bit types).
 constexpr size_t kFusedMaxRowBytes = size_t(kFlashThreads) * 8 * 16;
+// A split row's parts are added by one warp (fused.cuh: row_sum).
+constexpr int kFusedMaxSplit = 32;
 
 struct Config {
   KernelMode mode = KernelMode::Auto;  // YALI_KERNEL_MODE
@@ -53,9 +55,9 @@ struct Config {
   // YALI_DEV_FUSED_CTA_BYTES: bytes of the message each CTA of the one-launch fused op sends
   // (at most flash_ctas CTAs); flash-push's own split is push_cta_bytes.
   size_t fused_cta_bytes = 1u << 10;
-  // YALI_DEV_FUSED_THREADS: threads per CTA of the one-launch fused op, 512 or 1024 (1024 only
-  // for rows of at most 2048 vectors; longer rows keep 512).
-  int fused_threads = 512;
+  // YALI_DEV_FUSED_SPLIT: most CTAs that share one row of the one-launch fused op (each receives
+  // and normalises a part; the parts' sums of squares meet in device memory). 1 = whole rows.
+  int fused_split = 1;
   // YALI_DEV_FUSED_ROW_LOADS_EARLY: 1 = a row's weight / input / residual loads go out before the
   // epoch fetch, 0 = right after this CTA's send (fused.cuh).
   int fused_row_loads_early = 1;

@@ -58,15 +58,15 @@ __device__ __forceinline__ uint64_t flash_begin(const FlashArgs& a) {
   return s_epoch;
 }
 
-// v[u] = load(k) for k = i + u * kThreads < end (u < kU): one batch of kU
+// v[u] = load(k) for k = i + u * kFlashThreads < end (u < kU): one batch of kU
 // independent loads, issued together so that their latencies overlap. The
 // kernels that send from registers (flash-ll, flash-push, the fused op) load
 // their first batch this way before the epoch fetch, the later ones in the loop.
-template <int kU, int kThreads = kFlashThreads, typename Load>
+template <int kU, typename Load>
 __device__ __forceinline__ void load_batch(Vec16 (&v)[kU], size_t i, size_t end, Load load) {
 #pragma unroll
   for (int u = 0; u < kU; ++u) {
-    const size_t k = i + size_t(u) * kThreads;
+    const size_t k = i + size_t(u) * kFlashThreads;
     if (k < end) v[u] = load(k);
   }
 }

@@ -58,6 +58,19 @@ __device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* p) {
   return v;
 }
 
+// A word shared by the CTAs of one GPU (the fused op's row partial sums): a
+// 64-bit aligned access is single-copy atomic, so a tag and a value packed into
+// one word are seen together.
+__device__ __forceinline__ void store_relaxed_gpu(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t load_relaxed_gpu(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

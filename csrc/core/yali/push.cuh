@@ -71,18 +71,18 @@ __device__ __forceinline__ void wait_push(const Vec16* p, Vec16& v, uint64_t tim
   }
 }
 
-// Sends this thread's vectors of r (r.begin + t, + kThreads, ...) into the
+// Sends this thread's vectors of r (r.begin + t, + kFlashThreads, ...) into the
 // peer's push area, kU at a time: v holds the first batch already (loaded before
 // the epoch fetch), `load` fetches the later ones. Both operands are made
 // canonical on both ranks (see canonical()), so the sums stay bitwise equal.
-template <typename T, int kU, int kThreads = kFlashThreads, typename Load>
+template <typename T, int kU, typename Load>
 __device__ __forceinline__ void push_send(Vec16* to_peer, Vec16 (&v)[kU], Range r, Load load) {
   const int t = threadIdx.x;
-  for (size_t i = r.begin + t; i < r.end; i += size_t(kU) * kThreads) {
-    if (i != r.begin + t) load_batch<kU, kThreads>(v, i, r.end, load);
+  for (size_t i = r.begin + t; i < r.end; i += size_t(kU) * kFlashThreads) {
+    if (i != r.begin + t) load_batch(v, i, r.end, load);
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const size_t k = i + size_t(u) * kThreads;
+      const size_t k = i + size_t(u) * kFlashThreads;
       if (k < r.end) store_push(to_peer + k, canonical<T>(v[u]));
     }
   }

@@ -1,5 +1,6 @@
 #include "rank.h"
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 
@@ -216,33 +217,26 @@ FlashArgs Rank::flash_args(const void* in, void* out, size_t nbytes) const {
 
 namespace {
 
-// The one place that maps the fused op's run-time choices to a kernel.
-template <typename T, int kThreads, int kV>
+// The one place that maps the fused op's run-time choices (Rank::fused_launch) to a kernel.
+template <typename T, int kV>
 cudaError_t launch_fused(const FusedArgs& a, const FusedLaunch& l, cudaStream_t stream) {
-  if (!l.one_launch) {  // fused_launch gives the epilogue kernel its 512 threads
-    if constexpr (kThreads == kFlashThreads) return launch(add_rmsnorm_kernel<T, kV>, l.grid, kThreads, stream, l.pdl, a);
-    return cudaErrorInvalidValue;
-  }
   void (*kernel)(FusedArgs);
-  if (l.batch_poll) kernel = l.row_loads_early ? fused_allreduce_rmsnorm_kernel<T, kThreads, kV, true, true>
-                                                    : fused_allreduce_rmsnorm_kernel<T, kThreads, kV, true, false>;
-  else kernel = l.row_loads_early ? fused_allreduce_rmsnorm_kernel<T, kThreads, kV, false, true>
-                                  : fused_allreduce_rmsnorm_kernel<T, kThreads, kV, false, false>;
-  return launch(kernel, l.grid, kThreads, stream, l.pdl, a);
+  if (!l.one_launch) kernel = add_rmsnorm_kernel<T, kV>;
+  else if (l.batch_poll) kernel = l.row_loads_early ? fused_allreduce_rmsnorm_kernel<T, kV, true, true>
+                                                    : fused_allreduce_rmsnorm_kernel<T, kV, true, false>;
+  else kernel = l.row_loads_early ? fused_allreduce_rmsnorm_kernel<T, kV, false, true>
+                                  : fused_allreduce_rmsnorm_kernel<T, kV, false, false>;
+  return launch(kernel, l.grid, kFlashThreads, stream, l.pdl, a);
 }
 
 template <typename T>
 cudaError_t launch_fused_rows(const FusedArgs& a, const FusedLaunch& l, cudaStream_t stream) {
-  const int per_thread = (a.row_vecs + l.threads - 1) / l.threads;  // vectors of a row per thread
-  if (l.threads == 1024) {
-    if (per_thread <= 1) return launch_fused<T, 1024, 1>(a, l, stream);
-    if (per_thread <= 2) return launch_fused<T, 1024, 2>(a, l, stream);
-    return cudaErrorInvalidValue;
-  }
-  if (per_thread <= 1) return launch_fused<T, kFlashThreads, 1>(a, l, stream);
-  if (per_thread <= 2) return launch_fused<T, kFlashThreads, 2>(a, l, stream);
-  if (per_thread <= 4) return launch_fused<T, kFlashThreads, 4>(a, l, stream);
-  if (per_thread <= 8) return launch_fused<T, kFlashThreads, 8>(a, l, stream);
+  const int part_vecs = (a.row_vecs + l.split - 1) / l.split;                // vectors of a CTA's part of a row
+  const int per_thread = (part_vecs + kFlashThreads - 1) / kFlashThreads;  // of them per thread
+  if (per_thread <= 1) return launch_fused<T, 1>(a, l, stream);
+  if (per_thread <= 2) return launch_fused<T, 2>(a, l, stream);
+  if (per_thread <= 4) return launch_fused<T, 4>(a, l, stream);
+  if (per_thread <= 8) return launch_fused<T, 8>(a, l, stream);
   return cudaErrorInvalidValue;
 }
 
@@ -274,6 +268,7 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
   a.hidden = int(hidden);
   a.eps = eps;
   const FusedLaunch l = fused_launch(rows, hidden, dtype);
+  a.split = l.split;
   if (!l.one_launch) {
     // All-reduce into norm_out (it may be `in`; never residual, which may alias
     // residual_out), then the epilogue reads the sum from there, row by row.
@@ -294,11 +289,15 @@ FusedLaunch Rank::fused_launch(size_t rows, size_t hidden, DType dtype) const {
     l.grid = int(std::min<size_t>(rows, 1024));
     return l;
   }
+  // Rows are split over up to fused_split CTAs each (see FusedArgs::split), as
+  // long as every part gets a CTA of its own: rows * split <= flash_ctas.
+  l.split = int(std::min<size_t>({size_t(config_.fused_split), size_t(kFusedMaxSplit),
+                                  size_t(config_.flash_ctas) / rows, row_vecs}));
+  l.split = std::max(l.split, 1);
   // The sending is cut into fused_cta_bytes per CTA (at most flash_ctas CTAs);
-  // every row needs an owner CTA too (rows b, b + grid, ...).
+  // every part of a row needs a CTA too.
   const size_t senders = std::min<size_t>(config_.flash_ctas, std::max<size_t>(1, (nbytes + config_.fused_cta_bytes - 1) / config_.fused_cta_bytes));
-  l.grid = int(std::max(senders, std::min<size_t>(rows, config_.flash_ctas)));
-  l.threads = config_.fused_threads == 1024 && row_vecs <= 2 * 1024 ? 1024 : kFlashThreads;
+  l.grid = int(std::max(senders, std::min<size_t>(rows * size_t(l.split), config_.flash_ctas)));
   l.batch_poll = nbytes >= config_.fused_batch_poll_min;  // see Config::fused_batch_poll_min
   l.row_loads_early = config_.fused_row_loads_early != 0;
   return l;
@@ -324,8 +323,9 @@ std::string Rank::abort_message() const {
   const volatile AbortInfo* a = abort_host_;
   if (a->magic != kAbortMagic) return "";
   static const char* whats[] = {"?", "flash arrive flag", "flash gather flag", "stream credit", "stream ready",
-                                "flash-ll data", "flash-push data"};
-  const int w = (a->what >= 1 && a->what <= 6) ? a->what : 0;
+                                "flash-ll data", "flash-push data",
+                                "fused row partial sum (from another CTA of this GPU, itself waiting for the peer)"};
+  const int w = (a->what >= 1 && a->what <= 7) ? a->what : 0;
   return "yali: rank " + std::to_string(rank_) + " " + kernel_name(Kernel(a->kernel)) + " kernel, block " +
          std::to_string(a->block) + ", gave up after YALI_TIMEOUT_S=" + std::to_string(config_.timeout_s) +
          "s waiting for the peer's " + whats[w] + " (expected >= " + std::to_string(a->expected) + ", saw " +

@@ -19,7 +19,7 @@ struct FlashArgs;
 struct FusedLaunch {
   bool one_launch = true;       // false: YALI all-reduce, then the add + norm kernel
   int grid = 0;                 // CTAs
-  int threads = kFlashThreads;  // per CTA (the one-launch kernel: Config::fused_threads where the row fits)
+  int split = 1;                // CTAs per row (FusedArgs::split)
   bool batch_poll = false;      // Config::fused_batch_poll_min
   bool row_loads_early = true;  // Config::fused_row_loads_early
   bool pdl = true;
