@@ -209,9 +209,10 @@ class YaliCommunicator:
 
     def fused_launch(self, rows: int, hidden: int, dtype: torch.dtype) -> dict:
         """How a fused call of `rows` x `hidden` `dtype` runs: one launch or not, CTAs, CTAs per row
-        (split), batched receive poll, row loads before the epoch fetch."""
+        (split), batched receive poll, row loads before the epoch fetch, message bytes sent per CTA."""
         v = _ext.ops().fused_launch(self._handle, rows, hidden, dtype)
-        return dict(zip(("one_launch", "grid", "split", "batch_poll", "row_loads_early"), (int(x) for x in v)))
+        keys = ("one_launch", "grid", "split", "batch_poll", "row_loads_early", "cta_bytes")
+        return dict(zip(keys, (int(x) for x in v)))
 
     def abort_message(self) -> str:
         """Why a kernel gave up waiting for the peer ("" if none did)."""

@@ -64,6 +64,17 @@ def test_fused_sweep_matches_vllm_reference(suite):
         one = [s for s in r["stats"] if s["one_launch"]]
         assert one and len(one) < len(r["stats"]), "the sweep must cover both sides of the one-launch limit"
     assert parts[0]["digests"] == parts[1]["digests"], "the ranks' outputs differ"
+    # The default launch follows the fused size table (config.cpp: fused_shape_for): the sweep
+    # ran each of its three bands, whole rows.
+    launches = [(s["bytes"], s["tokens"], s["launch"]) for s in parts[0]["stats"] if s["launch"]["one_launch"]]
+    assert all(l["split"] == 1 for _, _, l in launches)
+    bands = {(l["cta_bytes"], l["row_loads_early"]) for _, _, l in launches}
+    assert bands == {(4096, 0), (8192, 1), (1024, 0)}, bands
+    for nbytes, rows, l in launches:
+        want = (4096, 0) if nbytes <= 128 << 10 else (8192, 1) if nbytes <= 256 << 10 else (1024, 0)
+        assert (l["cta_bytes"], l["row_loads_early"]) == want, (nbytes, l)
+        senders = min(128, -(-nbytes // l["cta_bytes"]))
+        assert l["grid"] == max(senders, min(rows, 128)), (nbytes, rows, l)
     # What the tolerance allowed (shown with -rA / on failure): worst norm_out distance.
     stats = parts[0]["stats"]
     worst = max(stats, key=lambda s: s["norm_max_ulp"] if "fp32" not in s["tag"] else 0)

@@ -133,9 +133,9 @@ Config Config::from_env() {
   dev_bytes("YALI_DEV_SLOT_BYTES", 4096, size_t(16) << 20, 4096, &c.slot_bytes);
   dev_int("YALI_DEV_PDL", 0, 1, &c.pdl);
   dev_bytes("YALI_DEV_FUSED_BATCH_POLL_MIN", 0, size_t(1) << 40, 1, &c.fused_batch_poll_min);
-  dev_bytes("YALI_DEV_FUSED_CTA_BYTES", 256, size_t(16) << 20, 16, &c.fused_cta_bytes);
+  dev_bytes("YALI_DEV_FUSED_CTA_BYTES", 0, size_t(16) << 20, 16, &c.fused_cta_bytes);
   dev_int("YALI_DEV_FUSED_SPLIT", 1, kFusedMaxSplit, &c.fused_split);
-  dev_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", 0, 1, &c.fused_row_loads_early);
+  dev_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", -1, 1, &c.fused_row_loads_early);
   refuse_unknown_dev_knobs(dev_knobs);
   if (const char* t = std::getenv("YALI_TIMEOUT_S"); t && *t) {
     char* end = nullptr;
@@ -162,9 +162,9 @@ void Config::validate() const {
   check_range("YALI_DEV_SLOT_BYTES", slot_bytes, 4096, size_t(16) << 20, 4096);
   check_int("YALI_DEV_PDL", pdl, 0, 1);
   check_range("YALI_DEV_FUSED_BATCH_POLL_MIN", fused_batch_poll_min, 0, size_t(1) << 40, 1);
-  check_range("YALI_DEV_FUSED_CTA_BYTES", fused_cta_bytes, 256, size_t(16) << 20, 16);
+  if (fused_cta_bytes != 0) check_range("YALI_DEV_FUSED_CTA_BYTES", fused_cta_bytes, 256, size_t(16) << 20, 16);
   check_int("YALI_DEV_FUSED_SPLIT", fused_split, 1, kFusedMaxSplit);
-  check_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", fused_row_loads_early, 0, 1);
+  check_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", fused_row_loads_early, -1, 1);
   if (!(timeout_s >= 0.0 && timeout_s <= 86400.0))
     bad("YALI_TIMEOUT_S", std::to_string(timeout_s), "seconds in [0, 86400]");
 }
@@ -220,6 +220,22 @@ Plan plan_for(const Config& c, size_t nbytes) {
   p.kernel = nbytes <= c.oneshot_max ? Kernel::FlashOneShot : Kernel::FlashTwoShot;
   p.blocks = int(std::min<size_t>(c.flash_ctas, ceil_div(nbytes, c.flash_cta_bytes)));
   return p;
+}
+
+FusedShape fused_shape_for(const Config& c, size_t nbytes) {
+  // Measured on 2xH200 with hidden 8192 bf16, the fused op alone, one setting at a time
+  // (benchmarks/results/fused-launch-20261122-s8): up to 128 KiB (8 tokens) 4 KiB per CTA
+  // with the row loads after the send was 0.0-0.5 us faster than 1 KiB with them first; at
+  // 256 KiB (16 tokens) 8 KiB per CTA with the loads first was the fastest (4.48 vs 5.07 us);
+  // above, the loads after the send were equal at 512 KiB-1 MiB and 0.3 us faster at 2 MiB,
+  // and the chunk size does not matter once 128 CTAs send (1 KiB per CTA: the most CTAs).
+  FusedShape s;
+  if (nbytes <= (128u << 10)) s = {4u << 10, false};
+  else if (nbytes <= (256u << 10)) s = {8u << 10, true};
+  else s = {1u << 10, false};
+  if (c.fused_cta_bytes != 0) s.cta_bytes = c.fused_cta_bytes;
+  if (c.fused_row_loads_early >= 0) s.row_loads_early = c.fused_row_loads_early != 0;
+  return s;
 }
 
 size_t shared_buffer_bytes(const Config& c) { return SharedLayout(c).total; }

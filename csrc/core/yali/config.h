@@ -53,14 +53,14 @@ struct Config {
   // on, 0.2-0.7 us slower at 1-16 tokens (benchmarks/results/fused-variants-20261122-r3).
   size_t fused_batch_poll_min = 512u << 10;
   // YALI_DEV_FUSED_CTA_BYTES: bytes of the message each CTA of the one-launch fused op sends
-  // (at most flash_ctas CTAs); flash-push's own split is push_cta_bytes.
-  size_t fused_cta_bytes = 1u << 10;
+  // (at most flash_ctas CTAs); 0 = by message size (fused_shape_for).
+  size_t fused_cta_bytes = 0;
   // YALI_DEV_FUSED_SPLIT: most CTAs that share one row of the one-launch fused op (each receives
   // and normalises a part; the parts' sums of squares meet in device memory). 1 = whole rows.
   int fused_split = 1;
   // YALI_DEV_FUSED_ROW_LOADS_EARLY: 1 = a row's weight / input / residual loads go out before the
-  // epoch fetch, 0 = right after this CTA's send (fused.cuh).
-  int fused_row_loads_early = 1;
+  // epoch fetch, 0 = right after this CTA's send (fused.cuh), -1 = by message size (fused_shape_for).
+  int fused_row_loads_early = -1;
   double timeout_s = 300.0;            // YALI_TIMEOUT_S: a kernel waiting longer aborts (0 = never)
 
   static Config from_env();  // throws std::invalid_argument naming the bad variable
@@ -78,6 +78,14 @@ struct Plan {
 
 // The size -> kernel table. `nbytes` is the message size in bytes.
 Plan plan_for(const Config& c, size_t nbytes);
+
+// How the one-launch fused op sends and loads a message of `nbytes` (the fused
+// op's size table; the YALI_DEV_FUSED_* knobs above override it).
+struct FusedShape {
+  size_t cta_bytes;      // message bytes each CTA sends (at most flash_ctas CTAs)
+  bool row_loads_early;  // the row loads before the epoch fetch, or after the send
+};
+FusedShape fused_shape_for(const Config& c, size_t nbytes);
 
 // Bytes of the IPC-shared buffer one rank allocates for this config.
 size_t shared_buffer_bytes(const Config& c);

@@ -294,12 +294,14 @@ FusedLaunch Rank::fused_launch(size_t rows, size_t hidden, DType dtype) const {
   l.split = int(std::min<size_t>({size_t(config_.fused_split), size_t(kFusedMaxSplit),
                                   size_t(config_.flash_ctas) / rows, row_vecs}));
   l.split = std::max(l.split, 1);
-  // The sending is cut into fused_cta_bytes per CTA (at most flash_ctas CTAs);
+  // The sending is cut into shape.cta_bytes per CTA (at most flash_ctas CTAs);
   // every part of a row needs a CTA too.
-  const size_t senders = std::min<size_t>(config_.flash_ctas, std::max<size_t>(1, (nbytes + config_.fused_cta_bytes - 1) / config_.fused_cta_bytes));
+  const FusedShape shape = fused_shape_for(config_, nbytes);
+  const size_t senders = std::min<size_t>(config_.flash_ctas, std::max<size_t>(1, (nbytes + shape.cta_bytes - 1) / shape.cta_bytes));
   l.grid = int(std::max(senders, std::min<size_t>(rows * size_t(l.split), config_.flash_ctas)));
   l.batch_poll = nbytes >= config_.fused_batch_poll_min;  // see Config::fused_batch_poll_min
-  l.row_loads_early = config_.fused_row_loads_early != 0;
+  l.row_loads_early = shape.row_loads_early;
+  l.cta_bytes = shape.cta_bytes;
   return l;
 }
 
