@@ -24,6 +24,7 @@ SETTINGS=(
 )
 # EXPERIMENT_SETTINGS="A=1 B=2;C=3;" replaces the list (settings split at ';', an empty one = default).
 if [ -n "${EXPERIMENT_SETTINGS:-}" ]; then IFS=';' read -r -a SETTINGS <<< "$EXPERIMENT_SETTINGS"; fi
+case "${1:-all}" in tests|bench|all) ;; *) echo "usage: $0 [tests|bench|all]" >&2; exit 2 ;; esac
 case "${1:-all}" in
   tests|all)
     YALI_TIMEOUT_S=30 timeout 300 python3 benchmarks/record_test_run.py --out "$OUT/gpu-tests-fused-launch-$day.json" -- \
@@ -44,5 +45,4 @@ case "${1:-all}" in
         | grep -E "^\| [0-9]" | cut -d'|' -f2,4 | tr '\n' ' '; echo " <- ${v:-default}"
     done
     tar czf "$OUT/fused-launch-$day.tgz" -C "$OUT" exp && rm -rf "$OUT/exp" ;;
-  *) echo "usage: $0 [tests|bench|all]" >&2; exit 2 ;;
 esac
