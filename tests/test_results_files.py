@@ -18,6 +18,7 @@ ROW_KEYS = {
     "gpu-test-run": ["test", "outcome", "duration_s"],
     "allreduce-tuning": ["variant", "bytes"],  # the project's own kinds: benchmarks/tune.py,
     "decode-profile": ["config", "rank", "kernel_class", "count", "mean_us"],  # benchmarks/decode_profile.py
+    "decode-gemm": ["setup", "graph", "name", "tokens", "us_per_call"],  # benchmarks/decode_gemm_bench.py
 }
 FILES = sorted(f for f in glob.glob(os.path.join(RESULTS, "**", "*.json"), recursive=True)
                if os.sep + "raw" + os.sep not in f)  # raw/: vllm bench serve's own output

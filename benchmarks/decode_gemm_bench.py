@@ -1,0 +1,378 @@
+#!/usr/bin/env python3
+"""The decode GEMMs of the 70B-class model at TP=2 with every layer's weights resident, in fresh
+process pairs with and without YALI's buffers mapped before the weights.
+
+Why: in the concurrency-1 serving profiles of sessions 7 and 8 the gate_up GEMM (the same cuBLAS
+kernel in both servers) took ~118 us per call in the yali server and ~108 us in vllm-default's,
+which is the whole end-to-end loss, while the same GEMM on one weight in a microbenchmark ran at
+~107 us with or without YALI's fused op before it. The serving model differs from that
+microbenchmark in two ways this script puts back: all 80 layers' weights (66 GiB per GPU) and a
+KV-cache-sized allocation are resident, each GEMM reads a different weight, and the process's
+memory was laid out after YALI mapped its own and the peer's buffers. Each setup is a fresh pair of
+processes (rank r on GPU r), so each lays its memory out from scratch:
+
+  plain        no communicator at all
+  yali-first   YaliCommunicator created before the weights (the order vLLM's plugin uses)
+  yali-after   created after the weights and the KV-cache filler
+
+Graphs measured in every setup (CUDA graphs, per-call time = replay time / calls, p50 and p99
+over --replays replays, CUDA events):
+
+  <gemm>       one GEMM kind (qkv, o, gate_up, down) once per layer, each layer's own weight
+  gate_up-one  gate_up on layer 0's weight --layers times: the same bytes, with the TLB and page
+               tables warm, so a gap to `gate_up` is what distinct weights cost
+  layers       a decoder layer's sequence per layer: norm -> qkv -> o -> norm -> gate_up -> down,
+               where norm is YALI's fused all-reduce + residual add + RMSNorm in setups with YALI,
+               and torch's add + rms_norm (no communication) in `plain`; its kernels are also
+               timed by the torch profiler (mean us per call of each kernel name)
+
+Writes <out>/<name>.json (kind decode-gemm), <name>.md.
+
+  python benchmarks/decode_gemm_bench.py                         # 70B TP=2 shapes, all setups
+  python benchmarks/decode_gemm_bench.py --layers 8 --fill-gib 0  # a quick look
+  python benchmarks/decode_gemm_bench.py --report-only benchmarks/results/decode-gemm-20261122.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _results import MULTICAST_OFF_ENV, results_header, write_json_and_markdown  # noqa: E402
+from allreduce_bench import pct, run_two_ranks  # noqa: E402
+
+os.environ.update(MULTICAST_OFF_ENV)
+
+KIND = "decode-gemm"
+SETUPS = ("plain", "yali-first", "yali-after")
+GiB = 1 << 30
+
+
+def gemm_shapes(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, tp: int) -> dict:
+    """(out_features, in_features) of each linear layer on one rank: column-parallel QKV and
+    gate_up split their outputs, row-parallel o and down split their inputs."""
+    return {
+        "qkv": ((heads + 2 * kv_heads) * head_dim // tp, hidden),
+        "o": (hidden, heads * head_dim // tp),
+        "gate_up": (2 * intermediate // tp, hidden),
+        "down": (hidden, intermediate // tp),
+    }
+
+
+def parse_setups(text: str) -> list[str]:
+    out = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if part not in SETUPS:
+            raise argparse.ArgumentTypeError(f"--setups: unknown setup {part!r} (choose from {', '.join(SETUPS)})")
+        if part not in out:
+            out.append(part)
+    if not out:
+        raise argparse.ArgumentTypeError("--setups: empty list")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--setups", type=parse_setups, default=list(SETUPS),
+                    help="comma list of " + ", ".join(SETUPS) + " (default: all, in that order)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run the setup list this many times (fresh processes each time)")
+    ap.add_argument("--layers", type=int, default=80)
+    ap.add_argument("--hidden", type=int, default=8192)
+    ap.add_argument("--heads", type=int, default=64)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--intermediate", type=int, default=28672)
+    ap.add_argument("--tokens", type=int, default=1, help="rows of every GEMM's input (decode batch)")
+    ap.add_argument("--fill-gib", type=float, default=None,
+                    help="KV-cache-like allocation after the weights, GiB per GPU in --layers pieces "
+                         "(default: all but --leave-gib of what is free)")
+    ap.add_argument("--leave-gib", type=float, default=10.0)
+    ap.add_argument("--eps", type=float, default=1e-5)
+    ap.add_argument("--replays", type=int, default=30, help="timed graph replays = samples")
+    ap.add_argument("--setup-timeout", type=float, default=240.0, help="kill a setup's pair after this")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--name", default=None, help="result file stem (default decode-gemm-<date>)")
+    ap.add_argument("--report-only", metavar="JSON", help="rebuild the table from a result file")
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    if args.name is None:
+        args.name = "decode-gemm-" + time.strftime("%Y%m%d")
+    for key in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "tokens", "replays", "repeats"):
+        if getattr(args, key) <= 0:
+            raise SystemExit(f"--{key.replace('_', '-')} {getattr(args, key)}: must be positive")
+    if args.hidden % 8:
+        raise SystemExit(f"--hidden {args.hidden}: must be a multiple of 8 (16-byte rows)")
+    if args.heads % 2 or args.kv_heads % 2 or args.intermediate % 2:
+        raise SystemExit("--heads, --kv-heads and --intermediate must split over 2 ranks")
+    return args
+
+
+# ----------------------------------------------------------------------------- report
+def summarize(records: list[dict]) -> list[dict]:
+    """Per graph (GEMM kind or `layers`): the median over repeats of each setup's per-call p50
+    and its ratio to `plain`."""
+    by = {}
+    for r in records:
+        if r.get("source") != "events":
+            continue
+        by.setdefault(r["graph"], {}).setdefault(r["setup"], []).append(r["us_per_call"])
+    rows = []
+    for graph, per in by.items():
+        row = {"graph": graph, "us": {s: round(statistics.median(v), 2) for s, v in per.items()},
+               "samples": {s: len(v) for s, v in per.items()}}
+        base = row["us"].get("plain")
+        row["vs_plain"] = {s: round(u / base, 3) for s, u in row["us"].items() if base and s != "plain"}
+        rows.append(row)
+    return rows
+
+
+def markdown_table(res: dict) -> str:
+    setups = [s for s in SETUPS if any(r["setup"] == s for r in res["records"])]
+    lines = [
+        "Per-call time (us, p50 over replays, median over repeats) of each GEMM kind over all layers' "
+        "weights, rank 0; ratio to `plain` in brackets.", "",
+        "| graph | " + " | ".join(setups) + " |",
+        "|---|" + "---:|" * len(setups),
+    ]
+    for row in res["summary"]:
+        cells = []
+        for s in setups:
+            u = row["us"].get(s)
+            if u is None:
+                cells.append("-")
+                continue
+            ratio = row["vs_plain"].get(s)
+            cells.append(f"{u:.2f}" + (f" ({ratio:.3f})" if ratio else ""))
+        lines.append(f"| {row['graph']} | " + " | ".join(cells) + " |")
+    prof = [r for r in res["records"] if r.get("source") == "profiler"]
+    if prof:
+        lines += ["", "Kernels of the `layers` graph (torch profiler, rank 0, first repeat): mean us per call.", "",
+                  "| setup | kernel | calls per replay | mean us |", "|---|---|---:|---:|"]
+        seen = set()
+        for r in prof:
+            if (r["setup"], r["name"]) in seen:
+                continue
+            seen.add((r["setup"], r["name"]))
+            lines.append(f"| {r['setup']} | `{r['name'][:90]}` | {r['calls']:.1f} | {r['us_per_call']:.2f} |")
+    meta = res.get("setup_info", [])
+    if meta:
+        lines += ["", "| setup | repeat | free GiB after weights | filler GiB | gate_up weights 2-MiB aligned |",
+                  "|---|---:|---:|---:|---:|"]
+        for m in meta:
+            lines.append(f"| {m['setup']} | {m['repeat']} | {m['free_gib_after_weights']:.1f} | "
+                         f"{m['fill_gib']:.1f} | {m['gate_up_aligned_2mib']}/{m['layers']} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(args, res: dict) -> str:
+    res["summary"] = summarize(res["records"])
+    hdr = results_header(KIND, {
+        "method": "fresh process pair per setup; CUDA graph per GEMM kind over all layers' weights, per-call time = "
+                  "replay time / calls (CUDA events), p50/p99 over replays; the layers graph's kernels by the torch "
+                  "profiler",
+        "shapes": res["shapes"],
+        "tokens": args.tokens,
+        "layers": args.layers,
+        "summary": res["summary"],
+        "setup_info": res["setup_info"],
+        "errors": res["errors"],
+    })
+    hdr["records"] = res["records"]
+    md = f"# Decode GEMMs with all weights resident ({hdr['host']})\n\n" + markdown_table(res)
+    return str(write_json_and_markdown(args.out, args.name, hdr, md))
+
+
+def report_only(path: str) -> str:
+    with open(path) as f:
+        doc = json.load(f)
+    res = {"records": doc["records"], "setup_info": doc.get("setup_info", [])}
+    res["summary"] = summarize(res["records"])
+    md = markdown_table(res)
+    with open(os.path.splitext(path)[0] + ".md", "w") as f:
+        f.write(f"# Decode GEMMs with all weights resident ({doc.get('host')})\n\n" + md)
+    return md
+
+
+# ----------------------------------------------------------------------------- GPU side
+def _kernel_rows(prof, replays: int) -> list[dict]:
+    out = []
+    for evt in prof.key_averages():
+        total = getattr(evt, "device_time_total", None)
+        if total is None:
+            total = getattr(evt, "cuda_time_total", 0.0)
+        self_total = getattr(evt, "self_device_time_total", total)
+        # kernels only: they have device time of their own and no CPU time of their own
+        if not self_total or getattr(evt, "self_cpu_time_total", 0.0) > 0:
+            continue
+        out.append({"name": evt.key, "calls": evt.count / replays, "us_per_call": self_total / max(evt.count, 1),
+                    "us_per_replay": self_total / replays})
+    out.sort(key=lambda r: -r["us_per_replay"])
+    return out[:12]
+
+
+def worker(rank, port, args, q):
+    os.environ.update(MULTICAST_OFF_ENV)
+    import torch
+    import torch.distributed as dist
+
+    setup, repeat = args.current_setup, args.current_repeat
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    group = dist.group.WORLD
+    tag = f"[decode-gemm {setup} r{repeat}]"
+
+    def make_comm():
+        from yali_vllm.communicator import YaliCommunicator
+
+        return YaliCommunicator(group, dev)
+
+    comm = make_comm() if setup == "yali-first" else None
+    shapes = gemm_shapes(args.hidden, args.heads, args.kv_heads, args.head_dim, args.intermediate, 2)
+    dtype = torch.bfloat16
+    t0 = time.time()
+    # Weights in vLLM's order (layer by layer), dummy values as vLLM's dummy loader draws them.
+    layers = []
+    for _ in range(args.layers):
+        layer = {}
+        for kind, (n, k) in shapes.items():
+            layer[kind] = torch.empty((n, k), dtype=dtype, device=dev).uniform_(-1e-3, 1e-3)
+        layer["norm"] = torch.ones(args.hidden, dtype=dtype, device=dev)
+        layers.append(layer)
+    torch.cuda.synchronize()
+    free_after = torch.cuda.mem_get_info(dev)[0] / GiB
+    fill_gib = args.fill_gib if args.fill_gib is not None else max(0.0, free_after - args.leave_gib)
+    per = int(fill_gib * GiB / args.layers) // 2 * 2
+    filler = [torch.empty(per // 2, dtype=dtype, device=dev) for _ in range(args.layers)] if per > 0 else []
+    if setup == "yali-after":
+        comm = make_comm()
+    aligned = sum(int(layer["gate_up"].data_ptr() % (2 << 20) == 0) for layer in layers)
+    info = {"setup": setup, "repeat": repeat, "layers": args.layers, "free_gib_after_weights": round(free_after, 2),
+            "fill_gib": round(per * len(filler) / GiB, 2), "gate_up_aligned_2mib": aligned,
+            "alloc_s": round(time.time() - t0, 1)}
+    if rank == 0:
+        print(f"{tag} weights {args.layers} layers, {free_after:.1f} GiB free after them, filler "
+              f"{info['fill_gib']:.1f} GiB, YALI {'on' if comm else 'off'}", flush=True)
+
+    T, H = args.tokens, args.hidden
+    x_h = torch.randn((T, H), dtype=dtype, device=dev) * 1e-2   # norm input / row-parallel GEMM output
+    resid = torch.randn((T, H), dtype=dtype, device=dev)
+    normed = torch.empty((T, H), dtype=dtype, device=dev)
+    attn = torch.randn((T, shapes["o"][1]), dtype=dtype, device=dev) * 1e-2
+    act = torch.randn((T, shapes["down"][1]), dtype=dtype, device=dev) * 1e-2
+    outs = {k: torch.empty((T, n), dtype=dtype, device=dev) for k, (n, _) in shapes.items()}
+    inputs = {"qkv": normed, "o": attn, "gate_up": normed, "down": act}
+
+    def gemm(kind, w):
+        torch.matmul(inputs[kind], w.t(), out=outs[kind])
+
+    def norm(layer):
+        if comm is not None:
+            comm.fused_allreduce_rmsnorm(x_h, resid, layer["norm"], args.eps, norm_out=normed, residual_out=resid)
+        else:
+            resid.add_(x_h)
+            normed.copy_(torch.nn.functional.rms_norm(resid, (H,), layer["norm"], args.eps))
+
+    def layer_seq():
+        for layer in layers:
+            norm(layer)
+            gemm("qkv", layer["qkv"])
+            torch.matmul(attn, layer["o"].t(), out=x_h)
+            norm(layer)
+            gemm("gate_up", layer["gate_up"])
+            torch.matmul(act, layer["down"].t(), out=x_h)
+
+    graphs = {k: (lambda k=k: [gemm(k, layer[k]) for layer in layers]) for k in shapes}
+    graphs["gate_up-one"] = lambda: [gemm("gate_up", layers[0]["gate_up"]) for _ in layers]
+    graphs["layers"] = layer_seq
+    calls = {k: args.layers for k in graphs}
+    calls["layers"] = args.layers  # per-call = per layer
+
+    records = []
+    for name, body in graphs.items():
+        cur = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            body()
+        cur.wait_stream(side)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            body()
+        torch.cuda.synchronize()
+        dist.barrier(group)
+        g.replay()
+        torch.cuda.synchronize()
+        evs = [torch.cuda.Event(enable_timing=True) for _ in range(args.replays + 1)]
+        evs[0].record()
+        for i in range(args.replays):
+            g.replay()
+            evs[i + 1].record()
+        evs[-1].synchronize()
+        per_call = [evs[i].elapsed_time(evs[i + 1]) * 1000.0 / calls[name] for i in range(args.replays)]
+        records.append({"setup": setup, "repeat": repeat, "graph": name, "source": "events", "name": name,
+                        "tokens": T, "calls": calls[name], "us_per_call": round(pct(per_call, 50), 3),
+                        "us_p99": round(pct(per_call, 99), 3)})
+        if rank == 0:
+            print(f"{tag} {name}: {pct(per_call, 50):.2f} us per call (p99 {pct(per_call, 99):.2f})", flush=True)
+        if name == "layers" and repeat == 0:
+            dist.barrier(group)
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    g.replay()
+                torch.cuda.synchronize()
+            for k in _kernel_rows(prof, 3):
+                records.append({"setup": setup, "repeat": repeat, "graph": name, "source": "profiler",
+                                "tokens": T, **{kk: round(v, 3) if isinstance(v, float) else v for kk, v in k.items()}})
+        del g
+    if comm is not None:
+        comm.close()
+    dist.barrier(group)
+    q.put((rank, {"records": records, "info": info, "shapes": {k: list(v) for k, v in shapes.items()}}))
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.report_only:
+        print(report_only(args.report_only))
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    res = {"records": [], "setup_info": [], "errors": [], "shapes": None}
+    plan = [(r, s) for r in range(args.repeats) for s in args.setups]
+    for i, (repeat, setup) in enumerate(plan, 1):
+        print(f"[decode-gemm {i}/{len(plan)}] setup {setup}, repeat {repeat}", flush=True)
+        args.current_setup, args.current_repeat = setup, repeat
+        try:
+            out = run_two_ranks(worker, args, args.setup_timeout, f"setup {setup}")
+        except SystemExit as e:
+            res["errors"].append({"setup": setup, "repeat": repeat, "error": str(e)})
+            print(f"[decode-gemm] {setup} r{repeat}: {e}", flush=True)
+            continue
+        res["records"] += out["records"]
+        res["setup_info"].append(out["info"])
+        res["shapes"] = out["shapes"]
+    path = write_outputs(args, res)
+    print(markdown_table(res))
+    print(f"[decode-gemm] wrote {path}", flush=True)
+    return 0 if res["records"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""benchmarks/decode_gemm_bench.py on the CPU: shapes, argument checks and the report (the GPU part
+runs on the GPU host)."""
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import decode_gemm_bench as dg  # noqa: E402
+
+
+def test_70b_tp2_shapes_match_the_serving_model():
+    # Llama-3-70B at TP=2: 64 heads, 8 KV heads of 128, hidden 8192, intermediate 28672
+    s = dg.gemm_shapes(8192, 64, 8, 128, 28672, 2)
+    assert s == {"qkv": (5120, 8192), "o": (8192, 4096), "gate_up": (28672, 8192), "down": (8192, 14336)}
+    per_layer = sum(n * k for n, k in s.values()) * 2
+    assert 80 * per_layer / 2**30 == pytest.approx(63.75, abs=0.01)  # vLLM logged 65.75 GiB with the embeddings
+
+
+def test_setups_are_checked_by_name():
+    assert dg.parse_args(["--setups", "yali-first,plain,plain"]).setups == ["yali-first", "plain"]
+    with pytest.raises(SystemExit):
+        dg.parse_args(["--setups", "yali-frist"])
+    with pytest.raises(SystemExit, match="--layers"):
+        dg.parse_args(["--layers", "0"])
+    with pytest.raises(SystemExit, match="--hidden"):
+        dg.parse_args(["--hidden", "8190"])
+
+
+def _rec(setup, graph, us, repeat=0):
+    return {"setup": setup, "repeat": repeat, "graph": graph, "source": "events", "name": graph, "tokens": 1,
+            "calls": 80, "us_per_call": us, "us_p99": us + 1}
+
+
+def test_summary_takes_the_median_over_repeats_and_compares_with_plain():
+    recs = [_rec("plain", "gate_up", 107.0), _rec("plain", "gate_up", 109.0, 1), _rec("plain", "gate_up", 100.0, 2),
+            _rec("yali-first", "gate_up", 118.0), _rec("yali-first", "gate_up", 117.0, 1),
+            _rec("yali-first", "gate_up", 130.0, 2),
+            {"setup": "plain", "repeat": 0, "graph": "layers", "source": "profiler", "name": "nvjet_x", "tokens": 1,
+             "calls": 80.0, "us_per_call": 50.0, "us_per_replay": 4000.0}]
+    (row,) = dg.summarize(recs)
+    assert row["graph"] == "gate_up"
+    assert row["us"] == {"plain": 107.0, "yali-first": 118.0}
+    assert row["vs_plain"] == {"yali-first": round(118 / 107, 3)}
+    md = dg.markdown_table({"records": recs, "summary": dg.summarize(recs), "setup_info": []})
+    assert "| gate_up | 107.00 | 118.00 (1.103) |" in md
+    assert "`nvjet_x`" in md
+
+
+def test_report_only_rebuilds_the_table(tmp_path):
+    doc = {"kind": dg.KIND, "host": "2xH200", "records": [_rec("plain", "qkv", 20.0), _rec("yali-after", "qkv", 22.0)],
+           "setup_info": [{"setup": "plain", "repeat": 0, "layers": 80, "free_gib_after_weights": 70.0,
+                           "fill_gib": 60.0, "gate_up_aligned_2mib": 80}]}
+    p = tmp_path / "decode-gemm-x.json"
+    p.write_text(json.dumps(doc))
+    md = dg.report_only(str(p))
+    assert "| qkv | 20.00 | 22.00 (1.100) |" in md
+    assert "| plain | 0 | 70.0 | 60.0 | 80/80 |" in md
+    assert (tmp_path / "decode-gemm-x.md").read_text().endswith(md)
