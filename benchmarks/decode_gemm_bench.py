@@ -6,28 +6,34 @@ Why: in the concurrency-1 serving profiles of sessions 7 and 8 the gate_up GEMM 
 kernel in both servers) took ~118 us per call in the yali server and ~108 us in vllm-default's,
 which is the whole end-to-end loss, while the same GEMM on one weight in a microbenchmark ran at
 ~107 us with or without YALI's fused op before it. The serving model differs from that
-microbenchmark in two ways this script puts back: all 80 layers' weights (66 GiB per GPU) and a
-KV-cache-sized allocation are resident, each GEMM reads a different weight, and the process's
-memory was laid out after YALI mapped its own and the peer's buffers. Each setup is a fresh pair of
+microbenchmark in what this script puts back: all 80 layers' weights (64 GiB per GPU) and a
+KV-cache-sized allocation are resident, each GEMM reads a different weight, the process's memory
+was laid out after the communicators mapped their buffers, and the kernels between the GEMMs are a
+decoder layer's. Each setup is a fresh pair of
 processes (rank r on GPU r), so each lays its memory out from scratch:
 
   plain        no communicator at all
   yali-first   YaliCommunicator created before the weights (the order vLLM's plugin uses)
   yali-after   created after the weights and the KV-cache filler
+  vllm         vLLM's distributed state, YALI's communicator, FlashInfer's fusion workspace and
+               vLLM's custom all-reduce created before the weights (as in a vLLM server)
 
-Graphs measured in every setup (CUDA graphs, per-call time = replay time / calls, p50 and p99
+Graphs measured in every setup (CUDA graphs, per-call time = replay time / layers, p50 and p99
 over --replays replays, CUDA events):
 
-  <gemm>       one GEMM kind (qkv, o, gate_up, down) once per layer, each layer's own weight
-  gate_up-one  gate_up on layer 0's weight --layers times: the same bytes, with the TLB and page
-               tables warm, so a gap to `gate_up` is what distinct weights cost
-  layers       a decoder layer's sequence per layer: norm -> qkv -> o -> norm -> gate_up -> down,
-               where norm is YALI's fused all-reduce + residual add + RMSNorm in setups with YALI,
-               and torch's add + rms_norm (no communication) in `plain`; its kernels are also
-               timed by the torch profiler (mean us per call of each kernel name)
+  <gemm>             one GEMM kind (qkv, o, gate_up, down) once per layer, each layer's own weight
+  gate_up-one        gate_up on layer 0's weight --layers times: the same bytes with the TLB warm
+  layers/<norm>      a decoder layer per layer: norm -> qkv -> o -> norm -> gate_up -> down
+  gate_up-after/<norm>  norm -> gate_up per layer: the pair the serving profiles differ in
+where <norm> is each kernel set a layer can run between its GEMMs in that setup: `torch` (residual
+add + torch's rms_norm, no communication: every setup), `yali` (YALI's fused all-reduce + add +
+RMSNorm), `flashinfer` (FlashInfer's fused kernel as vLLM's fusion calls it) and `unfused` (vLLM's
+custom all-reduce + its fused_add_rms_norm). The graphs with a norm are also profiled (torch
+profiler, median us per call of each kernel name).
 
 Writes <out>/<name>.json (kind decode-gemm), <name>.md.
 
+  python benchmarks/decode_gemm_bench.py --setups vllm           # every norm in one vLLM-like process
   python benchmarks/decode_gemm_bench.py                         # 70B TP=2 shapes, all setups
   python benchmarks/decode_gemm_bench.py --layers 8 --fill-gib 0  # a quick look
   python benchmarks/decode_gemm_bench.py --report-only benchmarks/results/decode-gemm-20261122.json
@@ -50,7 +56,7 @@ from allreduce_bench import pct, run_two_ranks  # noqa: E402
 os.environ.update(MULTICAST_OFF_ENV)
 
 KIND = "decode-gemm"
-SETUPS = ("plain", "yali-first", "yali-after")
+SETUPS = ("plain", "yali-first", "yali-after", "vllm")
 GiB = 1 << 30
 
 
@@ -159,14 +165,17 @@ def markdown_table(res: dict) -> str:
         lines.append(f"| {row['graph']} | " + " | ".join(cells) + " |")
     prof = [r for r in res["records"] if r.get("source") == "profiler"]
     if prof:
-        lines += ["", "Kernels of the `layers` graph (torch profiler, rank 0, first repeat): mean us per call.", "",
-                  "| setup | kernel | calls per replay | mean us |", "|---|---|---:|---:|"]
-        seen = set()
+        lines += ["", "Kernels of the graphs with a norm (torch profiler, rank 0, first repeat, the top four by "
+                  "time): median us per call.", "",
+                  "| setup | graph | kernel | calls per replay | median us |", "|---|---|---|---:|---:|"]
+        shown = {}
         for r in prof:
-            if (r["setup"], r["name"]) in seen:
+            key = (r["setup"], r["graph"])
+            shown[key] = shown.get(key, 0) + 1
+            if shown[key] > 4:
                 continue
-            seen.add((r["setup"], r["name"]))
-            lines.append(f"| {r['setup']} | `{r['name'][:90]}` | {r['calls']:.1f} | {r['us_per_call']:.2f} |")
+            lines.append(f"| {r['setup']} | {r['graph']} | `{r['name'][:80]}` | {r['calls']:.1f} | "
+                         f"{r['us_per_call']:.2f} |")
     meta = res.get("setup_info", [])
     if meta:
         lines += ["", "| setup | repeat | free GiB after weights | filler GiB | gate_up weights 2-MiB aligned |",
@@ -208,101 +217,157 @@ def report_only(path: str) -> str:
 
 # ----------------------------------------------------------------------------- GPU side
 def _kernel_rows(prof, replays: int) -> list[dict]:
-    out = []
-    for evt in prof.key_averages():
-        total = getattr(evt, "device_time_total", None)
-        if total is None:
-            total = getattr(evt, "cuda_time_total", 0.0)
-        self_total = getattr(evt, "self_device_time_total", total)
-        # kernels only: they have device time of their own and no CPU time of their own
-        if not self_total or getattr(evt, "self_cpu_time_total", 0.0) > 0:
+    """Per kernel name: calls per replay and the median duration (a median, so that the first
+    calls of a rank that started its profiler before its peer do not count)."""
+    from torch.autograd import DeviceType
+
+    by = {}
+    for evt in prof.events():
+        if getattr(evt, "device_type", None) != DeviceType.CUDA:
             continue
-        out.append({"name": evt.key, "calls": evt.count / replays, "us_per_call": self_total / max(evt.count, 1),
-                    "us_per_replay": self_total / replays})
+        by.setdefault(evt.name, []).append(evt.time_range.elapsed_us())
+    out = [{"name": name, "calls": len(ds) / replays, "us_per_call": statistics.median(ds),
+            "us_per_replay": sum(ds) / replays} for name, ds in by.items()]
     out.sort(key=lambda r: -r["us_per_replay"])
-    return out[:12]
+    return out[:10]
+
+
+class Norms:
+    """The kernels a decoder layer runs between its GEMMs, by name; each run() returns the tensor
+    the next GEMM reads (FlashInfer writes the norm into its input, vLLM's all-reduce into a new
+    tensor).
+      torch       residual add + torch's rms_norm, no communication
+      yali        YALI's fused all-reduce + add + RMSNorm
+      flashinfer  FlashInfer's fused kernel as vLLM's fusion pass calls it (trtllm backend)
+      unfused     vLLM's all-reduce (custom all-reduce) + vLLM's fused_add_rms_norm kernel"""
+
+    BACKENDS = {"yali": "yali-fused", "flashinfer": "flashinfer-trtllm", "unfused": "unfused"}
+
+    def __init__(self, be, x, resid, weight, eps):
+        import torch
+
+        self.ops, self.capture_ctx = {}, {}
+        normed = torch.empty_like(x)
+
+        def torch_norm():
+            resid.add_(x)
+            normed.copy_(torch.nn.functional.rms_norm(resid, (x.shape[-1],), weight, eps))
+            return normed
+
+        self.ops["torch"] = torch_norm
+        for short, name in self.BACKENDS.items():
+            if be is None or name not in be.names:
+                continue
+            made, why = be.make(name, x, resid, weight, eps)
+            if made is None:
+                print(f"[decode-gemm] {short}: {why}", flush=True)
+                continue
+            op, outputs = made
+
+            def run(op=op, outputs=outputs):
+                op()
+                return outputs()[0]
+
+            self.ops[short] = run
+            self.capture_ctx[short] = be.capture_ctx.get(name)
 
 
 def worker(rank, port, args, q):
     os.environ.update(MULTICAST_OFF_ENV)
+    os.environ["YALI_ENABLE"] = "0"  # vLLM's own all-reduce stays vLLM's (the `unfused` norm)
+    import contextlib
+
     import torch
     import torch.distributed as dist
 
     setup, repeat = args.current_setup, args.current_repeat
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    group = dist.group.WORLD
     tag = f"[decode-gemm {setup} r{repeat}]"
+    from fused_bench import Backends, _init_dist
 
-    def make_comm():
-        from yali_vllm.communicator import YaliCommunicator
+    be, stack = None, None
+    if setup == "vllm":
+        group, vllm_ok, stack = _init_dist(rank, port)
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        group, vllm_ok = dist.group.WORLD, False
 
-        return YaliCommunicator(group, dev)
+    def agree(flag: bool) -> bool:
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        return bool(t.item())
 
-    comm = make_comm() if setup == "yali-first" else None
+    def make_backends():
+        names = ["yali-fused"] + (["flashinfer-trtllm", "unfused"] if setup == "vllm" else [])
+        return Backends(rank, dev, group, names, vllm_ok, agree)
+
+    if setup in ("yali-first", "vllm"):  # communicators before the weights, as in vLLM
+        be = make_backends()
     shapes = gemm_shapes(args.hidden, args.heads, args.kv_heads, args.head_dim, args.intermediate, 2)
     dtype = torch.bfloat16
     t0 = time.time()
     # Weights in vLLM's order (layer by layer), dummy values as vLLM's dummy loader draws them.
     layers = []
     for _ in range(args.layers):
-        layer = {}
-        for kind, (n, k) in shapes.items():
-            layer[kind] = torch.empty((n, k), dtype=dtype, device=dev).uniform_(-1e-3, 1e-3)
-        layer["norm"] = torch.ones(args.hidden, dtype=dtype, device=dev)
-        layers.append(layer)
+        layers.append({kind: torch.empty((n, k), dtype=dtype, device=dev).uniform_(-1e-3, 1e-3)
+                       for kind, (n, k) in shapes.items()})
     torch.cuda.synchronize()
     free_after = torch.cuda.mem_get_info(dev)[0] / GiB
     fill_gib = args.fill_gib if args.fill_gib is not None else max(0.0, free_after - args.leave_gib)
     per = int(fill_gib * GiB / args.layers) // 2 * 2
     filler = [torch.empty(per // 2, dtype=dtype, device=dev) for _ in range(args.layers)] if per > 0 else []
     if setup == "yali-after":
-        comm = make_comm()
+        be = make_backends()
+    T, H = args.tokens, args.hidden
+    if be is not None and "flashinfer-trtllm" in be.names:
+        reason = be.flashinfer_ready(args.setup_timeout - 60) or \
+            be.flashinfer_workspace(dtype, "bf16", H, [T])
+        if rank == 0:
+            print(f"{tag} FlashInfer: {reason or 'ready'}", flush=True)
     aligned = sum(int(layer["gate_up"].data_ptr() % (2 << 20) == 0) for layer in layers)
     info = {"setup": setup, "repeat": repeat, "layers": args.layers, "free_gib_after_weights": round(free_after, 2),
             "fill_gib": round(per * len(filler) / GiB, 2), "gate_up_aligned_2mib": aligned,
             "alloc_s": round(time.time() - t0, 1)}
-    if rank == 0:
-        print(f"{tag} weights {args.layers} layers, {free_after:.1f} GiB free after them, filler "
-              f"{info['fill_gib']:.1f} GiB, YALI {'on' if comm else 'off'}", flush=True)
 
-    T, H = args.tokens, args.hidden
     x_h = torch.randn((T, H), dtype=dtype, device=dev) * 1e-2   # norm input / row-parallel GEMM output
     resid = torch.randn((T, H), dtype=dtype, device=dev)
-    normed = torch.empty((T, H), dtype=dtype, device=dev)
+    norm_w = torch.ones(H, dtype=dtype, device=dev)
     attn = torch.randn((T, shapes["o"][1]), dtype=dtype, device=dev) * 1e-2
     act = torch.randn((T, shapes["down"][1]), dtype=dtype, device=dev) * 1e-2
     outs = {k: torch.empty((T, n), dtype=dtype, device=dev) for k, (n, _) in shapes.items()}
-    inputs = {"qkv": normed, "o": attn, "gate_up": normed, "down": act}
+    norms = Norms(be, x_h, resid, norm_w, args.eps)
+    info["norms"] = list(norms.ops)
+    if rank == 0:
+        print(f"{tag} weights {args.layers} layers, {free_after:.1f} GiB free after them, filler "
+              f"{info['fill_gib']:.1f} GiB; norms {info['norms']}", flush=True)
 
-    def gemm(kind, w):
-        torch.matmul(inputs[kind], w.t(), out=outs[kind])
+    def gemm(kind, a, w):
+        torch.matmul(a, w.t(), out=outs[kind])
 
-    def norm(layer):
-        if comm is not None:
-            comm.fused_allreduce_rmsnorm(x_h, resid, layer["norm"], args.eps, norm_out=normed, residual_out=resid)
-        else:
-            resid.add_(x_h)
-            normed.copy_(torch.nn.functional.rms_norm(resid, (H,), layer["norm"], args.eps))
-
-    def layer_seq():
+    def layer_seq(norm):
         for layer in layers:
-            norm(layer)
-            gemm("qkv", layer["qkv"])
+            src = norm()
+            gemm("qkv", src, layer["qkv"])
             torch.matmul(attn, layer["o"].t(), out=x_h)
-            norm(layer)
-            gemm("gate_up", layer["gate_up"])
+            src = norm()
+            gemm("gate_up", src, layer["gate_up"])
             torch.matmul(act, layer["down"].t(), out=x_h)
 
-    graphs = {k: (lambda k=k: [gemm(k, layer[k]) for layer in layers]) for k in shapes}
-    graphs["gate_up-one"] = lambda: [gemm("gate_up", layers[0]["gate_up"]) for _ in layers]
-    graphs["layers"] = layer_seq
-    calls = {k: args.layers for k in graphs}
-    calls["layers"] = args.layers  # per-call = per layer
+    def after_norm(norm):  # the norm, then gate_up: the pair the serving profiles differ in
+        for layer in layers:
+            src = norm()
+            gemm("gate_up", src, layer["gate_up"])
+
+    inputs = {"qkv": x_h, "o": attn, "gate_up": x_h, "down": act}
+    graphs = {k: (lambda k=k: [gemm(k, inputs[k], layer[k]) for layer in layers], None) for k in shapes}
+    graphs["gate_up-one"] = (lambda: [gemm("gate_up", x_h, layers[0]["gate_up"]) for _ in layers], None)
+    for nname, nop in norms.ops.items():
+        graphs[f"layers/{nname}"] = (lambda nop=nop: layer_seq(nop), norms.capture_ctx.get(nname))
+        graphs[f"gate_up-after/{nname}"] = (lambda nop=nop: after_norm(nop), norms.capture_ctx.get(nname))
 
     records = []
-    for name, body in graphs.items():
+    for name, (body, ctx) in graphs.items():
         cur = torch.cuda.current_stream()
         side = torch.cuda.Stream()
         side.wait_stream(cur)
@@ -311,8 +376,9 @@ def worker(rank, port, args, q):
         cur.wait_stream(side)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            body()
+        with (ctx or contextlib.nullcontext)():
+            with torch.cuda.graph(g):
+                body()
         torch.cuda.synchronize()
         dist.barrier(group)
         g.replay()
@@ -323,29 +389,30 @@ def worker(rank, port, args, q):
             g.replay()
             evs[i + 1].record()
         evs[-1].synchronize()
-        per_call = [evs[i].elapsed_time(evs[i + 1]) * 1000.0 / calls[name] for i in range(args.replays)]
+        per_call = [evs[i].elapsed_time(evs[i + 1]) * 1000.0 / args.layers for i in range(args.replays)]
         records.append({"setup": setup, "repeat": repeat, "graph": name, "source": "events", "name": name,
-                        "tokens": T, "calls": calls[name], "us_per_call": round(pct(per_call, 50), 3),
+                        "tokens": T, "calls": args.layers, "us_per_call": round(pct(per_call, 50), 3),
                         "us_p99": round(pct(per_call, 99), 3)})
         if rank == 0:
-            print(f"{tag} {name}: {pct(per_call, 50):.2f} us per call (p99 {pct(per_call, 99):.2f})", flush=True)
-        if name == "layers" and repeat == 0:
-            dist.barrier(group)
+            print(f"{tag} {name}: {pct(per_call, 50):.2f} us per layer (p99 {pct(per_call, 99):.2f})", flush=True)
+        if "/" in name and repeat == 0:
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                dist.barrier(group)
                 for _ in range(3):
                     g.replay()
                 torch.cuda.synchronize()
             for k in _kernel_rows(prof, 3):
-                records.append({"setup": setup, "repeat": repeat, "graph": name, "source": "profiler",
-                                "tokens": T, **{kk: round(v, 3) if isinstance(v, float) else v for kk, v in k.items()}})
+                records.append({"setup": setup, "repeat": repeat, "graph": name, "source": "profiler", "tokens": T,
+                                **{kk: round(v, 3) if isinstance(v, float) else v for kk, v in k.items()}})
         del g
-    if comm is not None:
-        comm.close()
     dist.barrier(group)
     q.put((rank, {"records": records, "info": info, "shapes": {k: list(v) for k, v in shapes.items()}}))
-    dist.destroy_process_group()
+    if be is not None:
+        be.close()
+    if stack is not None:
+        stack.close()
 
 
 def main(argv=None):
