@@ -29,7 +29,9 @@ where <norm> is each kernel set a layer can run between its GEMMs in that setup:
 add + torch's rms_norm, no communication: every setup), `yali` (YALI's fused all-reduce + add +
 RMSNorm), `flashinfer` (FlashInfer's fused kernel as vLLM's fusion calls it) and `unfused` (vLLM's
 custom all-reduce + its fused_add_rms_norm). The graphs with a norm are also profiled (torch
-profiler, median us per call of each kernel name).
+profiler, median us per call of each kernel name). nvidia-smi samples both GPUs while the setups
+run (--monitor-ms; <name>-smi.csv), and each timed graph gets GPU 0's mean SM clock and power and
+its throttle reasons during its replays.
 
 Writes <out>/<name>.json (kind decode-gemm), <name>.md.
 
@@ -105,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--leave-gib", type=float, default=10.0)
     ap.add_argument("--eps", type=float, default=1e-5)
     ap.add_argument("--replays", type=int, default=30, help="timed graph replays = samples")
+    ap.add_argument("--monitor-ms", type=int, default=100,
+                    help="sample both GPUs' SM clock, power, temperatures and throttle reasons with nvidia-smi "
+                         "this often while measuring (0 = off; default %(default)s)")
     ap.add_argument("--setup-timeout", type=float, default=240.0, help="kill a setup's pair after this")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--name", default=None, help="result file stem (default decode-gemm-<date>)")
@@ -176,6 +181,16 @@ def markdown_table(res: dict) -> str:
                 continue
             lines.append(f"| {r['setup']} | {r['graph']} | `{r['name'][:80]}` | {r['calls']:.1f} | "
                          f"{r['us_per_call']:.2f} |")
+    state = [r for r in res["records"] if r.get("source") == "events" and "gpu0" in r]
+    if state:
+        lines += ["", "GPU 0 while each graph was timed (nvidia-smi samples inside the timed replays): mean SM clock "
+                  "and power, hottest memory temperature, throttle reasons (0x4 power cap, 0x20/0x40 thermal).", "",
+                  "| setup | repeat | graph | us | SM MHz | power W | mem C | reasons | samples |",
+                  "|---|---:|---|---:|---:|---:|---:|---|---:|"]
+        for r in state:
+            g = r["gpu0"]
+            lines.append(f"| {r['setup']} | {r['repeat']} | {r['graph']} | {r['us_per_call']:.2f} | {g['sm_mhz']} | "
+                         f"{g['power_w']} | {g['temp_mem_c']} | {g['reasons']} | {g['samples']} |")
     meta = res.get("setup_info", [])
     if meta:
         lines += ["", "| setup | repeat | free GiB after weights | filler GiB | gate_up weights 2-MiB aligned |",
@@ -213,6 +228,104 @@ def report_only(path: str) -> str:
     with open(os.path.splitext(path)[0] + ".md", "w") as f:
         f.write(f"# Decode GEMMs with all weights resident ({doc.get('host')})\n\n" + md)
     return md
+
+
+# ----------------------------------------------------------------------------- GPU clocks and power
+SMI_FIELDS = ["index", "timestamp", "clocks.sm", "clocks.mem", "power.draw", "temperature.gpu", "temperature.memory"]
+# clocks_event_reasons.active (driver >= 535; older: clocks_throttle_reasons.active), a bit mask:
+# 0x1 idle, 0x4 software power cap, 0x8 hardware slowdown, 0x20 software thermal, 0x40 hardware
+# thermal, 0x80 hardware power brake.
+REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
+
+
+class GpuMonitor:
+    """nvidia-smi sampling both GPUs every `interval_ms` into `path` while the setups run, so that
+    each timed graph can be given the SM clock, power and throttle reasons it ran under."""
+
+    def __init__(self, path: str, interval_ms: int):
+        import shutil
+        import subprocess
+
+        self.proc, self.path, self.fields = None, path, None
+        if shutil.which("nvidia-smi") is None:
+            print("[decode-gemm] no nvidia-smi: clocks and power are not recorded", flush=True)
+            return
+        for reason in REASON_FIELDS:
+            probe = subprocess.run(["nvidia-smi", f"--query-gpu={reason}", "--format=csv,noheader"],
+                                   capture_output=True, text=True, timeout=20, check=False)
+            if probe.returncode == 0:
+                self.fields = [*SMI_FIELDS, reason]
+                break
+        if self.fields is None:
+            self.fields = list(SMI_FIELDS)
+        self.out = open(path, "w")
+        self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=" + ",".join(self.fields),
+                                      "--format=csv,noheader,nounits", "--loop-ms", str(interval_ms)],
+                                     stdout=self.out, stderr=subprocess.DEVNULL)
+
+    def stop(self) -> list[dict]:
+        if self.proc is None:
+            return []
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.out.close()
+        with open(self.path) as f:
+            return parse_smi(f.read(), self.fields)
+
+
+def _num(text: str):
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def parse_smi(text: str, fields: list[str]) -> list[dict]:
+    """nvidia-smi CSV lines (no header, no units) -> [{"gpu", "t" (epoch s), "sm_mhz", ...}]."""
+    out = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) != len(fields):
+            continue
+        row = dict(zip(fields, cells))
+        try:
+            t = time.mktime(time.strptime(row["timestamp"].split(".")[0], "%Y/%m/%d %H:%M:%S"))
+            t += float("0." + row["timestamp"].split(".")[1]) if "." in row["timestamp"] else 0.0
+            gpu = int(row["index"])
+        except (ValueError, IndexError):
+            continue
+        reasons = next((row[f] for f in REASON_FIELDS if f in row), None)
+        out.append({"gpu": gpu, "t": t, "sm_mhz": _num(row["clocks.sm"]), "mem_mhz": _num(row["clocks.mem"]),
+                    "power_w": _num(row["power.draw"]), "temp_c": _num(row["temperature.gpu"]),
+                    "temp_mem_c": _num(row["temperature.memory"]),
+                    "reasons": int(reasons, 16) if reasons and reasons.startswith("0x") else None})
+    return out
+
+
+def attach_gpu_state(records: list[dict], samples: list[dict], gpu: int = 0) -> None:
+    """Gives each timed record (t_start/t_end) the mean SM clock and power, the hottest memory
+    temperature and the union of throttle reasons of `gpu`'s samples inside its window."""
+    for r in records:
+        if "t_start" not in r:
+            continue
+        inside = [s for s in samples if s["gpu"] == gpu and r["t_start"] <= s["t"] <= r["t_end"]]
+        if not inside:
+            continue
+
+        def mean(key, inside=inside):
+            vals = [s[key] for s in inside if s[key] is not None]
+            return round(sum(vals) / len(vals), 1) if vals else None
+
+        reasons = 0
+        for s in inside:
+            reasons |= s["reasons"] or 0
+        r["gpu0"] = {"samples": len(inside), "sm_mhz": mean("sm_mhz"), "power_w": mean("power_w"),
+                     "temp_mem_c": max((s["temp_mem_c"] for s in inside if s["temp_mem_c"] is not None), default=None),
+                     "reasons": hex(reasons)}
 
 
 # ----------------------------------------------------------------------------- GPU side
@@ -384,15 +497,18 @@ def worker(rank, port, args, q):
         g.replay()
         torch.cuda.synchronize()
         evs = [torch.cuda.Event(enable_timing=True) for _ in range(args.replays + 1)]
+        t_start = time.time()
         evs[0].record()
         for i in range(args.replays):
             g.replay()
             evs[i + 1].record()
         evs[-1].synchronize()
+        t_end = time.time()
         per_call = [evs[i].elapsed_time(evs[i + 1]) * 1000.0 / args.layers for i in range(args.replays)]
         records.append({"setup": setup, "repeat": repeat, "graph": name, "source": "events", "name": name,
                         "tokens": T, "calls": args.layers, "us_per_call": round(pct(per_call, 50), 3),
-                        "us_p99": round(pct(per_call, 99), 3)})
+                        "us_p99": round(pct(per_call, 99), 3), "t_start": round(t_start, 3),
+                        "t_end": round(t_end, 3)})
         if rank == 0:
             print(f"{tag} {name}: {pct(per_call, 50):.2f} us per layer (p99 {pct(per_call, 99):.2f})", flush=True)
         if "/" in name and repeat == 0:
@@ -423,6 +539,19 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     res = {"records": [], "setup_info": [], "errors": [], "shapes": None}
     plan = [(r, s) for r in range(args.repeats) for s in args.setups]
+    monitor = GpuMonitor(os.path.join(args.out, args.name + "-smi.csv"), args.monitor_ms) if args.monitor_ms else None
+    try:
+        run_plan(args, plan, res)
+    finally:
+        samples = monitor.stop() if monitor else []
+    attach_gpu_state(res["records"], samples)
+    path = write_outputs(args, res)
+    print(markdown_table(res))
+    print(f"[decode-gemm] wrote {path}", flush=True)
+    return 0 if res["records"] else 1
+
+
+def run_plan(args, plan, res) -> None:
     for i, (repeat, setup) in enumerate(plan, 1):
         print(f"[decode-gemm {i}/{len(plan)}] setup {setup}, repeat {repeat}", flush=True)
         args.current_setup, args.current_repeat = setup, repeat
@@ -435,10 +564,6 @@ def main(argv=None):
         res["records"] += out["records"]
         res["setup_info"].append(out["info"])
         res["shapes"] = out["shapes"]
-    path = write_outputs(args, res)
-    print(markdown_table(res))
-    print(f"[decode-gemm] wrote {path}", flush=True)
-    return 0 if res["records"] else 1
 
 
 if __name__ == "__main__":

@@ -58,3 +58,25 @@ def test_report_only_rebuilds_the_table(tmp_path):
     assert "| qkv | 20.00 | 22.00 (1.100) |" in md
     assert "| plain | 0 | 70.0 | 60.0 | 80/80 |" in md
     assert (tmp_path / "decode-gemm-x.md").read_text().endswith(md)
+
+
+def test_gpu_state_is_attached_to_the_graph_it_ran_under():
+    fields = [*dg.SMI_FIELDS, dg.REASON_FIELDS[0]]
+    text = "\n".join([
+        "0, 2026/11/22 23:28:15.100, 1980, 3201, 650.5, 60, 70, 0x0000000000000000",
+        "1, 2026/11/22 23:28:15.100, 1980, 3201, 640.0, 59, 69, 0x0000000000000000",
+        "0, 2026/11/22 23:28:15.200, 1700, 3201, 699.5, 61, 75, 0x0000000000000004",
+        "0, 2026/11/22 23:28:16.500, 1980, 3201, 100.0, 50, 60, 0x0000000000000001",
+        "garbage line",
+    ])
+    samples = dg.parse_smi(text, fields)
+    assert len(samples) == 4 and {s["gpu"] for s in samples} == {0, 1}
+    t0 = samples[0]["t"]
+    assert samples[2]["t"] - t0 == pytest.approx(0.1, abs=1e-6)
+    recs = [{**_rec("plain", "gate_up", 110.0), "t_start": t0 - 0.01, "t_end": t0 + 0.15},
+            {**_rec("plain", "o", 18.0), "t_start": t0 + 5, "t_end": t0 + 6}]
+    dg.attach_gpu_state(recs, samples)
+    assert recs[0]["gpu0"] == {"samples": 2, "sm_mhz": 1840.0, "power_w": 675.0, "temp_mem_c": 75.0, "reasons": "0x4"}
+    assert "gpu0" not in recs[1]  # no sample inside its window
+    md = dg.markdown_table({"records": recs, "summary": dg.summarize(recs), "setup_info": []})
+    assert "| plain | 0 | gate_up | 110.00 | 1840.0 | 675.0 | 75.0 | 0x4 | 2 |" in md
