@@ -338,10 +338,13 @@ def _kernel_rows(prof, replays: int) -> list[dict]:
     for evt in prof.events():
         if getattr(evt, "device_type", None) != DeviceType.CUDA:
             continue
-        by.setdefault(evt.name, []).append(evt.time_range.elapsed_us())
+        by.setdefault(evt.name, []).append((evt.time_range.start, evt.time_range.elapsed_us()))
+    by = {name: [d for _, d in sorted(ds)] for name, ds in by.items()}  # in the order they ran
     out = [{"name": name, "calls": len(ds) / replays, "us_per_call": statistics.median(ds),
             "us_per_replay": sum(ds) / replays} for name, ds in by.items()]
     out.sort(key=lambda r: -r["us_per_replay"])
+    if out:  # the heaviest kernel call by call, in launch order: is a slow GEMM slow on every layer?
+        out[0]["durations_us"] = [round(d, 2) for d in by[out[0]["name"]]]
     return out[:10]
 
 
