@@ -211,7 +211,7 @@ class YaliCommunicator:
         """How a fused call of `rows` x `hidden` `dtype` runs: one launch or not, CTAs, CTAs per row
         (split), batched receive poll, row loads before the epoch fetch, message bytes sent per CTA."""
         v = _ext.ops().fused_launch(self._handle, rows, hidden, dtype)
-        keys = ("one_launch", "grid", "split", "batch_poll", "row_loads_early", "cta_bytes")
+        keys = ("one_launch", "grid", "split", "batch_poll", "row_loads_early", "cta_bytes", "cluster")
         return dict(zip(keys, (int(x) for x in v)))
 
     def abort_message(self) -> str:

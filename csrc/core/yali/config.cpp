@@ -136,6 +136,7 @@ Config Config::from_env() {
   dev_bytes("YALI_DEV_FUSED_CTA_BYTES", 0, size_t(16) << 20, 16, &c.fused_cta_bytes);
   dev_int("YALI_DEV_FUSED_SPLIT", 1, kFusedMaxSplit, &c.fused_split);
   dev_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", -1, 1, &c.fused_row_loads_early);
+  dev_int("YALI_DEV_FUSED_CLUSTER", 0, 8, &c.fused_cluster);
   refuse_unknown_dev_knobs(dev_knobs);
   if (const char* t = std::getenv("YALI_TIMEOUT_S"); t && *t) {
     char* end = nullptr;
@@ -165,6 +166,7 @@ void Config::validate() const {
   if (fused_cta_bytes != 0) check_range("YALI_DEV_FUSED_CTA_BYTES", fused_cta_bytes, 256, size_t(16) << 20, 16);
   check_int("YALI_DEV_FUSED_SPLIT", fused_split, 1, kFusedMaxSplit);
   check_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", fused_row_loads_early, -1, 1);
+  check_int("YALI_DEV_FUSED_CLUSTER", fused_cluster, 0, 8);
   if (!(timeout_s >= 0.0 && timeout_s <= 86400.0))
     bad("YALI_TIMEOUT_S", std::to_string(timeout_s), "seconds in [0, 86400]");
 }
@@ -178,7 +180,8 @@ std::string Config::to_string() const {
     << " stream_min=" << stream_min << " flash_ctas=" << flash_ctas << " flash_cta_bytes=" << flash_cta_bytes
     << " lanes=" << lanes << " slots=" << slots << " slot_bytes=" << slot_bytes << " pdl=" << pdl << " fused_batch_poll_min=" << fused_batch_poll_min
     << " fused_cta_bytes=" << fused_cta_bytes << " fused_split=" << fused_split
-    << " fused_row_loads_early=" << fused_row_loads_early << " timeout_s=" << timeout_s;
+    << " fused_row_loads_early=" << fused_row_loads_early << " fused_cluster=" << fused_cluster
+    << " timeout_s=" << timeout_s;
   return o.str();
 }
 

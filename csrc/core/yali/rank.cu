@@ -40,13 +40,21 @@ __global__ void fill_words(uint32_t* p, size_t n, uint32_t v) {
 
 // One launch, with programmatic dependent launch when `pdl` (see ptx.cuh:
 // wait_prior_grids, which every YALI kernel runs first).
+// `cluster` > 1: as thread block clusters of that many CTAs (it divides grid).
 template <typename Args>
-cudaError_t launch(void (*kernel)(Args), int grid, int threads, cudaStream_t stream, bool pdl, const Args& args) {
-  cudaLaunchAttribute attr[1];
+cudaError_t launch(void (*kernel)(Args), int grid, int threads, cudaStream_t stream, bool pdl, const Args& args,
+                   int cluster = 1) {
+  cudaLaunchAttribute attr[2];
   unsigned n = 0;
   if (pdl) {
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = unsigned(cluster);
+    attr[n].val.clusterDim.y = 1;
+    attr[n++].val.clusterDim.z = 1;
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(grid));
@@ -226,7 +234,7 @@ cudaError_t launch_fused(const FusedArgs& a, const FusedLaunch& l, cudaStream_t 
                                                     : fused_allreduce_rmsnorm_kernel<T, kV, true, false>;
   else kernel = l.row_loads_early ? fused_allreduce_rmsnorm_kernel<T, kV, false, true>
                                   : fused_allreduce_rmsnorm_kernel<T, kV, false, false>;
-  return launch(kernel, l.grid, kFlashThreads, stream, l.pdl, a);
+  return launch(kernel, l.grid, kFlashThreads, stream, l.pdl, a, l.cluster);
 }
 
 template <typename T>
@@ -302,6 +310,7 @@ FusedLaunch Rank::fused_launch(size_t rows, size_t hidden, DType dtype) const {
   l.batch_poll = nbytes >= config_.fused_batch_poll_min;  // see Config::fused_batch_poll_min
   l.row_loads_early = shape.row_loads_early;
   l.cta_bytes = shape.cta_bytes;
+  while (l.cluster * 2 <= config_.fused_cluster && l.grid % (l.cluster * 2) == 0) l.cluster *= 2;
   return l;
 }
 

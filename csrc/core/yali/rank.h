@@ -24,6 +24,7 @@ struct FusedLaunch {
   bool batch_poll = false;      // Config::fused_batch_poll_min
   bool row_loads_early = true;  // Config::fused_row_loads_early
   bool pdl = true;
+  int cluster = 1;              // CTAs per thread block cluster (Config::fused_cluster)
 };
 
 using IpcHandleBytes = std::array<uint8_t, sizeof(cudaIpcMemHandle_t)>;
