@@ -211,7 +211,7 @@ def test_sm90a_code_is_in_the_library():
 def test_fused_launch_knobs(monkeypatch):
     # defaults: chunk and row-load order by message size (fused_shape_for), whole rows
     c = config.kernel_config()
-    assert (c["fused_cta_bytes"], c["fused_split"], c["fused_row_loads_early"], c["fused_cluster"]) == (0, 1, -1, 0)
+    assert (c["fused_cta_bytes"], c["fused_split"], c["fused_row_loads_early"], c["fused_cluster"]) == (0, 1, -1, -1)
     monkeypatch.setenv("YALI_DEV_FUSED_CLUSTER", "8")
     monkeypatch.setenv("YALI_DEV_FUSED_CTA_BYTES", "4k")
     monkeypatch.setenv("YALI_DEV_FUSED_SPLIT", "32")
@@ -223,7 +223,7 @@ def test_fused_launch_knobs(monkeypatch):
 @pytest.mark.parametrize("var,value", [("YALI_DEV_FUSED_SPLIT", "33"), ("YALI_DEV_FUSED_SPLIT", "0"),
                                        ("YALI_DEV_FUSED_ROW_LOADS_EARLY", "2"), ("YALI_DEV_FUSED_ROW_LOADS_EARLY", "-2"),
                                        ("YALI_DEV_FUSED_CTA_BYTES", "100"), ("YALI_DEV_FUSED_CLUSTER", "9"),
-                                       ("YALI_DEV_FUSED_CLUSTER", "-1")])
+                                       ("YALI_DEV_FUSED_CLUSTER", "-2")])
 def test_fused_launch_knobs_refused(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError, match=var):

@@ -136,7 +136,7 @@ Config Config::from_env() {
   dev_bytes("YALI_DEV_FUSED_CTA_BYTES", 0, size_t(16) << 20, 16, &c.fused_cta_bytes);
   dev_int("YALI_DEV_FUSED_SPLIT", 1, kFusedMaxSplit, &c.fused_split);
   dev_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", -1, 1, &c.fused_row_loads_early);
-  dev_int("YALI_DEV_FUSED_CLUSTER", 0, 8, &c.fused_cluster);
+  dev_int("YALI_DEV_FUSED_CLUSTER", -1, 8, &c.fused_cluster);
   refuse_unknown_dev_knobs(dev_knobs);
   if (const char* t = std::getenv("YALI_TIMEOUT_S"); t && *t) {
     char* end = nullptr;
@@ -166,7 +166,7 @@ void Config::validate() const {
   if (fused_cta_bytes != 0) check_range("YALI_DEV_FUSED_CTA_BYTES", fused_cta_bytes, 256, size_t(16) << 20, 16);
   check_int("YALI_DEV_FUSED_SPLIT", fused_split, 1, kFusedMaxSplit);
   check_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", fused_row_loads_early, -1, 1);
-  check_int("YALI_DEV_FUSED_CLUSTER", fused_cluster, 0, 8);
+  check_int("YALI_DEV_FUSED_CLUSTER", fused_cluster, -1, 8);
   if (!(timeout_s >= 0.0 && timeout_s <= 86400.0))
     bad("YALI_TIMEOUT_S", std::to_string(timeout_s), "seconds in [0, 86400]");
 }
@@ -232,12 +232,22 @@ FusedShape fused_shape_for(const Config& c, size_t nbytes) {
   // 256 KiB (16 tokens) 8 KiB per CTA with the loads first was the fastest (4.48 vs 5.07 us);
   // above, the loads after the send were equal at 512 KiB-1 MiB and 0.3 us faster at 2 MiB,
   // and the chunk size does not matter once 128 CTAs send (1 KiB per CTA: the most CTAs).
+  //
+  // Clusters: in decode the fused op sits right before the gate_up and QKV GEMMs, whose cuBLAS
+  // kernels (nvjet, 2x1 clusters) are most of a step. In a 70B-layer CUDA graph on 2xH200 the
+  // gate_up GEMM at 1 token took 118.3 us after a plain launch of this kernel (4 CTAs) and
+  // 109.7 us after a launch as one cluster of 4 CTAs, repeated alternately; clusters of 2 left it
+  // at 118.3 us, and after FlashInfer's fused kernel (clusters of 8) it took 108.2 us
+  // (benchmarks/results/decode-gemm-20261122-s9). The cluster launch costs the op itself
+  // 0.08 us at 1 token and nothing measurable at 2-64 tokens, but 2.5 us at 128 tokens (128
+  // CTAs in clusters of 8: fused-cluster-20261122-s9), so clusters go up to 256 KiB (16 tokens).
   FusedShape s;
-  if (nbytes <= (128u << 10)) s = {4u << 10, false};
-  else if (nbytes <= (256u << 10)) s = {8u << 10, true};
-  else s = {1u << 10, false};
+  if (nbytes <= (128u << 10)) s = {4u << 10, false, 8};
+  else if (nbytes <= (256u << 10)) s = {8u << 10, true, 8};
+  else s = {1u << 10, false, 1};
   if (c.fused_cta_bytes != 0) s.cta_bytes = c.fused_cta_bytes;
   if (c.fused_row_loads_early >= 0) s.row_loads_early = c.fused_row_loads_early != 0;
+  if (c.fused_cluster >= 0) s.cluster = std::max(c.fused_cluster, 1);
   return s;
 }
 

@@ -61,12 +61,11 @@ struct Config {
   // YALI_DEV_FUSED_ROW_LOADS_EARLY: 1 = a row's weight / input / residual loads go out before the
   // epoch fetch, 0 = right after this CTA's send (fused.cuh), -1 = by message size (fused_shape_for).
   int fused_row_loads_early = -1;
-  // YALI_DEV_FUSED_CLUSTER: launch the one-launch fused kernel as thread block clusters of up to
-  // this many CTAs (the largest power of two <= it that divides the grid; 0 or 1 = no clusters).
-  // The kernel uses nothing of the cluster: this measures whether a cluster launch before a
-  // cluster GEMM (cuBLAS's nvjet kernels run 2x1 clusters) changes that GEMM's speed, as
-  // FlashInfer's fused kernel (clusters of 8) appears to (benchmarks/results/decode-gemm-20261122-s9).
-  int fused_cluster = 0;
+  // YALI_DEV_FUSED_CLUSTER: the one-launch fused kernel runs as thread block clusters of up to
+  // this many CTAs (the largest power of two <= it that divides the grid); 0 = never clusters,
+  // -1 = by message size (fused_shape_for). The kernel uses nothing of the cluster: the launch
+  // shape is for the cuBLAS GEMM after it (fused_shape_for says why).
+  int fused_cluster = -1;
   double timeout_s = 300.0;            // YALI_TIMEOUT_S: a kernel waiting longer aborts (0 = never)
 
   static Config from_env();  // throws std::invalid_argument naming the bad variable
@@ -90,6 +89,7 @@ Plan plan_for(const Config& c, size_t nbytes);
 struct FusedShape {
   size_t cta_bytes;      // message bytes each CTA sends (at most flash_ctas CTAs)
   bool row_loads_early;  // the row loads before the epoch fetch, or after the send
+  int cluster;           // most CTAs per thread block cluster (1 = no clusters)
 };
 FusedShape fused_shape_for(const Config& c, size_t nbytes);
 

@@ -310,7 +310,10 @@ FusedLaunch Rank::fused_launch(size_t rows, size_t hidden, DType dtype) const {
   l.batch_poll = nbytes >= config_.fused_batch_poll_min;  // see Config::fused_batch_poll_min
   l.row_loads_early = shape.row_loads_early;
   l.cta_bytes = shape.cta_bytes;
-  while (l.cluster * 2 <= config_.fused_cluster && l.grid % (l.cluster * 2) == 0) l.cluster *= 2;
+  // Clusters only for whole rows: a split row's CTAs wait for each other (fused.cuh: row_sum),
+  // and a cluster that cannot be placed yet must not hold back a CTA another one waits for.
+  if (l.split == 1)
+    while (l.cluster * 2 <= shape.cluster && l.grid % (l.cluster * 2) == 0) l.cluster *= 2;
   return l;
 }
 
