@@ -365,6 +365,50 @@ def test_gpu_fused_plan_covers_the_spec():
     assert all(p["hidden"] * (4 if p["dtype"] == "fp32" else 2) <= MAX_FUSED_HIDDEN_BYTES for p in plan)
 
 
+def test_gpu_fused_sweep_launch_overrides():
+    # The default sweep checks the size table only when no launch knob is set (experiments.sh runs
+    # the whole fused suite with YALI_DEV_FUSED_SPLIT=8, where the table cannot hold).
+    from tests.gpu import test_fused as tf
+
+    assert tf.fused_launch_overrides({"YALI_TIMEOUT_S": "60", "YALI_DEV_PDL": "0", "YALI_ENABLE": "1"}) == {}
+    env = {"YALI_DEV_FUSED_SPLIT": "8", "YALI_DEV_FUSED_CLUSTER": "", "YALI_DEV_FUSED_CTA_BYTES": "4K",
+           "YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_PUSH_MAX": "0", "YALI_TIMEOUT_S": "30"}
+    assert tf.fused_launch_overrides(env) == {"YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_FUSED_CTA_BYTES": "4K",
+                                              "YALI_DEV_FUSED_SPLIT": "8"}
+    cfg = {"flash_ctas": 128, "fused_split": 8, "fused_cta_bytes": 0, "fused_row_loads_early": -1}
+    # bf16 hidden 8192: 8 CTAs per row up to 16 rows, then as many as 128 CTAs allow
+    assert [tf.expected_fused_split(r, 16384, cfg) for r in (1, 16, 32, 64, 128, 256)] == [8, 8, 4, 2, 1, 1]
+    assert tf.expected_fused_split(1, 32, {**cfg, "fused_split": 32}) == 2  # a part needs a vector
+    ok = (16384, 1, {"split": 8, "grid": 16, "cta_bytes": 4096, "row_loads_early": 0})
+    assert tf.check_overridden_launches([ok], cfg) == []
+    bad = tf.check_overridden_launches([(16384, 1, {**ok[2], "split": 1}), (16384, 32, {**ok[2], "split": 4, "grid": 64})],
+                                       {**cfg, "fused_cta_bytes": 1024, "fused_row_loads_early": 1})
+    assert len(bad) == 6 and "split 1, expected 8" in bad[0] and "grid 64 not in [128, 128]" in bad[3], bad
+
+
+def test_gpu_fused_sweep_launch_model_matches_measured_launches():
+    # The split / grid rules the sweep checks under launch knobs, against the launches the device
+    # reported in session 8's split runs (fused_bench records the launch of every row; that tree
+    # still sent 1 KiB per CTA with the loads first by default, and its config says so).
+    from tests.gpu import test_fused as tf
+
+    files = sorted((REPO / "benchmarks" / "results" / "fused-launch-20261122-s8" / "lease3").glob("fused-*.json"))
+    splits = set()
+    for f in files:
+        doc = json.loads(f.read_text())
+        cfg = doc["yali_config"]
+        launches = []
+        for r in doc["records"]:
+            nbytes, rows = r["bytes"], r["tokens"]
+            launches.append((nbytes, rows, {**r["yali_launch"], "cta_bytes": cfg["fused_cta_bytes"]}))
+            senders = min(cfg["flash_ctas"], -(-nbytes // cfg["fused_cta_bytes"]))
+            split = tf.expected_fused_split(rows, nbytes // rows, cfg)
+            assert r["yali_launch"]["grid"] == max(senders, min(rows * split, cfg["flash_ctas"])), (f.name, r)
+            splits.add(r["yali_launch"]["split"])
+        assert tf.check_overridden_launches(launches, cfg) == [], f.name
+    assert len(files) == 11 and splits == {1, 2, 4, 8, 16, 32}
+
+
 def test_main_keeps_partial_results_when_the_pair_fails(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     args_seen = {}

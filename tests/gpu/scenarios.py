@@ -390,7 +390,8 @@ def fused_sweep(rank, group, plan, seed, comm=None):
     if own:
         comm.close()
     return {"failures": failures, "stats": stats, "digests": digests, "launched": launched,
-            "device_fused_calls": fused_calls, "flash_bytes": flash_bytes, "elapsed_s": time.time() - t0}
+            "device_fused_calls": fused_calls, "flash_bytes": flash_bytes, "config": dict(comm.config),
+            "elapsed_s": time.time() - t0}
 
 
 def fused_interleaved(rank, group, calls, seed, batch=16, comm=None):
