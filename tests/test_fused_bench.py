@@ -386,6 +386,27 @@ def test_gpu_fused_sweep_launch_overrides():
     assert len(bad) == 6 and "split 1, expected 8" in bad[0] and "grid 64 not in [128, 128]" in bad[3], bad
 
 
+def test_gpu_fused_sweep_cluster_rule():
+    # Rank::fused_launch: clusters of up to 8 CTAs up to 256 KiB by the size table, the largest
+    # power of two dividing the grid, never for split rows; YALI_DEV_FUSED_CLUSTER overrides.
+    from tests.gpu import test_fused as tf
+
+    table = {"fused_cluster": -1}
+    assert [tf.expected_fused_cluster(16384 * t, g, 1, table) for t, g in ((1, 4), (2, 8), (8, 32), (16, 32))] == \
+        [4, 8, 8, 8]
+    assert tf.expected_fused_cluster(32 * 16384, 128, 1, table) == 1  # above 256 KiB
+    assert tf.expected_fused_cluster(16384, 6, 1, table) == 2 and tf.expected_fused_cluster(16384, 5, 1, table) == 1
+    assert tf.expected_fused_cluster(16384, 16, 8, table) == 1  # split rows: no clusters
+    assert tf.expected_fused_cluster(16384, 4, 1, {"fused_cluster": 0}) == 1
+    assert tf.expected_fused_cluster(128 * 16384, 128, 1, {"fused_cluster": 8}) == 8
+    assert tf.expected_fused_cluster(16384, 8, 1, {"fused_cluster": 2}) == 2
+    cfg = {"flash_ctas": 128, "fused_split": 1, "fused_cta_bytes": 0, "fused_row_loads_early": -1, "fused_cluster": -1}
+    ok = (16384, 1, {"split": 1, "grid": 4, "cta_bytes": 4096, "row_loads_early": 0, "cluster": 4})
+    assert tf.check_overridden_launches([ok], cfg) == []
+    bad = tf.check_overridden_launches([(16384, 1, {**ok[2], "cluster": 1})], cfg)
+    assert len(bad) == 1 and "clusters of 1, expected 4" in bad[0]
+
+
 def test_gpu_fused_sweep_launch_model_matches_measured_launches():
     # The split / grid rules the sweep checks under launch knobs, against the launches the device
     # reported in session 8's split runs (fused_bench records the launch of every row; that tree

@@ -63,6 +63,21 @@ def expected_fused_split(rows: int, row_bytes: int, config: dict) -> int:
     return max(1, min(int(config["fused_split"]), MAX_FUSED_SPLIT, int(config["flash_ctas"]) // rows, row_bytes // 16))
 
 
+CLUSTER_TABLE_MAX_BYTES = 256 << 10  # config.cpp: fused_shape_for launches clusters up to here
+
+
+def expected_fused_cluster(nbytes: int, grid: int, split: int, config: dict) -> int:
+    """CTAs per thread block cluster of a one-launch fused call (Rank::fused_launch): the largest
+    power of two up to the limit (YALI_DEV_FUSED_CLUSTER, or 8 up to 256 KiB and 1 above by the
+    size table) that divides the grid; whole rows only."""
+    knob = int(config.get("fused_cluster", -1))
+    limit = max(knob, 1) if knob >= 0 else (8 if nbytes <= CLUSTER_TABLE_MAX_BYTES else 1)
+    cluster = 1
+    while split == 1 and cluster * 2 <= limit and grid % (cluster * 2) == 0:
+        cluster *= 2
+    return cluster
+
+
 def check_overridden_launches(launches, config: dict) -> list[str]:
     """What still holds of the one-launch calls `launches` ((bytes, rows, launch) triples) when
     launch knobs are set: the split the knobs allow, a CTA for every part of a row, and the
@@ -82,6 +97,9 @@ def check_overridden_launches(launches, config: dict) -> list[str]:
         if loads_early >= 0 and l["row_loads_early"] != loads_early:
             bad.append(f"{nbytes} B / {rows} rows: row_loads_early {l['row_loads_early']}, "
                        f"YALI_DEV_FUSED_ROW_LOADS_EARLY={loads_early}: {l}")
+        cluster = expected_fused_cluster(nbytes, l["grid"], l["split"], config)
+        if "cluster" in l and l["cluster"] != cluster:
+            bad.append(f"{nbytes} B / {rows} rows: clusters of {l['cluster']}, expected {cluster}: {l}")
     return bad
 
 
@@ -131,6 +149,9 @@ def test_fused_sweep_matches_vllm_reference(suite):
             assert (l["cta_bytes"], l["row_loads_early"]) == want, (nbytes, l)
             senders = min(128, -(-nbytes // l["cta_bytes"]))
             assert l["grid"] == max(senders, min(rows, 128)), (nbytes, rows, l)
+            # thread block clusters up to 256 KiB (for the GEMM after the op), as large as the grid allows
+            assert l["cluster"] == expected_fused_cluster(nbytes, l["grid"], 1, parts[0]["config"]), (nbytes, l)
+        assert {l["cluster"] for _, _, l in launches} >= {1, 8}
     # What the tolerance allowed (shown with -rA / on failure): worst norm_out distance.
     stats = parts[0]["stats"]
     worst = max(stats, key=lambda s: s["norm_max_ulp"] if "fp32" not in s["tag"] else 0)
@@ -199,6 +220,9 @@ ODD_SETTINGS = {
     "split-32-row-loads-late": {"YALI_DEV_FUSED_SPLIT": "32", "YALI_DEV_FUSED_ROW_LOADS_EARLY": "0"},
     "split-3-batch-poll-odd-grids": {"YALI_DEV_FUSED_SPLIT": "3", "YALI_DEV_FUSED_BATCH_POLL_MIN": "0",
                                      "YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_FUSED_CTA_BYTES": "272"},
+    # thread block clusters never / at every size (the table launches them up to 256 KiB)
+    "no-clusters": {"YALI_DEV_FUSED_CLUSTER": "0"},
+    "clusters-of-8-always": {"YALI_DEV_FUSED_CLUSTER": "8"},
 }
 
 
@@ -214,3 +238,6 @@ def test_fused_sweep_nondefault_configs(name):
     want = int(ODD_SETTINGS[name].get("YALI_DEV_FUSED_SPLIT", "1"))
     splits = {s["split"] for s in res[0]["stats"]}
     assert max(splits) == want, f"{name}: rows split into {sorted(splits)} parts, expected up to {want}"
+    bad = check_overridden_launches([(s["bytes"], s["tokens"], s["launch"]) for s in res[0]["stats"]
+                                     if s["launch"]["one_launch"]], res[0]["config"])
+    assert not bad, f"{name}: " + "\n".join(bad[:10])
