@@ -33,7 +33,7 @@ MULTICAST_OFF_ENV: dict[str, str] = {
 }
 
 VERSION_KEYS = ("torch", "cuda", "nccl", "vllm", "yali_vllm", "git")
-HEADER_KEYS = ("kind", "date", "command", "host", "versions", "yali_env")
+HEADER_KEYS = ("kind", "date", "command", "host", "versions", "yali_env", "gpus")
 
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -143,6 +143,28 @@ def summarize_host(gpu_csv: str | None, topo: str | None) -> str:
     return f"{gpu_part}{link_part}, driver {'/'.join(drivers)}"
 
 
+GPU_ID_FIELDS = ("index", "uuid", "serial", "pci.bus_id", "vbios_version")
+
+
+def parse_gpu_ids(csv_text: str) -> list[dict[str, str]]:
+    """``nvidia-smi --query-gpu=index,uuid,serial,pci.bus_id,vbios_version --format=csv,noheader``
+    -> one dict per GPU (keys as GPU_ID_FIELDS, dots as underscores)."""
+    out = []
+    for line in csv_text.splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) == len(GPU_ID_FIELDS) and cells[0].isdigit():
+            out.append({k.replace(".", "_"): v for k, v in zip(GPU_ID_FIELDS, cells)})
+    return out
+
+
+def gpu_ids() -> list[dict[str, str]]:
+    """Which physical GPUs ran this (UUID, serial, PCI bus, VBIOS); [] without nvidia-smi. Leases
+    of the same kind land on different machines, and some effects differ between them (session
+    9: the GEMM after the fused op, benchmarks/results/decode-gemm-20261122-s9)."""
+    text = _run(["nvidia-smi", "--query-gpu=" + ",".join(GPU_ID_FIELDS), "--format=csv,noheader"])
+    return parse_gpu_ids(text) if text else []
+
+
 def host_info() -> str:
     gpu_csv = _run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv"])
     topo = _run(["nvidia-smi", "topo", "-m"]) if gpu_csv else None
@@ -228,6 +250,7 @@ def results_header(kind: str, extra: dict[str, Any] | None = None) -> dict[str, 
         # The YALI_* knobs in force (e.g. YALI_DEV_FUSED_BATCH_POLL_MIN=0): a figure measured with a
         # non-default kernel setting must say so in its own file.
         "yali_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("YALI_")},
+        "gpus": gpu_ids(),
     }
     for k, val in (extra or {}).items():
         if k in HEADER_KEYS:

@@ -233,6 +233,13 @@ def test_results_header_has_common_keys(tmp_path, monkeypatch):
     assert set(hdr["versions"]) == {"torch", "cuda", "nccl", "vllm", "yali_vllm", "git"}
     assert dt.datetime.fromisoformat(hdr["date"]).tzinfo is not None
     assert isinstance(hdr["host"], str) and hdr["host"]
+    assert isinstance(hdr["gpus"], list)  # [] without nvidia-smi
+    ids = _results.parse_gpu_ids("0, GPU-1a2b, 1653023012345, 00000000:18:00.0, 96.00.AF.00.01\n"
+                                 "1, GPU-3c4d, [N/A], 00000000:2A:00.0, 96.00.AF.00.01\nNo devices were found\n")
+    assert ids == [{"index": "0", "uuid": "GPU-1a2b", "serial": "1653023012345", "pci_bus_id": "00000000:18:00.0",
+                    "vbios_version": "96.00.AF.00.01"},
+                   {"index": "1", "uuid": "GPU-3c4d", "serial": "[N/A]", "pci_bus_id": "00000000:2A:00.0",
+                    "vbios_version": "96.00.AF.00.01"}]
     with pytest.raises(ValueError):
         _results.results_header("x", {"date": "overridden"})
     path = _results.write_results(tmp_path / "sub" / "r.json", hdr)
