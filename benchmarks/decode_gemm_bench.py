@@ -153,8 +153,8 @@ def summarize(records: list[dict]) -> list[dict]:
 def markdown_table(res: dict) -> str:
     setups = [s for s in SETUPS if any(r["setup"] == s for r in res["records"])]
     lines = [
-        "Per-call time (us, p50 over replays, median over repeats) of each GEMM kind over all layers' "
-        "weights, rank 0; ratio to `plain` in brackets.", "",
+        ("Per-call time (us, p50 over replays, median over repeats) of each GEMM kind over all layers' "
+         "weights, rank 0; ratio to `plain` in brackets."), "",
         "| graph | " + " | ".join(setups) + " |",
         "|---|" + "---:|" * len(setups),
     ]
@@ -170,8 +170,8 @@ def markdown_table(res: dict) -> str:
         lines.append(f"| {row['graph']} | " + " | ".join(cells) + " |")
     prof = [r for r in res["records"] if r.get("source") == "profiler"]
     if prof:
-        lines += ["", "Kernels of the graphs with a norm (torch profiler, rank 0, first repeat, the top four by "
-                  "time): median us per call.", "",
+        lines += ["", ("Kernels of the graphs with a norm (torch profiler, rank 0, first repeat, the top four by "
+                       "time): median us per call."), "",
                   "| setup | graph | kernel | calls per replay | median us |", "|---|---|---|---:|---:|"]
         shown = {}
         for r in prof:
@@ -183,8 +183,8 @@ def markdown_table(res: dict) -> str:
                          f"{r['us_per_call']:.2f} |")
     state = [r for r in res["records"] if r.get("source") == "events" and "gpu0" in r]
     if state:
-        lines += ["", "GPU 0 while each graph was timed (nvidia-smi samples inside the timed replays): mean SM clock "
-                  "and power, hottest memory temperature, throttle reasons (0x4 power cap, 0x20/0x40 thermal).", "",
+        lines += ["", ("GPU 0 while each graph was timed (nvidia-smi samples inside the timed replays): mean SM clock "
+                       "and power, hottest memory temperature, throttle reasons (0x4 power cap, 0x20/0x40 thermal)."), "",
                   "| setup | repeat | graph | us | SM MHz | power W | mem C | reasons | samples |",
                   "|---|---:|---|---:|---:|---:|---:|---|---:|"]
         for r in state:
@@ -357,7 +357,7 @@ class Norms:
       flashinfer  FlashInfer's fused kernel as vLLM's fusion pass calls it (trtllm backend)
       unfused     vLLM's all-reduce (custom all-reduce) + vLLM's fused_add_rms_norm kernel"""
 
-    BACKENDS = {"yali": "yali-fused", "flashinfer": "flashinfer-trtllm", "unfused": "unfused"}
+    BACKENDS = (("yali", "yali-fused"), ("flashinfer", "flashinfer-trtllm"), ("unfused", "unfused"))
 
     def __init__(self, be, x, resid, weight, eps):
         import torch
@@ -371,7 +371,7 @@ class Norms:
             return normed
 
         self.ops["torch"] = torch_norm
-        for short, name in self.BACKENDS.items():
+        for short, name in self.BACKENDS:
             if be is None or name not in be.names:
                 continue
             made, why = be.make(name, x, resid, weight, eps)
@@ -492,9 +492,8 @@ def worker(rank, port, args, q):
         cur.wait_stream(side)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
-        with (ctx or contextlib.nullcontext)():
-            with torch.cuda.graph(g):
-                body()
+        with (ctx or contextlib.nullcontext)(), torch.cuda.graph(g):
+            body()
         torch.cuda.synchronize()
         dist.barrier(group)
         g.replay()
