@@ -240,7 +240,8 @@ FusedShape fused_shape_for(const Config& c, size_t nbytes) {
   // at 118.3 us, and after FlashInfer's fused kernel (clusters of 8) it took 108.2 us
   // (benchmarks/results/decode-gemm-20261122-s9). The cluster launch costs the op itself
   // 0.08 us at 1 token and nothing measurable at 2-64 tokens, but 2.5 us at 128 tokens (128
-  // CTAs in clusters of 8: fused-cluster-20261122-s9), so clusters go up to 256 KiB (16 tokens).
+  // CTAs in clusters of 8: benchmarks/results/fused-cluster-20261122-s9), so clusters go up to
+  // 256 KiB (16 tokens).
   FusedShape s;
   if (nbytes <= (128u << 10)) s = {4u << 10, false, 8};
   else if (nbytes <= (256u << 10)) s = {8u << 10, true, 8};
