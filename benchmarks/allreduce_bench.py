@@ -191,23 +191,30 @@ def sleep_cycles_per_us(torch):
     return 20_000_000 / (s.elapsed_time(e) * 1000.0)
 
 
-def time_graph(torch, op, x, n_ops, replays, capture_ctx):
+def capture_graph(torch, op, x, n_ops, capture_ctx, warmups=3):
+    """A CUDA graph of op(x) n_ops times, captured after `warmups` eager calls on a side stream
+    (inside capture_ctx, e.g. vLLM's custom all-reduce registration)."""
     import contextlib
 
     cur = torch.cuda.current_stream()
     side = torch.cuda.Stream()
     side.wait_stream(cur)
     with torch.cuda.stream(side):
-        for _ in range(3):
+        for _ in range(warmups):
             op(x)
     cur.wait_stream(side)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with (capture_ctx or contextlib.nullcontext)():
-        with torch.cuda.graph(g):
-            for _ in range(n_ops):
-                op(x)
+    with (capture_ctx or contextlib.nullcontext)(), torch.cuda.graph(g):
+        for _ in range(n_ops):
+            op(x)
     torch.cuda.synchronize()
+    return g
+
+
+def replay_per_op(torch, g, n_ops, replays):
+    """Per-op µs of `replays` back-to-back replays of g (n_ops ops each), after one untimed replay;
+    the first timed replay is dropped."""
     g.replay()
     torch.cuda.synchronize()
     evs = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 2)]
@@ -216,7 +223,12 @@ def time_graph(torch, op, x, n_ops, replays, capture_ctx):
         g.replay()
         evs[i + 1].record()
     evs[-1].synchronize()
-    per_op = [evs[i].elapsed_time(evs[i + 1]) * 1000.0 / n_ops for i in range(1, replays + 1)]  # drop the first
+    return [evs[i].elapsed_time(evs[i + 1]) * 1000.0 / n_ops for i in range(1, replays + 1)]  # drop the first
+
+
+def time_graph(torch, op, x, n_ops, replays, capture_ctx):
+    g = capture_graph(torch, op, x, n_ops, capture_ctx)
+    per_op = replay_per_op(torch, g, n_ops, replays)
     del g
     return per_op
 

@@ -52,8 +52,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _results import MULTICAST_OFF_ENV, results_header, write_json_and_markdown  # noqa: E402
-from allreduce_bench import pct, run_two_ranks  # noqa: E402
+from _results import MULTICAST_OFF_ENV, _run, results_header, write_json_and_markdown  # noqa: E402
+from allreduce_bench import capture_graph, pct, replay_per_op, run_two_ranks  # noqa: E402
 
 os.environ.update(MULTICAST_OFF_ENV)
 
@@ -250,14 +250,10 @@ class GpuMonitor:
         if shutil.which("nvidia-smi") is None:
             print("[decode-gemm] no nvidia-smi: clocks and power are not recorded", flush=True)
             return
-        for reason in REASON_FIELDS:
-            probe = subprocess.run(["nvidia-smi", f"--query-gpu={reason}", "--format=csv,noheader"],
-                                   capture_output=True, text=True, timeout=20, check=False)
-            if probe.returncode == 0:
-                self.fields = [*SMI_FIELDS, reason]
-                break
-        if self.fields is None:
-            self.fields = list(SMI_FIELDS)
+        # the throttle-reason field this driver knows (_run: None when nvidia-smi refuses it)
+        reason = next((f for f in REASON_FIELDS if _run(["nvidia-smi", f"--query-gpu={f}", "--format=csv,noheader"])
+                       is not None), None)
+        self.fields = [*SMI_FIELDS, reason] if reason else list(SMI_FIELDS)
         self.out = open(path, "w")
         self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=" + ",".join(self.fields),
                                       "--format=csv,noheader,nounits", "--loop-ms", str(interval_ms)],
@@ -391,8 +387,6 @@ class Norms:
 def worker(rank, port, args, q):
     os.environ.update(MULTICAST_OFF_ENV)
     os.environ["YALI_ENABLE"] = "0"  # vLLM's own all-reduce stays vLLM's (the `unfused` norm)
-    import contextlib
-
     import torch
     import torch.distributed as dist
 
@@ -484,29 +478,11 @@ def worker(rank, port, args, q):
 
     records = []
     for name, (body, ctx) in graphs.items():
-        cur = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            body()
-        cur.wait_stream(side)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with (ctx or contextlib.nullcontext)(), torch.cuda.graph(g):
-            body()
-        torch.cuda.synchronize()
+        g = capture_graph(torch, lambda _: body(), None, 1, ctx, warmups=1)  # one graph = every layer
         dist.barrier(group)
-        g.replay()
-        torch.cuda.synchronize()
-        evs = [torch.cuda.Event(enable_timing=True) for _ in range(args.replays + 1)]
         t_start = time.time()
-        evs[0].record()
-        for i in range(args.replays):
-            g.replay()
-            evs[i + 1].record()
-        evs[-1].synchronize()
+        per_call = [us / args.layers for us in replay_per_op(torch, g, 1, args.replays)]
         t_end = time.time()
-        per_call = [evs[i].elapsed_time(evs[i + 1]) * 1000.0 / args.layers for i in range(args.replays)]
         records.append({"setup": setup, "repeat": repeat, "graph": name, "source": "events", "name": name,
                         "tokens": T, "calls": args.layers, "us_per_call": round(pct(per_call, 50), 3),
                         "us_p99": round(pct(per_call, 99), 3), "t_start": round(t_start, 3),

@@ -381,7 +381,7 @@ def fused_sweep(rank, group, plan, seed, comm=None):
             nbytes = call["mine"].numel() * call["mine"].element_size()
             launch = comm.fused_launch(spec["tokens"], spec["hidden"], DTYPES[spec["dtype"]])
             stats.append({"tag": _fused_tag(spec), "bytes": nbytes, "one_launch": nbytes <= flash_bytes,
-                          "tokens": spec["tokens"], "split": launch["split"], "grid": launch["grid"], "launch": launch,
+                          "tokens": spec["tokens"], "launch": launch,
                           "norm_max_ulp": c["norm_max_ulp"], "norm_max_abs": c["norm_max_abs"],
                           "norm_equal_frac": c["norm_equal_frac"]})
             digests.append(digest(call["norm"], call["res_out"]))

@@ -78,6 +78,11 @@ def expected_fused_cluster(nbytes: int, grid: int, split: int, config: dict) -> 
     return cluster
 
 
+def one_launch_calls(stats) -> list[tuple]:
+    """(bytes, rows, launch) of the one-launch calls of a fused sweep's stats."""
+    return [(s["bytes"], s["tokens"], s["launch"]) for s in stats if s["launch"]["one_launch"]]
+
+
 def check_overridden_launches(launches, config: dict) -> list[str]:
     """What still holds of the one-launch calls `launches` ((bytes, rows, launch) triples) when
     launch knobs are set: the split the knobs allow, a CTA for every part of a row, and the
@@ -130,7 +135,7 @@ def test_fused_sweep_matches_vllm_reference(suite):
         one = [s for s in r["stats"] if s["one_launch"]]
         assert one and len(one) < len(r["stats"]), "the sweep must cover both sides of the one-launch limit"
     assert parts[0]["digests"] == parts[1]["digests"], "the ranks' outputs differ"
-    launches = [(s["bytes"], s["tokens"], s["launch"]) for s in parts[0]["stats"] if s["launch"]["one_launch"]]
+    launches = one_launch_calls(parts[0]["stats"])
     overrides = fused_launch_overrides()
     if overrides:
         # A launch knob set for the whole suite (experiments.sh: YALI_DEV_FUSED_SPLIT=8) replaces
@@ -236,8 +241,7 @@ def test_fused_sweep_nondefault_configs(name):
         assert r["launched"] == len(plan) == r["device_fused_calls"]
     assert res[0]["digests"] == res[1]["digests"], "the ranks' outputs differ"
     want = int(ODD_SETTINGS[name].get("YALI_DEV_FUSED_SPLIT", "1"))
-    splits = {s["split"] for s in res[0]["stats"]}
+    splits = {s["launch"]["split"] for s in res[0]["stats"]}
     assert max(splits) == want, f"{name}: rows split into {sorted(splits)} parts, expected up to {want}"
-    bad = check_overridden_launches([(s["bytes"], s["tokens"], s["launch"]) for s in res[0]["stats"]
-                                     if s["launch"]["one_launch"]], res[0]["config"])
+    bad = check_overridden_launches(one_launch_calls(res[0]["stats"]), res[0]["config"])
     assert not bad, f"{name}: " + "\n".join(bad[:10])
