@@ -63,3 +63,26 @@ def test_bad_setting_on_one_rank_fails_both():
     got = _run({1: {"YALI_DEV_LANES": "999"}})
     for r in (0, 1):
         assert got[r].startswith("unavailable:"), got
+
+
+@pytest.mark.parametrize("value, allowed", [(None, False), ("", False), ("0", False), ("1", True)])
+def test_shared_gpu_switch(monkeypatch, value, allowed):
+    from tests.gpu.pair import rank_device
+    from yali_vllm.communicator import SHARED_GPU_VAR, shared_gpu_allowed
+
+    if value is None:
+        monkeypatch.delenv(SHARED_GPU_VAR, raising=False)
+    else:
+        monkeypatch.setenv(SHARED_GPU_VAR, value)
+    assert shared_gpu_allowed() is allowed
+    # the pair tests put rank 1 on GPU 0 only when both ranks may share it
+    assert [rank_device(r) for r in (0, 1)] == ([0, 0] if allowed else [0, 1])
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "2", " 1"])
+def test_shared_gpu_switch_refuses_other_values(monkeypatch, value):
+    from yali_vllm.communicator import SHARED_GPU_VAR, shared_gpu_allowed
+
+    monkeypatch.setenv(SHARED_GPU_VAR, value)
+    with pytest.raises(ValueError, match=SHARED_GPU_VAR):
+        shared_gpu_allowed()

@@ -6,6 +6,7 @@ once, and from then on every call is a single kernel launch on the current strea
 from __future__ import annotations
 
 import logging
+import os
 import socket
 
 import torch
@@ -34,6 +35,20 @@ def servable(x, device: torch.device, limit_bytes: int) -> bool:
         and x.is_contiguous()
         and x.data_ptr() % 16 == 0
     )
+
+
+# Both ranks on one GPU (two processes, one device, the same CUDA IPC exchange): lets the kernels'
+# two-rank protocol be tested on a machine with a single GPU. Off by default: in serving two ranks
+# on one GPU are a misconfiguration, and the memory in between is local, not NVLink.
+SHARED_GPU_VAR = "YALI_ALLOW_SHARED_GPU"
+
+
+def shared_gpu_allowed() -> bool:
+    """True when YALI_ALLOW_SHARED_GPU=1; any other value than unset, "", "0" or "1" is refused."""
+    v = os.environ.get(SHARED_GPU_VAR, "")
+    if v not in ("", "0", "1"):
+        raise ValueError(f"{SHARED_GPU_VAR}={v!r} is invalid: expected 0 or 1")
+    return v == "1"
 
 
 class YaliUnavailable(RuntimeError):
@@ -132,7 +147,13 @@ class YaliCommunicator:
         for i in range(torch.cuda.device_count()):
             if str(torch.cuda.get_device_properties(i).uuid) == peer_uuid:
                 if i == self.device.index:
-                    raise YaliUnavailable(f"both ranks use the same GPU ({self.device})")
+                    if not shared_gpu_allowed():
+                        raise YaliUnavailable(f"both ranks use the same GPU ({self.device}); "
+                                              f"{SHARED_GPU_VAR}=1 allows it for testing")
+                    logger.warning("yali: rank %d shares %s with its peer (%s=1): a test of the kernels' "
+                                   "protocol, not an NVLink all-reduce; its timings mean nothing",
+                                   self.rank, self.device, SHARED_GPU_VAR)
+                    return
                 if not torch.cuda.can_device_access_peer(self.device.index, i):
                     raise YaliUnavailable(f"no P2P access from cuda:{self.device.index} to cuda:{i}")
                 return

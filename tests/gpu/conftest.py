@@ -15,12 +15,31 @@ def _two_gpus_reason():
     return None
 
 
+def _shared_gpu_reason():
+    """With YALI_ALLOW_SHARED_GPU=1 the pair tests put both ranks on GPU 0 (tests/gpu/pair.py)."""
+    import yali_vllm
+
+    reason = yali_vllm.unavailable_reason()
+    if reason:
+        return reason
+    if torch.cuda.device_count() < 1:
+        return "needs a GPU, none visible"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
-    reason = None
-    checked = False
+    from yali_vllm.communicator import SHARED_GPU_VAR, shared_gpu_allowed
+
+    shared = shared_gpu_allowed()
+    reasons = {}  # computed once per kind of requirement
     for item in items:
-        if "gpu" in item.keywords or "/gpu/" in str(item.fspath):
-            if not checked:
-                reason, checked = _two_gpus_reason(), True
-            if reason:
-                item.add_marker(pytest.mark.skip(reason=f"GPU test: {reason}"))
+        if not ("gpu" in item.keywords or "/gpu/" in str(item.fspath)):
+            continue
+        # Tests marked two_gpus drive two devices themselves (vLLM at TP=2, Ray, YaliPair(0, 1),
+        # the C++ example): they need two GPUs even when the pair tests may share one.
+        kind = "shared" if shared and "two_gpus" not in item.keywords else "two"
+        if kind not in reasons:
+            reasons[kind] = _shared_gpu_reason() if kind == "shared" else _two_gpus_reason()
+        if reasons[kind]:
+            extra = f" ({SHARED_GPU_VAR}=1 does not apply: it needs two devices)" if shared and kind == "two" else ""
+            item.add_marker(pytest.mark.skip(reason=f"GPU test: {reasons[kind]}{extra}"))

@@ -1,5 +1,8 @@
 """Runs one function in two processes (rank 0 on GPU 0, rank 1 on GPU 1) joined
-by a gloo group, with a hard time bound, and returns both results."""
+by a gloo group, with a hard time bound, and returns both results.
+
+With YALI_ALLOW_SHARED_GPU=1 both processes use GPU 0 (a machine with one GPU):
+the same IPC exchange and kernels, with local memory where NVLink would be."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -14,13 +17,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_device(rank: int) -> int:
+    """The GPU of `rank`: its own, or GPU 0 for both when YALI_ALLOW_SHARED_GPU=1."""
+    from yali_vllm.communicator import shared_gpu_allowed
+
+    return 0 if shared_gpu_allowed() else rank
+
+
 def _entry(rank, port, fn, args, env, q):
     os.environ.update(env)
     try:
         import torch
         import torch.distributed as dist
 
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank_device(rank))
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         try:
             q.put((rank, "ok", fn(rank, dist.group.WORLD, *args)))

@@ -15,6 +15,11 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
+def _device() -> torch.device:
+    """This rank's GPU, as the pair set it (pair.rank_device)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def inputs(seed: int, n: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Both ranks' inputs for one check; each rank can regenerate its peer's."""
     out = []
@@ -39,7 +44,7 @@ def rel_err_fp64(out, a, b) -> float:
 
 
 def sweep(rank, group, sizes_bytes, odd_counts, dtypes, modes, seed):
-    dev = torch.device("cuda", rank)
+    dev = _device()
     comm = YaliCommunicator(group, dev)
     flash_bytes = comm.config["flash_bytes"]
     failures, checked, counter = [], 0, 0
@@ -80,7 +85,7 @@ def graph_replays(rank, group, replays, check_every, seed):
     """Captures several all-reduces (flash and stream sizes, in- and out-of-place)
     in one CUDA graph, replays it `replays` times, refreshing the inputs and
     checking every output every `check_every` replays."""
-    dev = torch.device("cuda", rank)
+    dev = _device()
     comm = YaliCommunicator(group, dev)
     specs = [(torch.bfloat16, 1023), (torch.float16, 64 << 10), (torch.float32, 1 << 20 | 3),
              (torch.bfloat16, 3 << 20), (torch.bfloat16, 24 << 20), (torch.float32, (12 << 20) + 5)]
@@ -128,7 +133,7 @@ def graph_replays(rank, group, replays, check_every, seed):
 def stress(rank, group, calls, seed, max_bytes):
     """`calls` back-to-back all-reduces of random size, dtype, kernel family and
     placement (same random sequence on both ranks); samples are checked."""
-    dev = torch.device("cuda", rank)
+    dev = _device()
     comm = YaliCommunicator(group, dev)
     flash_bytes = comm.config["flash_bytes"]
     rng = random.Random(seed)
@@ -171,7 +176,7 @@ def stress(rank, group, calls, seed, max_bytes):
 
 def compiled(rank, group):
     """The op inside torch.compile(fullgraph=True): no graph break, right values."""
-    dev = torch.device("cuda", rank)
+    dev = _device()
     comm = YaliCommunicator(group, dev)
     handle = comm._handle
 
@@ -194,7 +199,7 @@ def compiled(rank, group):
 def missing_peer(rank, group, wait_s):
     """Rank 1 never issues its all-reduce: rank 0's kernel must give up after
     YALI_TIMEOUT_S with a clear reason instead of hanging."""
-    dev = torch.device("cuda", rank)
+    dev = _device()
     comm = YaliCommunicator(group, dev)
     x = torch.ones(1 << 10, device=dev)
     if rank == 1:
@@ -219,13 +224,13 @@ def mismatched_settings(rank, group):
     if rank == 1:
         os.environ["YALI_DEV_LANES"] = "999"
     try:
-        YaliCommunicator(group, torch.device("cuda", rank))
+        YaliCommunicator(group, _device())
         first = "created"
     except YaliUnavailable as e:
         first = str(e)
     os.environ["YALI_DEV_LANES"] = "64" if rank == 1 else "128"  # valid but different
     try:
-        YaliCommunicator(group, torch.device("cuda", rank))
+        YaliCommunicator(group, _device())
         second = "created"
     except YaliUnavailable as e:
         second = str(e)
@@ -363,7 +368,7 @@ def fused_sweep(rank, group, plan, seed, comm=None):
     """One fused call per entry of `plan` (dicts: dtype, tokens, hidden, residual, eps, inplace),
     each checked against the reference. Returns failures, per-check numbers, digests of both
     outputs (for the cross-rank comparison) and the device-side fused call count."""
-    dev = torch.device("cuda", rank)
+    dev = _device()
     own = comm is None
     comm = comm or YaliCommunicator(group, dev)
     flash_bytes = int(comm.config["flash_bytes"])
@@ -399,7 +404,7 @@ def fused_interleaved(rank, group, calls, seed, batch=16, comm=None):
     residual, eps, in place or not; some above the one-launch size) and half plain all-reduces
     (random size, dtype, kernel family, in place or not). The two share YALI's buffers and epochs.
     Each batch is launched back to back, then every result of the batch is checked."""
-    dev = torch.device("cuda", rank)
+    dev = _device()
     own = comm is None
     comm = comm or YaliCommunicator(group, dev)
     flash_bytes = int(comm.config["flash_bytes"])
@@ -490,7 +495,7 @@ def fused_graph(rank, group, replays, pool, seed, specs=FUSED_GRAPH_SPECS, comm=
     and replays it `replays` times. Before every replay the inputs are replaced by one of `pool`
     precomputed input sets and the outputs poisoned; after it, mismatch counters are accumulated
     on the GPU (no host sync per replay), so every replay is checked."""
-    dev = torch.device("cuda", rank)
+    dev = _device()
     own = comm is None
     comm = comm or YaliCommunicator(group, dev)
     # Static buffers the graph reads and writes.
@@ -598,7 +603,7 @@ def fused_graph(rank, group, replays, pool, seed, specs=FUSED_GRAPH_SPECS, comm=
 def fused_compiled(rank, group, comm=None):
     """comm.fused_allreduce_rmsnorm inside torch.compile(fullgraph=True), out of place and with
     the residual updated in place (as vLLM's fused_add_rms_norm does)."""
-    dev = torch.device("cuda", rank)
+    dev = _device()
     own = comm is None
     comm = comm or YaliCommunicator(group, dev)
     eps = 1e-6
@@ -642,7 +647,7 @@ def fused_suite(rank, group, plan, interleave_calls, graph_replays, seed):
 
     import torch.distributed as dist
 
-    dev = torch.device("cuda", rank)
+    dev = _device()
     comm = YaliCommunicator(group, dev)
     results = {"describe": comm.describe()}
     steps = [

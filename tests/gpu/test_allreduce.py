@@ -58,6 +58,7 @@ def test_missing_peer_aborts_instead_of_hanging():
     assert r0["elapsed_s"] < 60
 
 
+@pytest.mark.two_gpus
 def test_single_process_pair():
     from yali_vllm.communicator import YaliPair
 
@@ -78,6 +79,7 @@ def test_single_process_pair():
         pair.close()
 
 
+@pytest.mark.two_gpus
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_cpp_example(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.two_gpus]
 
 ENV = {
     # NVLink multicast stays off in every process, Ray's raylet and workers included.

@@ -95,6 +95,7 @@ def _timeout(seconds: int):
 _SKIP = _skip_reason()
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.two_gpus,
     pytest.mark.skipif(_SKIP is not None, reason=_SKIP or ""),
 ]
 

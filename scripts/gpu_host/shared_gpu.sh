@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The two-rank kernel tests on a machine with ONE GPU (nvidia-h200 / nvidia-h100-x1): both ranks'
+# processes share GPU 0 (YALI_ALLOW_SHARED_GPU=1, tests/gpu/pair.py), with the same CUDA IPC
+# exchange, launches and checks as on the 2-GPU host. It runs the kernels' protocol, launch
+# shapes (clusters included) and numerics on real silicon when no 2-GPU machine is lent. Local
+# memory stands where NVLink would be and the two processes take turns on the GPU, so nothing
+# here is a timing and a race that needs the link's latency may not show.
+#   shared_gpu.sh [all|fused|allreduce]   all (default): fused first, then all-reduce (< 9.5 min)
+# Taking turns costs about 3.3 ms per call pair (session 10: the 10k-replay graph test, 70k pairs,
+# took 232 s), so the all-reduce part leaves out the 100k-call stress test, whose 300 s bound
+# assumes concurrent ranks; it stays with the 2-GPU host (kernels.sh).
+# Writes to $OUT: gpu-tests-shared-<part>-<date>.{json,log} (gpu-test-run results).
+# SHARED_FUSED_S / SHARED_ALLREDUCE_S override the bounds of the two parts.
+. scripts/gpu_host/env.sh
+export YALI_ALLOW_SHARED_GPU=1 YALI_TIMEOUT_S=30
+MODE="${1:-all}"
+STAMP="$(date +%Y%m%d)"
+
+run_part() {  # run_part NAME SECONDS TEST_FILE [pytest args]
+  local name="$1" bound="$2"
+  shift 2
+  timeout -k 10 "$bound" python3 benchmarks/record_test_run.py --out "$OUT/gpu-tests-shared-$name-$STAMP.json" -- \
+    -q -p no:cacheprovider -rA --durations=12 "$@" 2>&1 | tee "$OUT/gpu-tests-shared-$name-$STAMP.log" \
+    | grep -v "shares cuda:0 with its peer\|Captured stderr" | tail -45
+}
+
+nvidia-smi --query-gpu=index,name,uuid,driver_version --format=csv,noheader
+echo "MPS control: $(command -v nvidia-cuda-mps-control || echo 'not found') (not used: the processes time-slice)"
+case "$MODE" in
+  all)       run_part fused "${SHARED_FUSED_S:-170}" tests/gpu/test_fused.py
+             run_part allreduce "${SHARED_ALLREDUCE_S:-400}" tests/gpu/test_allreduce.py -k "not stress" ;;
+  fused)     run_part fused "${SHARED_FUSED_S:-540}" tests/gpu/test_fused.py ;;
+  allreduce) run_part allreduce "${SHARED_ALLREDUCE_S:-540}" tests/gpu/test_allreduce.py -k "not stress" ;;
+  *)         echo "usage: $0 [all|fused|allreduce]" >&2; exit 2 ;;
+esac
