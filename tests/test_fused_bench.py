@@ -387,14 +387,14 @@ def test_gpu_fused_sweep_launch_overrides():
 
 
 def test_gpu_fused_sweep_cluster_rule():
-    # Rank::fused_launch: clusters of up to 8 CTAs up to 256 KiB by the size table, the largest
+    # Rank::fused_launch: clusters of up to 8 CTAs up to 128 KiB by the size table, the largest
     # power of two dividing the grid, never for split rows; YALI_DEV_FUSED_CLUSTER overrides.
     from tests.gpu import test_fused as tf
 
     table = {"fused_cluster": -1}
     assert [tf.expected_fused_cluster(16384 * t, g, 1, table) for t, g in ((1, 4), (2, 8), (8, 32), (16, 32))] == \
-        [4, 8, 8, 8]
-    assert tf.expected_fused_cluster(32 * 16384, 128, 1, table) == 1  # above 256 KiB
+        [4, 8, 8, 1]
+    assert tf.expected_fused_cluster(32 * 16384, 128, 1, table) == 1  # above 128 KiB
     assert tf.expected_fused_cluster(16384, 6, 1, table) == 2 and tf.expected_fused_cluster(16384, 5, 1, table) == 1
     assert tf.expected_fused_cluster(16384, 16, 8, table) == 1  # split rows: no clusters
     assert tf.expected_fused_cluster(16384, 4, 1, {"fused_cluster": 0}) == 1

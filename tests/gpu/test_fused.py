@@ -63,12 +63,12 @@ def expected_fused_split(rows: int, row_bytes: int, config: dict) -> int:
     return max(1, min(int(config["fused_split"]), MAX_FUSED_SPLIT, int(config["flash_ctas"]) // rows, row_bytes // 16))
 
 
-CLUSTER_TABLE_MAX_BYTES = 256 << 10  # config.cpp: fused_shape_for launches clusters up to here
+CLUSTER_TABLE_MAX_BYTES = 128 << 10  # config.cpp: fused_shape_for launches clusters up to here
 
 
 def expected_fused_cluster(nbytes: int, grid: int, split: int, config: dict) -> int:
     """CTAs per thread block cluster of a one-launch fused call (Rank::fused_launch): the largest
-    power of two up to the limit (YALI_DEV_FUSED_CLUSTER, or 8 up to 256 KiB and 1 above by the
+    power of two up to the limit (YALI_DEV_FUSED_CLUSTER, or 8 up to 128 KiB and 1 above by the
     size table) that divides the grid; whole rows only."""
     knob = int(config.get("fused_cluster", -1))
     limit = max(knob, 1) if knob >= 0 else (8 if nbytes <= CLUSTER_TABLE_MAX_BYTES else 1)
@@ -154,7 +154,7 @@ def test_fused_sweep_matches_vllm_reference(suite):
             assert (l["cta_bytes"], l["row_loads_early"]) == want, (nbytes, l)
             senders = min(128, -(-nbytes // l["cta_bytes"]))
             assert l["grid"] == max(senders, min(rows, 128)), (nbytes, rows, l)
-            # thread block clusters up to 256 KiB (for the GEMM after the op), as large as the grid allows
+            # thread block clusters up to 128 KiB (for the GEMM after the op), as large as the grid allows
             assert l["cluster"] == expected_fused_cluster(nbytes, l["grid"], 1, parts[0]["config"]), (nbytes, l)
         assert {l["cluster"] for _, _, l in launches} >= {1, 8}
     # What the tolerance allowed (shown with -rA / on failure): worst norm_out distance.

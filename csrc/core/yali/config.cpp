@@ -238,13 +238,15 @@ FusedShape fused_shape_for(const Config& c, size_t nbytes) {
   // gate_up GEMM at 1 token took 118.3 us after a plain launch of this kernel (4 CTAs) and
   // 109.7 us after a launch as one cluster of 4 CTAs, repeated alternately; clusters of 2 left it
   // at 118.3 us, and after FlashInfer's fused kernel (clusters of 8) it took 108.2 us
-  // (benchmarks/results/decode-gemm-20261122-s9). The cluster launch costs the op itself
-  // 0.08 us at 1 token and nothing measurable at 2-64 tokens, but 2.5 us at 128 tokens (128
-  // CTAs in clusters of 8: benchmarks/results/fused-cluster-20261122-s9), so clusters go up to
-  // 256 KiB (16 tokens).
+  // (benchmarks/results/decode-gemm-20261122-s9). On one H200, with a stand-in of this kernel's
+  // launch shape in the same decoder-layer graph (benchmarks/results/gemm-after-20261123-s10,
+  // two machines), the cluster launch took 8-11 us off the gate_up GEMM at 1-4 tokens, changed
+  // nothing at 8, and added 10 us at 16 tokens (32 CTAs in clusters of 8: 109.5 -> 119.8 us), so
+  // clusters stop at 128 KiB (8 tokens). The cluster launch costs the op itself 0.08 us at
+  // 1 token and nothing measurable at 2-64 tokens (benchmarks/results/fused-cluster-20261122-s9).
   FusedShape s;
   if (nbytes <= (128u << 10)) s = {4u << 10, false, 8};
-  else if (nbytes <= (256u << 10)) s = {8u << 10, true, 8};
+  else if (nbytes <= (256u << 10)) s = {8u << 10, true, 1};
   else s = {1u << 10, false, 1};
   if (c.fused_cta_bytes != 0) s.cta_bytes = c.fused_cta_bytes;
   if (c.fused_row_loads_early >= 0) s.row_loads_early = c.fused_row_loads_early != 0;
