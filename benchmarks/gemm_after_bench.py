@@ -26,6 +26,7 @@ drift shows as a difference between rounds.
 
   python benchmarks/gemm_after_bench.py                       # default predecessors, 32 layers
   python benchmarks/gemm_after_bench.py --preds none,torch,probe-4x4-pdl --rounds 5
+  python benchmarks/gemm_after_bench.py --hidden 4096 --heads 32 --intermediate 14336   # the 8B model
 
 Predecessor names: none, torch, probe-<grid>x<cluster>[-pdl]. Writes <out>/<name>.json (kind
 decode-gemm, setup `one-gpu`) and <name>.md.
@@ -103,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--replays", type=int, default=20, help="timed graph replays per graph and round")
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--hidden", type=int, default=8192)
+    ap.add_argument("--heads", type=int, default=64)
+    ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--intermediate", type=int, default=28672)
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no new round after this many seconds")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -185,7 +188,7 @@ def main(argv=None) -> int:
     clusters = max_active_clusters(lib)
     print(f"[gemm-after] {torch.cuda.get_device_name(dev)}, {sm_count} SMs; max active clusters {clusters}", flush=True)
 
-    shapes = gemm_shapes(args.hidden, 64, 8, 128, args.intermediate, 2)
+    shapes = gemm_shapes(args.hidden, args.heads, args.kv_heads, 128, args.intermediate, 2)
     n, k = shapes["gate_up"]
     kinds = ("gate_up", "qkv", "o", "down") if "layers" in args.graphs else ("gate_up",)
     dtype, T, H = torch.bfloat16, args.tokens, args.hidden
