@@ -73,6 +73,21 @@ def gemm_shapes(hidden: int, heads: int, kv_heads: int, head_dim: int, intermedi
     }
 
 
+def add_shape_args(ap: argparse.ArgumentParser) -> None:
+    """The model and batch whose decode GEMMs are run: the 70B model at TP=2, 1 token, by default."""
+    ap.add_argument("--hidden", type=int, default=8192)
+    ap.add_argument("--heads", type=int, default=64)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--intermediate", type=int, default=28672)
+    ap.add_argument("--tokens", type=int, default=1, help="rows of every GEMM's input (decode batch)")
+
+
+def shapes_of(args: argparse.Namespace) -> dict:
+    """gemm_shapes of the model add_shape_args describes, at TP=2."""
+    return gemm_shapes(args.hidden, args.heads, args.kv_heads, args.head_dim, args.intermediate, 2)
+
+
 def parse_setups(text: str) -> list[str]:
     out = []
     for part in str(text).split(","):
@@ -95,12 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=1,
                     help="run the setup list this many times (fresh processes each time)")
     ap.add_argument("--layers", type=int, default=80)
-    ap.add_argument("--hidden", type=int, default=8192)
-    ap.add_argument("--heads", type=int, default=64)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--intermediate", type=int, default=28672)
-    ap.add_argument("--tokens", type=int, default=1, help="rows of every GEMM's input (decode batch)")
+    add_shape_args(ap)
     ap.add_argument("--fill-gib", type=float, default=None,
                     help="KV-cache-like allocation after the weights, GiB per GPU in --layers pieces "
                          "(default: all but --leave-gib of what is free)")
@@ -414,7 +424,7 @@ def worker(rank, port, args, q):
 
     if setup in ("yali-first", "vllm"):  # communicators before the weights, as in vLLM
         be = make_backends()
-    shapes = gemm_shapes(args.hidden, args.heads, args.kv_heads, args.head_dim, args.intermediate, 2)
+    shapes = shapes_of(args)
     dtype = torch.bfloat16
     t0 = time.time()
     # Weights in vLLM's order (layer by layer), dummy values as vLLM's dummy loader draws them.

@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _results import MULTICAST_OFF_ENV, results_header, write_json_and_markdown  # noqa: E402
 from allreduce_bench import capture_graph, pct, replay_per_op  # noqa: E402
-from decode_gemm_bench import _kernel_rows, gemm_shapes  # noqa: E402
+from decode_gemm_bench import _kernel_rows, add_shape_args, shapes_of  # noqa: E402
 
 os.environ.update(MULTICAST_OFF_ENV)
 
@@ -102,11 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--layers", type=int, default=32, help="layers per graph, each with its own weights")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--replays", type=int, default=20, help="timed graph replays per graph and round")
-    ap.add_argument("--tokens", type=int, default=1)
-    ap.add_argument("--hidden", type=int, default=8192)
-    ap.add_argument("--heads", type=int, default=64)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--intermediate", type=int, default=28672)
+    add_shape_args(ap)
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no new round after this many seconds")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--name", default=None, help="result file stem (default gemm-after-<date>)")
@@ -188,7 +184,7 @@ def main(argv=None) -> int:
     clusters = max_active_clusters(lib)
     print(f"[gemm-after] {torch.cuda.get_device_name(dev)}, {sm_count} SMs; max active clusters {clusters}", flush=True)
 
-    shapes = gemm_shapes(args.hidden, args.heads, args.kv_heads, 128, args.intermediate, 2)
+    shapes = shapes_of(args)
     n, k = shapes["gate_up"]
     kinds = ("gate_up", "qkv", "o", "down") if "layers" in args.graphs else ("gate_up",)
     dtype, T, H = torch.bfloat16, args.tokens, args.hidden

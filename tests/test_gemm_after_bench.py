@@ -60,3 +60,11 @@ def test_summary_takes_medians_over_rounds_and_compares_with_none():
                        "sm_count": 132, "max_active_clusters": {"1": 132, "2": 66, "8": 16}})
     assert "| gate_up-after/probe-4x1-pdl | 122.00 | 118.00 | 1.083 | 4.0 | 118.00, 119.90, 117.00 |" in md
     assert "132 SMs: 1: 132, 2: 66, 8: 16" in md
+
+
+def test_model_shapes_come_from_the_shared_arguments():
+    # decode_gemm_bench's add_shape_args / shapes_of: the 70B model by default, the 8B model on request
+    assert gab.shapes_of(gab.build_parser().parse_args([]))["gate_up"] == (28672, 8192)
+    eight_b = gab.shapes_of(gab.build_parser().parse_args(
+        ["--hidden", "4096", "--heads", "32", "--intermediate", "14336"]))
+    assert eight_b == {"qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168)}
