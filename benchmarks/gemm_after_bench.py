@@ -268,9 +268,10 @@ def main(argv=None) -> int:
     res = {"records": records, "layers": args.layers, "tokens": T, "shape": [n, k], "sm_count": sm_count,
            "max_active_clusters": clusters, "summary": summarize(records)}
     hdr = results_header("decode-gemm", {
-        "method": "one GPU, one process; CUDA graph of layers x (predecessor -> gate_up on the layer's own weight); "
-                  "per-layer time by CUDA events (p50 over replays), kernel durations by the torch profiler; rounds "
-                  "alternate the order of the predecessors",
+        "method": "one GPU, one process; CUDA graphs over layers, each with its own weights: predecessor -> gate_up "
+                  "(pair) and predecessor -> qkv -> o -> predecessor -> gate_up -> down (layers); per-layer time by "
+                  "CUDA events (p50 over replays), kernel durations by the torch profiler; rounds alternate the order",
+        "graphs": args.graphs,
         "layers": args.layers, "tokens": T, "shape": [n, k], "sm_count": sm_count,
         "max_active_clusters": clusters, "summary": res["summary"]})
     hdr["records"] = records
