@@ -2,28 +2,18 @@ import pytest
 import torch
 
 
-def _two_gpus_reason():
+def _skip_reason(gpus: int):
+    """Why the GPU tests cannot run here with `gpus` GPUs needed (1: the pair tests with both ranks
+    on GPU 0, YALI_ALLOW_SHARED_GPU=1; 2: one GPU each, with P2P), or None."""
     import yali_vllm
 
     reason = yali_vllm.unavailable_reason()
     if reason:
         return reason
-    if torch.cuda.device_count() < 2:
-        return f"needs 2 GPUs, {torch.cuda.device_count()} visible"
-    if not torch.cuda.can_device_access_peer(0, 1):
+    if torch.cuda.device_count() < gpus:
+        return f"needs {gpus} GPU{'s' if gpus > 1 else ''}, {torch.cuda.device_count()} visible"
+    if gpus > 1 and not torch.cuda.can_device_access_peer(0, 1):
         return "GPUs 0 and 1 have no P2P access"
-    return None
-
-
-def _shared_gpu_reason():
-    """With YALI_ALLOW_SHARED_GPU=1 the pair tests put both ranks on GPU 0 (tests/gpu/pair.py)."""
-    import yali_vllm
-
-    reason = yali_vllm.unavailable_reason()
-    if reason:
-        return reason
-    if torch.cuda.device_count() < 1:
-        return "needs a GPU, none visible"
     return None
 
 
@@ -39,7 +29,7 @@ def pytest_collection_modifyitems(config, items):
         # the C++ example): they need two GPUs even when the pair tests may share one.
         kind = "shared" if shared and "two_gpus" not in item.keywords else "two"
         if kind not in reasons:
-            reasons[kind] = _shared_gpu_reason() if kind == "shared" else _two_gpus_reason()
+            reasons[kind] = _skip_reason(1 if kind == "shared" else 2)
         if reasons[kind]:
             extra = f" ({SHARED_GPU_VAR}=1 does not apply: it needs two devices)" if shared and kind == "two" else ""
             item.add_marker(pytest.mark.skip(reason=f"GPU test: {reasons[kind]}{extra}"))
