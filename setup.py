@@ -1,7 +1,10 @@
-"""Build of yali-vllm's CUDA extension (csrc/) as one abi3 library, yali_vllm/_C.abi3.so.
+"""Build of yali-vllm's CUDA extension (csrc/) as one library, yali_vllm/_C.abi3.so.
 
-The library registers torch ops with TORCH_LIBRARY only (no pybind), so it does
-not depend on the Python version, only on the torch it was built against.
+The torch op layer (csrc/bindings) uses torch's stable C ABI only, targeting torch
+2.11 (TORCH_TARGET_VERSION): the library imports no C++ symbol of torch and no
+Python symbol, so one build loads in every supported torch (2.11 through 2.14) and
+every Python. It is compiled against whatever torch is installed (pip's
+--no-build-isolation), which must be 2.11 or newer.
 Hopper: TORCH_CUDA_ARCH_LIST defaults to 9.0a (sm_90a).
 """
 import glob
@@ -14,10 +17,23 @@ os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
 # wrapper outside the toolkit, point it at the standard install instead.
 if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
     os.environ["CUDA_HOME"] = "/usr/local/cuda"
+import torch  # noqa: E402
 from torch.utils.cpp_extension import BuildExtension, CUDAExtension  # noqa: E402
+
+# The oldest torch whose stable ABI the library uses (major << 56 | minor << 48).
+TARGET = (2, 11)
+_built_against = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+if _built_against < TARGET:
+    raise SystemExit(f"yali-vllm builds against torch >= {TARGET[0]}.{TARGET[1]}; torch {torch.__version__} is installed")
 
 sources = sorted(glob.glob("csrc/core/yali/*.cu") + glob.glob("csrc/core/yali/*.cpp")) + [
     "csrc/bindings/torch_ops.cpp"
+]
+defines = [
+    f"-DTORCH_TARGET_VERSION=0x{TARGET[0]:02x}{TARGET[1]:02x}000000000000ULL",
+    "-DUSE_CUDA",
+    f'-DYALI_BUILD_TORCH="{torch.__version__}"',
+    f'-DYALI_TORCH_TARGET="{TARGET[0]}.{TARGET[1]}"',
 ]
 
 setup(
@@ -26,7 +42,7 @@ setup(
             name="yali_vllm._C",
             sources=sources,
             include_dirs=[os.path.abspath("csrc/core")],
-            extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": ["-O3", "-std=c++17"]},
+            extra_compile_args={"cxx": ["-O3", "-std=c++20", *defines], "nvcc": ["-O3", "-std=c++17"]},
             py_limited_api=True,
         )
     ],

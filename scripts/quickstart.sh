@@ -1,20 +1,30 @@
 #!/usr/bin/env bash
 # Sets up yali-vllm in .venv and runs the main job (benchmarks/serve_demo.py):
-#   torch 2.11.0 (CUDA 13 build) + vLLM 0.26.0 + this package, whose CUDA extension
-#   is built here with nvcc for sm_90a; then the embedded dummy model is served
-#   with `vllm serve --tensor-parallel-size 2` and the YALI plugin, and one
-#   completion request is sent. On a machine without 2 GPUs it stops after the
-#   set-up and says so. YALI_SKIP_INSTALL=1 uses the current Python environment
-#   (e.g. an offline GPU host that already has torch and vLLM).
+#   vLLM 0.33.0 (with the torch 2.14.0 it pins) + this package, whose CUDA extension is
+#   built here with nvcc for sm_90a against that torch's stable ABI; then the embedded
+#   dummy model is served with `vllm serve --tensor-parallel-size 2` and the YALI plugin,
+#   and one completion request is sent. On a machine without 2 GPUs it stops after the
+#   set-up and says so.
+#   YALI_VLLM_VERSION=0.26.0 (any release 0.26.0 .. 0.33.x) sets up another vLLM; a .venv
+#   that already has that vLLM keeps it (and its torch) as it is.
+#   YALI_SKIP_INSTALL=1 uses the current Python environment (e.g. an offline GPU host
+#   that already has torch and vLLM).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # NVLink multicast stays off in everything started from here.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm
+VLLM_VERSION="${YALI_VLLM_VERSION:-0.33.0}"
 if [ "${YALI_SKIP_INSTALL:-0}" != 1 ]; then
   [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
   . .venv/bin/activate
   python -m pip install -q --upgrade pip
-  python -m pip install -q torch==2.11.0 setuptools wheel ninja
-  python -m pip install -q --no-build-isolation -e ".[vllm,bench,test]"
+  if python -c "import sys, importlib.metadata as m; sys.exit(m.version('vllm') != '$VLLM_VERSION')" 2>/dev/null; then
+    echo "[quickstart] vLLM $VLLM_VERSION is already installed in .venv: kept as it is"
+  else
+    python -m pip install -q "vllm==$VLLM_VERSION"   # brings the torch it pins
+  fi
+  python -m pip install -q setuptools wheel ninja
+  # Built against the installed torch; pip leaves vLLM's torch alone (yali-vllm accepts 2.11-2.14).
+  python -m pip install -q --no-build-isolation -e ".[bench,test]"
 fi
 python benchmarks/serve_demo.py "$@"

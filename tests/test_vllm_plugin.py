@@ -3,9 +3,10 @@
 Everything here uses vLLM's real classes: the plugin patches vLLM's own
 CudaCommunicator, and the multi-rank tests build real CudaCommunicators over
 real gloo process groups in two spawned CPU processes (vLLM's CUDA-only
-members stay off on a CPU machine).  The only stand-in is a fake YALI
-communicator object in test_dispatch_*, used to drive the dispatch wrapper
-on CPU tensors (a real YaliCommunicator needs two GPUs); see
+members stay off on a CPU machine).  The only stand-ins are fake YALI
+communicator objects in test_dispatch_* (to drive the dispatch wrapper on CPU
+tensors) and in the two-rank checkpoint case (to drive the decision over a
+real gloo group): a real YaliCommunicator needs a GPU; see
 tests/gpu/test_vllm_e2e.py for the real thing.
 """
 
@@ -119,11 +120,44 @@ def test_gate_stays_off(kwargs, why):
 
 def test_gate_uses_vllms_tp_name_test():
     # vLLM names groups "<name>:<index>" (parallel_state._get_unique_name) and
-    # enables its custom all-reduce when "tp" is in the name.
+    # enables its TP-only backends for the exact name "tp" (0.30+ has "etp" groups too).
     from vllm.distributed.parallel_state import _get_unique_name
 
     assert vllm_plugin.is_tp_group(_get_unique_name("tp"))
-    assert not vllm_plugin.is_tp_group(_get_unique_name("pp"))
+    for other in ("pp", "etp", "dcp", "pcp", "ep", "world"):
+        assert not vllm_plugin.is_tp_group(_get_unique_name(other)), other
+
+
+def test_gate_leaves_batch_invariant_mode_to_vllm():
+    ok, reason = yali_gate("tp:0", 2, ["h", "h"], True, True, batch_invariant=True)
+    assert not ok and "VLLM_BATCH_INVARIANT=1" in reason
+
+
+@pytest.mark.parametrize("version,inside", [
+    ("0.26.0", True), ("0.29.1", True), ("0.33.0", True), ("0.33.2.dev5+gabc", True),
+    ("0.25.1", False), ("0.34.0", False), ("1.0.0", False), ("unknown", False),
+])
+def test_supported_range(version, inside):
+    assert vllm_plugin.in_supported_range(version) is inside
+
+
+def test_installed_vllm_is_in_the_supported_range():
+    import vllm
+
+    assert vllm_plugin.in_supported_range(vllm.__version__), vllm.__version__
+
+
+def test_optional_hooks_follow_the_installed_vllm(unpatched):
+    # suspend (0.30+) and checkpoint_prepare (0.27+) are wrapped where vLLM's class defines them.
+    shipped = {n: unpatched.__dict__.get(n) for n in vllm_plugin._OPTIONAL_HOOKS}
+    vllm_plugin.register()
+    for name, fn in shipped.items():
+        if callable(fn):
+            assert unpatched.__dict__[name].__wrapped__ is fn, name
+        else:
+            assert name not in unpatched.__dict__, name
+    vllm_plugin.unpatch_class(unpatched)
+    assert {n: unpatched.__dict__.get(n) for n in shipped} == shipped
 
 
 # -------------------------------------------------------------- registration
@@ -396,6 +430,30 @@ def _decision(comm) -> list:
     return [reason, warn]
 
 
+class _StandInYali:
+    """What checkpoint_release uses of a YaliCommunicator: captured, synchronize(), close()."""
+
+    def __init__(self, captured: bool):
+        self.captured, self.synced, self.closed = captured, False, False
+
+    def synchronize(self):
+        self.synced = True
+
+    def close(self):
+        self.closed = True
+
+
+def _checkpoint_cases(comm, rank: int) -> dict:
+    out = {}
+    for case, captured in {"none_captured": (False, False), "one_captured": (True, False)}.items():
+        yc = _StandInYali(captured[rank])
+        comm.yali_comm = yc
+        what = vllm_plugin.checkpoint_release(comm)
+        out[case] = [comm.yali_comm is None, yc.closed, yc.synced, what]
+    comm.yali_comm = None
+    return out
+
+
 def _two_rank_worker(rank: int, port: int, outdir: str) -> None:
     """Spawned twice.  Builds real vLLM CudaCommunicators ("tp:0", 2 ranks) on
     CPU and records what the plugin decided; written to rank<N>.json."""
@@ -436,6 +494,7 @@ def _two_rank_worker(rank: int, port: int, outdir: str) -> None:
         os.environ["YALI_ENABLE"] = "1"
         comm.use_custom_allreduce = False  # as under --disable-custom-all-reduce
         res["cuda_no_custom_ar"] = _decision(comm)
+        res["checkpoint"] = _checkpoint_cases(comm, rank)
         comm.destroy()
         pp.destroy()
     except Exception as e:  # reported to the parent
@@ -460,6 +519,15 @@ def test_two_ranks_off_on_cpu_platform_and_vllm_chain_still_reduces(two_ranks):
         assert any(
             "group 'pp:0'" in ln and "not a tensor-parallel group" in ln for ln in res["log"]
         )
+
+
+def test_two_ranks_checkpoint_releases_yali_only_when_no_graph_captured_it(two_ranks):
+    for res in two_ranks:
+        off, closed, synced, what = res["checkpoint"]["none_captured"]
+        assert off and closed and synced and "released" in what
+        # One rank's graph captured YALI: both ranks keep it (the decision is agreed).
+        off, closed, synced, what = res["checkpoint"]["one_captured"]
+        assert not off and not closed and synced and "CUDA graphs captured" in what
 
 
 def test_two_ranks_gather_identical_info(two_ranks):
@@ -489,3 +557,37 @@ def test_two_ranks_agree_on_yali_enable(two_ranks):
         assert "invalid YALI_ENABLE='sometimes'" in reason
         reason, warn = res["cuda_no_custom_ar"]
         assert "custom all-reduce is disabled" in reason and not warn
+
+
+# ------------------------------------------- the plugin's lines in vLLM's log
+_LOG_PROBE = r"""
+import logging
+import vllm.logger as vllm_logger
+configured_at_import = bool(logging.getLogger("vllm").handlers)
+from yali_vllm import vllm_plugin
+vllm_plugin.register()
+print("PROBE registered; vLLM logging configured at import:", configured_at_import, flush=True)
+vllm_logger._configure_vllm_root_logger()  # what vLLM's API server, LLM(...) and workers do
+print("PROBE configured", flush=True)
+"""
+
+
+def test_plugin_line_reaches_vllms_log_on_every_supported_version():
+    """vLLM 0.31+ configures its loggers only when a process applies its logging
+    configuration, after the API server loaded plugins: the plugin's INFO line is held
+    until then, and appears in vLLM's format (vLLM 0.26-0.30 configure at import)."""
+    import subprocess
+    import sys
+
+    import vllm
+
+    env = dict(os.environ, VLLM_CONFIGURE_LOGGING="1", VLLM_LOGGING_LEVEL="INFO",
+               VLLM_LOGGING_STREAM="ext://sys.stdout")
+    r = subprocess.run([sys.executable, "-c", _LOG_PROBE], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    lines = [ln for ln in out.splitlines() if "YALI: plugin loaded for vLLM" in ln]
+    assert len(lines) == 1, out[-3000:]
+    assert f"vLLM {vllm.__version__}" in lines[0] and "INFO" in lines[0]
+    if "configured at import: False" in out:  # 0.31+: held, then emitted once vLLM configured logging
+        assert out.index("PROBE registered") < out.index(lines[0]) < out.index("PROBE configured")

@@ -78,6 +78,9 @@ class YaliCommunicator:
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device | int | str, max_bytes: int | None = None):
         self._handle: int | None = None
+        # Set once a CUDA graph captured one of this communicator's kernels: the graph holds its
+        # buffers' addresses, so the buffers must outlive it (see the plugin's checkpoint hook).
+        self.captured = False
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -116,14 +119,14 @@ class YaliCommunicator:
         try:
             self._check_p2p(other["uuid"])
             self._handle = y.create(self.device.index, self.rank)
-            step["ipc"] = bytes(y.ipc_handle(self._handle).tolist())
+            step["ipc"] = bytes(y.ipc_handle(self._handle))
         except Exception as e:
             step["error"] = f"{type(e).__name__}: {e}"
         try:
             peer = self._exchange(step)[1 - self.rank]
             opened: dict = {"error": None}
             try:
-                y.open_peer(self._handle, torch.tensor(list(peer["ipc"]), dtype=torch.uint8))
+                y.open_peer(self._handle, list(peer["ipc"]))
             except Exception as e:
                 opened["error"] = f"cannot map the peer's buffer: {e}"
             self._exchange(opened)  # both sides zeroed their flags and mapped the peer
@@ -184,7 +187,12 @@ class YaliCommunicator:
         """
         if self._handle is None:
             raise RuntimeError("yali: all_reduce on a closed YaliCommunicator")
+        self._note_capture()
         return ops.all_reduce(self._handle, x, out, config.MODES[mode])
+
+    def _note_capture(self) -> None:
+        if not self.captured and torch.cuda.is_current_stream_capturing():
+            self.captured = True
 
     def can_fuse(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
         """True when fused_allreduce_rmsnorm(x, residual, weight, eps) is served by YALI.
@@ -218,7 +226,12 @@ class YaliCommunicator:
         Raises ValueError/TypeError/RuntimeError naming the problem for inputs can_fuse() refuses."""
         if self._handle is None:
             raise RuntimeError("yali: fused_allreduce_rmsnorm on a closed YaliCommunicator")
+        self._note_capture()
         return ops.fused_allreduce_rmsnorm(self._handle, x, residual, weight, eps, norm_out, residual_out)
+
+    def synchronize(self) -> None:
+        """Waits until every kernel on this rank's GPU has finished (YALI's included)."""
+        torch.cuda.synchronize(self.device)
 
     def device_calls(self) -> int:
         """YALI kernel launches that ran on this GPU (graph replays included). Synchronises."""

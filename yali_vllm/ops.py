@@ -33,13 +33,20 @@ def register_fakes() -> None:
     _registered = True
 
 
+def _launch(op, *args) -> None:
+    """op(*args): torch.ops.yali directly while torch.compile traces (fullgraph traces through this
+    wrapper), else through _ext.call, which raises the library's tagged errors as ValueError / TypeError."""
+    if torch.compiler.is_compiling():
+        op(*args)
+    else:
+        _ext.call(op, *args)
+
+
 def all_reduce(comm: int, x: torch.Tensor, out: torch.Tensor | None = None, mode: int = -1) -> torch.Tensor:
     """Sum of `x` over the two ranks of communicator handle `comm`, into `out` (new tensor by default)."""
     if out is None:
         out = torch.empty_like(x)
-    # torch.ops.yali directly (the library is loaded: `comm` exists), so that
-    # torch.compile(fullgraph=True) can trace through this wrapper.
-    torch.ops.yali.all_reduce(comm, x, out, mode)
+    _launch(torch.ops.yali.all_reduce, comm, x, out, mode)
     return out
 
 
@@ -57,5 +64,5 @@ def fused_allreduce_rmsnorm(comm: int, x: torch.Tensor, residual: torch.Tensor |
         norm_out = torch.empty_like(x)
     if residual_out is None:
         residual_out = torch.empty_like(x)
-    torch.ops.yali.fused_allreduce_rmsnorm(comm, x, residual, weight, float(eps), norm_out, residual_out)
+    _launch(torch.ops.yali.fused_allreduce_rmsnorm, comm, x, residual, weight, float(eps), norm_out, residual_out)
     return norm_out, residual_out

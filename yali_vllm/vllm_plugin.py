@@ -48,16 +48,20 @@ logger = logging.getLogger("vllm.yali")
 ENABLE_VAR = "YALI_ENABLE"
 
 
-def _tested_series() -> str:
-    """The vLLM release series the hook is tested against, e.g. "0.26.".
-    Other releases are still patched when the hook points check out, with a
-    warning."""
+def _release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as "0.33.0" or "0.31.1.dev3+g..."; (0, 0) if unreadable."""
     try:
-        from yali_vllm._version import TESTED_VLLM_VERSION
+        major, minor = version.split(".")[:2]
+        return int(major), int("".join(ch for ch in minor if ch.isdigit()) or "x")
+    except ValueError:
+        return (0, 0)
 
-        return ".".join(TESTED_VLLM_VERSION.split(".")[:2]) + "."
-    except Exception:
-        return "0.26."
+
+def in_supported_range(version: str) -> bool:
+    """Whether `version` is a vLLM release series yali-vllm is tested against (0.26 through 0.33)."""
+    from yali_vllm._version import OLDEST_VLLM_VERSION, TESTED_VLLM_VERSION
+
+    return _release(OLDEST_VLLM_VERSION) <= _release(version) <= _release(TESTED_VLLM_VERSION)
 
 
 _COMM_MODULE = "vllm.distributed.device_communicators.cuda_communicator"
@@ -79,9 +83,11 @@ def _parse_enable(environ: Any = None) -> bool:
 
 
 def is_tp_group(unique_name: str) -> bool:
-    # The same test vLLM's CudaCommunicator applies before enabling its own
-    # custom all-reduce ("tp" in the group's unique name, e.g. "tp:0").
-    return "tp" in unique_name
+    """Whether a group's unique name ("tp:0") names vLLM's tensor-parallel group: the exact
+    prefix "tp", as vLLM's CudaCommunicator matches it (0.30+) before enabling its TP-only
+    backends. Other groups are left alone, including "etp" (expert/Engram tensor parallelism,
+    0.30+), whose all-reduces are not the dense layers' TP all-reduces the plugin serves."""
+    return unique_name.split(":")[0] == "tp"
 
 
 def yali_gate(
@@ -94,6 +100,7 @@ def yali_gate(
     custom_ar_enabled: bool = True,
     p2p: bool | None = None,
     stateless: bool = False,
+    batch_invariant: bool = False,
 ) -> tuple[bool, str]:
     """Decide whether a vLLM device communicator gets YALI.
 
@@ -104,7 +111,8 @@ def yali_gate(
     hostnames: one per rank.  custom_ar_enabled: vLLM's own custom
     all-reduce switch for the group; YALI is a custom all-reduce and follows
     it (off under --disable-custom-all-reduce, multi-node, batch-invariant
-    mode).  p2p: CUDA peer access between the two GPUs, None when it cannot
+    mode; from vLLM 0.32 batch-invariant mode keeps vLLM's custom all-reduce
+    on, so ``batch_invariant`` is checked on its own).  p2p: CUDA peer access between the two GPUs, None when it cannot
     be told here (YaliCommunicator checks it again).  stateless: vLLM's
     stateless (elastic) process groups, not supported.
 
@@ -120,6 +128,11 @@ def yali_gate(
         return False, "vLLM platform is not CUDA"
     if stateless:
         return False, "stateless (elastic) process groups are not supported"
+    if batch_invariant:
+        return False, (
+            "vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1): YALI's fused op changes its "
+            "launch shape with the token count, so it is left to vLLM's batch-invariant path"
+        )
     if not custom_ar_enabled:
         return False, (
             "vLLM's custom all-reduce is disabled for this group "
@@ -179,9 +192,19 @@ def _local_info(comm: Any) -> dict[str, Any]:
         "enabled": enabled,
         "enable_error": enable_error,
         "custom_ar": bool(getattr(comm, "use_custom_allreduce", False)),
+        "batch_invariant": _batch_invariant(),
         "device": device.index if is_cuda else None,
         "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
+
+
+def _batch_invariant() -> bool:
+    try:
+        import vllm.envs as envs
+
+        return bool(getattr(envs, "VLLM_BATCH_INVARIANT", False))
+    except Exception:
+        return False
 
 
 def gather_group_info(comm: Any) -> list[dict[str, Any]]:
@@ -304,6 +327,7 @@ def setup_yali(comm: Any, *, platform_is_cuda: bool, stateless: bool = False) ->
         all(i["enabled"] for i in infos),
         custom_ar_enabled=all(i["custom_ar"] for i in infos),
         p2p=_p2p_from_info(infos),
+        batch_invariant=any(i.get("batch_invariant") for i in infos),
     )
     if not ok:
         errors = [i["enable_error"] for i in infos if i["enable_error"]]
@@ -592,6 +616,69 @@ def _wrap_destroy(orig_destroy: Any) -> Any:
     return destroy
 
 
+def _wrap_suspend(orig_suspend: Any) -> Any:
+    """vLLM 0.30+ (sleep with enable_nccl_comm_suspend): YALI keeps serving. Its buffers are its own
+    cudaMalloc memory, outside torch's caching allocator and vLLM's cuMem pools, so sleep mode never
+    offloads them and the peer mapping stays valid, as vLLM's custom all-reduce's buffers do."""
+
+    @functools.wraps(orig_suspend)
+    def suspend(self: Any) -> Any:
+        yc = getattr(self, "yali_comm", None)
+        if yc is not None and not getattr(self, "_yali_suspend_logged", False):
+            self._yali_suspend_logged = True
+            logger.info("YALI: group '%s' suspended: YALI's buffers (%s) stay resident and mapped; "
+                        "YALI serves again after resume", getattr(self, "unique_name", "?"),
+                        _buffer_size(yc))
+        return orig_suspend(self)
+
+    return suspend
+
+
+def _buffer_size(yc: Any) -> str:
+    try:
+        return f"{int(yc.buffer_bytes) / 2**20:.0f} MiB"
+    except Exception:
+        return "size unknown"
+
+
+def checkpoint_release(comm: Any) -> str:
+    """Before a process checkpoint (vLLM 0.27+ ``checkpoint_prepare``): release YALI's CUDA IPC
+    mappings and buffers, and leave the group to vLLM's chain from then on, unless a CUDA graph
+    captured YALI's kernels (then they hold the buffers' addresses, and the buffers stay, as
+    vLLM's custom all-reduce's do). Collective over the group's CPU group; both ranks decide
+    alike. Returns what was done, for the log line."""
+    yc = getattr(comm, "yali_comm", None)
+    if yc is None:
+        return "YALI is off for this group"
+    yc.synchronize()  # no YALI kernel of this rank in flight
+    # All ranks have synchronised once this returns: no peer kernel still writes into my buffer.
+    captured = any(_all_gather(bool(yc.captured), comm.cpu_group))
+    if captured:
+        return ("CUDA graphs captured YALI's kernels, so its buffers and peer mapping stay "
+                "(a checkpoint tool that cannot save CUDA IPC mappings refuses this process)")
+    comm.yali_comm = None
+    _close_quietly(yc)
+    return "YALI's buffers and peer mapping are released; vLLM's all-reduce chain serves this group from now on"
+
+
+def _wrap_checkpoint_prepare(orig: Any) -> Any:
+    @functools.wraps(orig)
+    def checkpoint_prepare(self: Any) -> Any:
+        if getattr(self, "yali_comm", None) is not None:
+            try:
+                what = checkpoint_release(self)
+                logger.info("YALI: checkpoint_prepare on group '%s': %s", getattr(self, "unique_name", "?"), what)
+            except Exception:
+                logger.warning("YALI: checkpoint_prepare hook failed", exc_info=True)
+        return orig(self)
+
+    return checkpoint_prepare
+
+
+# Methods patched when the class defines them (vLLM 0.27+ / 0.30+), with their wrappers.
+_OPTIONAL_HOOKS = {"suspend": _wrap_suspend, "checkpoint_prepare": _wrap_checkpoint_prepare}
+
+
 def is_patched(cls: type) -> bool:
     return bool(cls.__dict__.get(_MARK))
 
@@ -615,6 +702,10 @@ def patch_class(cls: type) -> bool:
     cls.__init__ = _wrap_init(originals["__init__"])
     cls.all_reduce = _wrap_all_reduce(originals["all_reduce"])
     cls.destroy = _wrap_destroy(originals["destroy"])
+    for name, wrap in _OPTIONAL_HOOKS.items():
+        if callable(cls.__dict__.get(name)):
+            originals[name] = cls.__dict__[name]
+            setattr(cls, name, wrap(originals[name]))
     setattr(cls, _ORIGINALS, originals)
     setattr(cls, _MARK, True)
     return True
@@ -659,6 +750,12 @@ def _register_fusion_op() -> None:
 def register() -> None:
     """``vllm.general_plugins`` entry point.  Idempotent; never raises."""
     try:
+        from yali_vllm import vllm_log
+
+        vllm_log.hold_until_configured()  # the lines below reach vLLM's log on 0.31+ too
+    except Exception:
+        pass
+    try:
         import importlib
 
         module = importlib.import_module(_COMM_MODULE)
@@ -677,15 +774,17 @@ def register() -> None:
         if not patch_class(cls) or already:
             return
         _register_fusion_op()
-        version, series = _vllm_version(), _tested_series()
-        if not version.startswith(series):
+        version = _vllm_version()
+        if not in_supported_range(version):
+            from yali_vllm._version import OLDEST_VLLM_VERSION, TESTED_VLLM_VERSION
+
             logger.warning(
-                "YALI: vLLM %s is outside the tested series %sx; its hook points "
+                "YALI: vLLM %s is outside the tested range %s to %s; its hook points "
                 "match, so YALI is enabled (YALI_ENABLE=0 turns it off)",
-                version,
-                series,
+                version, OLDEST_VLLM_VERSION, TESTED_VLLM_VERSION,
             )
-        logger.debug("YALI: hooked %s.%s (vLLM %s)", _COMM_MODULE, _COMM_CLASS, version)
+        logger.info("YALI: plugin loaded for vLLM %s (hook points of %s.%s found)", version, _COMM_MODULE,
+                    _COMM_CLASS)
     except Exception:
         logger.warning("YALI: plugin registration failed; YALI stays off", exc_info=True)
 

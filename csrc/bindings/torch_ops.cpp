@@ -1,56 +1,148 @@
 // Thin torch op layer over the YALI core (csrc/core): argument checks with
-// clear messages, tensor -> pointer, torch's current stream. Registered with
-// TORCH_LIBRARY only (no pybind, no Python.h), so the library is independent of
-// the Python version (abi3) and is loaded with torch.ops.load_library.
+// clear messages, tensor -> pointer, torch's current stream.
+//
+// Written against torch's stable C ABI only (torch/csrc/stable, torch/headeronly,
+// the aoti_torch_* / torch_* C shim), with TORCH_TARGET_VERSION = 2.11 (setup.py):
+// the library imports no C++ symbol of torch, so one build loads and runs in every
+// torch from 2.11 on (tests/test_stable_abi.py checks the symbol table). No pybind,
+// no Python.h: the library is independent of the Python version (abi3) and is
+// loaded with torch.ops.load_library.
+//
+// Errors: the stable ABI carries only RuntimeError across the boundary, so a check
+// that means ValueError or TypeError tags its message ("[ValueError] yali: ...");
+// yali_vllm/_ext.py turns the tag back into that Python type.
 //
 // A communicator is passed around as an int64 handle (the Rank pointer), the
 // same convention vLLM uses for its custom all-reduce; handles are tracked so a
 // stale one raises instead of crashing.
-#include <ATen/ATen.h>
-#include <c10/cuda/CUDAStream.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
 
+#include <cstring>
 #include <mutex>
 #include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
 #include <unordered_set>
+#include <vector>
 
 #include "yali/config.h"
 #include "yali/rank.h"
 
+extern "C" __attribute__((used, visibility("default"))) const char yali_build_info[] =
+    "yali-vllm build: torch " YALI_BUILD_TORCH " headers, stable ABI target " YALI_TORCH_TARGET;
+
 namespace {
 
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+// ------------------------------------------------------------------ errors
+enum class Err { Runtime, Value, Type };
+
+template <typename... Args>
+[[noreturn]] void fail(Err kind, const Args&... args) {
+  std::ostringstream o;
+  o << (kind == Err::Value ? "[ValueError] " : kind == Err::Type ? "[TypeError] " : "") << "yali: ";
+  (o << ... << args);
+  throw std::runtime_error(o.str());
+}
+
+#define YALI_CHECK(cond, ...) \
+  do {                        \
+    if (!(cond)) fail(Err::Runtime, __VA_ARGS__); \
+  } while (0)
+#define YALI_CHECK_VALUE(cond, ...) \
+  do {                              \
+    if (!(cond)) fail(Err::Value, __VA_ARGS__); \
+  } while (0)
+#define YALI_CHECK_TYPE(cond, ...) \
+  do {                             \
+    if (!(cond)) fail(Err::Type, __VA_ARGS__); \
+  } while (0)
+
+// Core calls throw std::invalid_argument for bad settings (a YALI_* value) and
+// std::runtime_error otherwise; keep that distinction across the boundary.
+template <typename F>
+auto core(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const std::invalid_argument& e) {
+    fail(Err::Value, e.what());
+  } catch (const std::exception& e) {
+    fail(Err::Runtime, e.what());
+  }
+}
+
+// ------------------------------------------------------------------ handles
 std::mutex g_mu;
 std::unordered_set<yali::Rank*> g_live;
 
 yali::Rank* get(int64_t handle) {
   std::lock_guard<std::mutex> lock(g_mu);
   auto* r = reinterpret_cast<yali::Rank*>(handle);
-  TORCH_CHECK(g_live.count(r), "yali: communicator handle ", handle, " is not open (closed already?)");
+  YALI_CHECK(g_live.count(r), "communicator handle ", handle, " is not open (closed already?)");
   return r;
 }
 
-yali::Config config_from_env() {
-  try {
-    return yali::Config::from_env();
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
+yali::Config config_from_env() { return core([] { return yali::Config::from_env(); }); }
+
+// ------------------------------------------------------------------ tensors
+std::string shape_of(const Tensor& t) {
+  std::ostringstream o;
+  o << "[";
+  for (int64_t d = 0; d < t.dim(); ++d) o << (d ? ", " : "") << t.size(d);
+  o << "]";
+  return o.str();
+}
+
+std::string device_of(const Tensor& t) {
+  return t.is_cuda() ? "cuda:" + std::to_string(t.get_device()) : t.is_cpu() ? "cpu" : "a non-CUDA device";
+}
+
+bool same_shape(const Tensor& a, const Tensor& b) {
+  if (a.dim() != b.dim()) return false;
+  for (int64_t d = 0; d < a.dim(); ++d)
+    if (a.size(d) != b.size(d)) return false;
+  return true;
+}
+
+bool on(const Tensor& t, int device) { return t.is_cuda() && t.get_device() == device; }
+
+yali::DType to_dtype(ScalarType t) {
+  switch (t) {
+    case ScalarType::Float: return yali::DType::F32;
+    case ScalarType::Half: return yali::DType::F16;
+    case ScalarType::BFloat16: return yali::DType::BF16;
+    default: fail(Err::Type, "all_reduce supports float32, float16 and bfloat16, not ", t);
   }
 }
 
+cudaStream_t current_stream(int device) {
+  void* s = nullptr;
+  YALI_CHECK(aoti_torch_get_current_cuda_stream(device, &s) == AOTI_TORCH_SUCCESS,
+             "cannot read torch's current CUDA stream on cuda:", device);
+  return static_cast<cudaStream_t>(s);
+}
+
+yali::KernelMode to_mode(int64_t mode, const yali::Rank& r) {
+  YALI_CHECK_VALUE(mode >= -1 && mode <= 2, "kernel mode ", mode, " is not -1 (config), 0, 1 or 2");
+  return mode < 0 ? r.config().mode : yali::KernelMode(int(mode));
+}
+
+// ------------------------------------------------------------------ ops
 int64_t create(int64_t device, int64_t rank) {
   const yali::Config c = config_from_env();
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
-  TORCH_CHECK(e == cudaSuccess && count > 0, "yali: no CUDA device is available (",
-              e == cudaSuccess ? "0 devices" : cudaGetErrorString(e), ")");
-  TORCH_CHECK(device >= 0 && device < count, "yali: device ", device, " does not exist (", count, " visible)");
-  yali::Rank* r = nullptr;
-  try {
-    r = new yali::Rank(int(device), int(rank), c);
-  } catch (const std::exception& ex) {
-    TORCH_CHECK(false, ex.what());
-  }
+  YALI_CHECK(e == cudaSuccess && count > 0, "no CUDA device is available (",
+             e == cudaSuccess ? "0 devices" : cudaGetErrorString(e), ")");
+  YALI_CHECK_VALUE(device >= 0 && device < count, "device ", device, " does not exist (", count, " visible)");
+  yali::Rank* r = core([&] { return new yali::Rank(int(device), int(rank), c); });
   std::lock_guard<std::mutex> lock(g_mu);
   g_live.insert(r);
   return reinterpret_cast<int64_t>(r);
@@ -65,118 +157,95 @@ void destroy(int64_t handle) {
   delete r;
 }
 
-at::Tensor ipc_handle(int64_t handle) {
-  const auto h = get(handle)->ipc_handle();
-  at::Tensor t = at::empty({int64_t(h.size())}, at::TensorOptions().dtype(at::kByte));
-  std::memcpy(t.data_ptr(), h.data(), h.size());
-  return t;
+// The CUDA IPC handle of this rank's buffer, as byte values (int[]).
+std::vector<int64_t> ipc_handle(int64_t handle) {
+  const yali::IpcHandleBytes h = core([&] { return get(handle)->ipc_handle(); });
+  return std::vector<int64_t>(h.begin(), h.end());
 }
 
-void open_peer(int64_t handle, const at::Tensor& peer) {
-  TORCH_CHECK(peer.device().is_cpu() && peer.scalar_type() == at::kByte &&
-                  peer.numel() == int64_t(sizeof(yali::IpcHandleBytes)) && peer.is_contiguous(),
-              "yali: open_peer expects the peer's ", sizeof(yali::IpcHandleBytes), "-byte CPU uint8 IPC handle");
+void open_peer(int64_t handle, std::vector<int64_t> peer) {
   yali::IpcHandleBytes h;
-  std::memcpy(h.data(), peer.data_ptr(), h.size());
-  try {
-    get(handle)->open_peer(h);
-  } catch (const std::exception& ex) {
-    TORCH_CHECK(false, ex.what());
+  YALI_CHECK_VALUE(peer.size() == h.size(), "open_peer expects the peer's ", h.size(), "-byte IPC handle, got ",
+                   peer.size(), " bytes");
+  for (size_t i = 0; i < h.size(); ++i) {
+    YALI_CHECK_VALUE(peer[i] >= 0 && peer[i] <= 255, "open_peer: byte ", i, " of the IPC handle is ", peer[i]);
+    h[i] = uint8_t(peer[i]);
   }
+  yali::Rank* r = get(handle);
+  core([&] { r->open_peer(h); });
 }
 
 void attach_peer(int64_t handle, int64_t peer_handle) {
-  try {
-    get(handle)->attach_peer(*get(peer_handle));
-  } catch (const std::exception& ex) {
-    TORCH_CHECK(false, ex.what());
-  }
-}
-
-yali::DType to_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return yali::DType::F32;
-    case at::kHalf: return yali::DType::F16;
-    case at::kBFloat16: return yali::DType::BF16;
-    default: TORCH_CHECK_TYPE(false, "yali: all_reduce supports float32, float16 and bfloat16, not ", t);
-  }
-}
-
-yali::KernelMode to_mode(int64_t mode, const yali::Rank& r) {
-  TORCH_CHECK_VALUE(mode >= -1 && mode <= 2, "yali: kernel mode ", mode, " is not -1 (config), 0, 1 or 2");
-  return mode < 0 ? r.config().mode : yali::KernelMode(int(mode));
+  yali::Rank* r = get(handle);
+  yali::Rank* p = get(peer_handle);
+  core([&] { r->attach_peer(*p); });
 }
 
 // out = sum over both ranks of `input`; out may be `input` (in-place).
-void all_reduce(int64_t handle, const at::Tensor& input, at::Tensor& out, int64_t mode) {
+void all_reduce(int64_t handle, const Tensor& input, const Tensor& out, int64_t mode) {
   const yali::Rank* r = get(handle);
-  TORCH_CHECK(input.is_cuda() && input.get_device() == r->device(), "yali: input must be on cuda:", r->device(),
-              ", got ", input.device());
-  TORCH_CHECK(out.device() == input.device() && out.scalar_type() == input.scalar_type() &&
-                  out.numel() == input.numel(),
-              "yali: out must match input's device, dtype and number of elements");
-  TORCH_CHECK(input.is_contiguous() && out.is_contiguous(), "yali: input and out must be contiguous");
+  YALI_CHECK_VALUE(on(input, r->device()), "input must be on cuda:", r->device(), ", got ", device_of(input));
+  YALI_CHECK_VALUE(on(out, r->device()) && out.scalar_type() == input.scalar_type() && out.numel() == input.numel(),
+                   "out must match input's device, dtype and number of elements");
+  YALI_CHECK_VALUE(input.is_contiguous() && out.is_contiguous(), "input and out must be contiguous");
   const yali::DType dt = to_dtype(input.scalar_type());
   const size_t nbytes = size_t(input.numel()) * input.element_size();
   if (nbytes == 0) return;
-  TORCH_CHECK((reinterpret_cast<uintptr_t>(input.data_ptr()) | reinterpret_cast<uintptr_t>(out.data_ptr())) % 16 == 0,
-              "yali: input and out must be 16-byte aligned (a sliced view may not be)");
+  YALI_CHECK_VALUE((reinterpret_cast<uintptr_t>(input.data_ptr()) | reinterpret_cast<uintptr_t>(out.data_ptr())) % 16 == 0,
+                   "input and out must be 16-byte aligned (a sliced view may not be)");
   const yali::KernelMode m = to_mode(mode, *r);
-  TORCH_CHECK(r->plan(nbytes, m).kernel != yali::Kernel::None, "yali: a ", nbytes,
-              "-byte all-reduce is not served in this mode (YALI_MAX_BYTES=", r->config().max_bytes,
-              ", flash limit ", r->config().flash_bytes, "); check should_use() first");
-  const c10::cuda::CUDAGuard guard(input.device());
-  const cudaError_t e =
-      r->all_reduce(input.data_ptr(), out.data_ptr(), nbytes, dt, c10::cuda::getCurrentCUDAStream().stream(), m);
-  TORCH_CHECK(e == cudaSuccess, "yali: all_reduce launch failed: ", cudaGetErrorString(e));
+  YALI_CHECK_VALUE(r->plan(nbytes, m).kernel != yali::Kernel::None, "a ", nbytes,
+                   "-byte all-reduce is not served in this mode (YALI_MAX_BYTES=", r->config().max_bytes,
+                   ", flash limit ", r->config().flash_bytes, "); check should_use() first");
+  const torch::stable::accelerator::DeviceGuard guard(r->device());
+  const cudaError_t e = r->all_reduce(input.data_ptr(), out.data_ptr(), nbytes, dt, current_stream(r->device()), m);
+  YALI_CHECK(e == cudaSuccess, "all_reduce launch failed: ", cudaGetErrorString(e));
 }
 
 // (norm_out, residual_out) = RMSNorm(all_reduce(input) [+ residual]) over the last dimension.
-void fused_allreduce_rmsnorm(int64_t handle, const at::Tensor& input, const std::optional<at::Tensor>& residual,
-                             const at::Tensor& weight, double eps, at::Tensor& norm_out, at::Tensor& residual_out) {
+void fused_allreduce_rmsnorm(int64_t handle, const Tensor& input, const std::optional<Tensor>& residual,
+                             const Tensor& weight, double eps, const Tensor& norm_out, const Tensor& residual_out) {
   const yali::Rank* r = get(handle);
-  TORCH_CHECK(input.is_cuda() && input.get_device() == r->device(), "yali: input must be on cuda:", r->device(),
-              ", got ", input.device());
-  TORCH_CHECK(input.dim() >= 1 && input.size(-1) > 0, "yali: input must be [..., hidden] with hidden > 0");
+  YALI_CHECK_VALUE(on(input, r->device()), "input must be on cuda:", r->device(), ", got ", device_of(input));
+  YALI_CHECK_VALUE(input.dim() >= 1 && input.size(-1) > 0, "input must be [..., hidden] with hidden > 0");
   const int64_t hidden = input.size(-1);
   const int64_t rows = input.numel() / hidden;
   const yali::DType dt = to_dtype(input.scalar_type());
-  auto same = [&](const at::Tensor& t) {
-    return t.device() == input.device() && t.scalar_type() == input.scalar_type() && t.sizes() == input.sizes() &&
-           t.is_contiguous();
+  auto like_input = [&](const Tensor& t) {
+    return on(t, r->device()) && t.scalar_type() == input.scalar_type() && same_shape(t, input) && t.is_contiguous();
   };
-  TORCH_CHECK(input.is_contiguous(), "yali: input must be contiguous");
-  TORCH_CHECK(same(norm_out), "yali: norm_out must be a contiguous tensor like input (shape ", input.sizes(), ")");
-  TORCH_CHECK(same(residual_out), "yali: residual_out must be a contiguous tensor like input (shape ", input.sizes(),
-              ")");
-  if (residual) TORCH_CHECK(same(*residual), "yali: residual must be a contiguous tensor like input");
-  TORCH_CHECK(weight.device() == input.device() && weight.scalar_type() == input.scalar_type() &&
-                  weight.dim() == 1 && weight.size(0) == hidden && weight.is_contiguous(),
-              "yali: weight must be a contiguous [", hidden, "] tensor of input's dtype and device, got ",
-              weight.sizes(), " ", weight.scalar_type());
-  TORCH_CHECK(norm_out.data_ptr() != residual_out.data_ptr() &&
-                  (!residual || norm_out.data_ptr() != residual->data_ptr()),
-              "yali: norm_out must not alias residual or residual_out");
+  YALI_CHECK_VALUE(input.is_contiguous(), "input must be contiguous");
+  YALI_CHECK_VALUE(like_input(norm_out), "norm_out must be a contiguous tensor like input (shape ", shape_of(input), ")");
+  YALI_CHECK_VALUE(like_input(residual_out), "residual_out must be a contiguous tensor like input (shape ",
+                   shape_of(input), ")");
+  if (residual) YALI_CHECK_VALUE(like_input(*residual), "residual must be a contiguous tensor like input");
+  YALI_CHECK_VALUE(on(weight, r->device()) && weight.scalar_type() == input.scalar_type() && weight.dim() == 1 &&
+                       weight.size(0) == hidden && weight.is_contiguous(),
+                   "weight must be a contiguous [", hidden, "] tensor of input's dtype and device, got ",
+                   shape_of(weight), " ", weight.scalar_type());
+  YALI_CHECK_VALUE(norm_out.data_ptr() != residual_out.data_ptr() &&
+                       (!residual || norm_out.data_ptr() != residual->data_ptr()),
+                   "norm_out must not alias residual or residual_out");
   if (rows == 0) return;
   const size_t row_bytes = size_t(hidden) * input.element_size();
-  TORCH_CHECK(row_bytes % 16 == 0 && row_bytes <= yali::kFusedMaxRowBytes, "yali: a row of ", hidden, " ",
-              input.scalar_type(), " elements (", row_bytes, " bytes) is not served: it must be a multiple of 16 bytes ",
-              "and at most ", yali::kFusedMaxRowBytes, " bytes");
+  YALI_CHECK_VALUE(row_bytes % 16 == 0 && row_bytes <= yali::kFusedMaxRowBytes, "a row of ", hidden, " ",
+                   input.scalar_type(), " elements (", row_bytes, " bytes) is not served: it must be a multiple of ",
+                   "16 bytes and at most ", yali::kFusedMaxRowBytes, " bytes");
   const size_t nbytes = size_t(rows) * row_bytes;
-  TORCH_CHECK(r->fused_one_launch(size_t(rows), size_t(hidden), dt) ||
-                  r->plan(nbytes, r->config().mode).kernel != yali::Kernel::None,
-              "yali: a ", nbytes, "-byte fused all-reduce is not served (YALI_MAX_BYTES=", r->config().max_bytes, ")");
-  const c10::cuda::CUDAGuard guard(input.device());
+  YALI_CHECK_VALUE(r->fused_one_launch(size_t(rows), size_t(hidden), dt) ||
+                       r->plan(nbytes, r->config().mode).kernel != yali::Kernel::None,
+                   "a ", nbytes, "-byte fused all-reduce is not served (YALI_MAX_BYTES=", r->config().max_bytes, ")");
+  const torch::stable::accelerator::DeviceGuard guard(r->device());
   const cudaError_t e = r->fused_allreduce_rmsnorm(
       input.data_ptr(), residual ? residual->data_ptr() : nullptr, weight.data_ptr(), float(eps), norm_out.data_ptr(),
-      residual_out.data_ptr(), size_t(rows), size_t(hidden), dt, c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(e == cudaSuccess, "yali: fused_allreduce_rmsnorm launch failed: ", cudaGetErrorString(e),
-              " (tensors must be 16-byte aligned)");
+      residual_out.data_ptr(), size_t(rows), size_t(hidden), dt, current_stream(r->device()));
+  YALI_CHECK(e == cudaSuccess, "fused_allreduce_rmsnorm launch failed: ", cudaGetErrorString(e),
+             " (tensors must be 16-byte aligned)");
 }
 
 std::vector<int64_t> plan(int64_t nbytes, int64_t mode) {
   yali::Config c = config_from_env();
-  TORCH_CHECK_VALUE(mode >= -1 && mode <= 2, "yali: kernel mode ", mode, " is not -1, 0, 1 or 2");
+  YALI_CHECK_VALUE(mode >= -1 && mode <= 2, "kernel mode ", mode, " is not -1, 0, 1 or 2");
   if (mode >= 0) c.mode = yali::KernelMode(int(mode));
   const yali::Plan p = yali::plan_for(c, size_t(nbytes));
   return {int64_t(p.kernel), int64_t(p.blocks), int64_t(p.chunk_bytes)};
@@ -186,23 +255,17 @@ std::string config_string() { return config_from_env().to_string(); }
 int64_t shared_bytes_for_env() { return int64_t(yali::shared_buffer_bytes(config_from_env())); }
 int64_t buffer_bytes(int64_t handle) { return int64_t(get(handle)->buffer_bytes()); }
 int64_t device_calls(int64_t handle) {
-  try {
-    return int64_t(get(handle)->device_calls());
-  } catch (const std::exception& ex) {
-    TORCH_CHECK(false, ex.what());
-  }
+  const yali::Rank* r = get(handle);
+  return core([&] { return int64_t(r->device_calls()); });
 }
 int64_t device_fused_calls(int64_t handle) {
-  try {
-    return int64_t(get(handle)->device_fused_calls());
-  } catch (const std::exception& ex) {
-    TORCH_CHECK(false, ex.what());
-  }
+  const yali::Rank* r = get(handle);
+  return core([&] { return int64_t(r->device_fused_calls()); });
 }
 std::string abort_message(int64_t handle) { return get(handle)->abort_message(); }
 // How a fused call of this shape runs: [one_launch, grid, split, batch_poll, row_loads_early, cta_bytes, cluster].
-std::vector<int64_t> fused_launch(int64_t handle, int64_t rows, int64_t hidden, at::ScalarType dtype) {
-  TORCH_CHECK_VALUE(rows > 0 && hidden > 0, "yali: fused_launch needs rows > 0 and hidden > 0, got ", rows, ", ", hidden);
+std::vector<int64_t> fused_launch(int64_t handle, int64_t rows, int64_t hidden, ScalarType dtype) {
+  YALI_CHECK_VALUE(rows > 0 && hidden > 0, "fused_launch needs rows > 0 and hidden > 0, got ", rows, ", ", hidden);
   const yali::FusedLaunch l = get(handle)->fused_launch(size_t(rows), size_t(hidden), to_dtype(dtype));
   return {l.one_launch, l.grid, l.split, l.batch_poll, l.row_loads_early, int64_t(l.cta_bytes), l.cluster};
 }
@@ -213,31 +276,56 @@ int64_t device_count() {
   return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
 
+// The torch the library was compiled against and the stable ABI version it targets.
+// Also readable from the file itself (yali_vllm/_ext.py does, when the library fails to load).
+std::string build_info() { return yali_build_info; }
+
 }  // namespace
 
-TORCH_LIBRARY(yali, m) {
-  m.def("create(int device, int rank) -> int", &create);
-  m.def("destroy(int comm) -> ()", &destroy);
-  m.def("ipc_handle(int comm) -> Tensor", &ipc_handle);
-  m.def("open_peer(int comm, Tensor peer_handle) -> ()", &open_peer);
-  m.def("attach_peer(int comm, int peer_comm) -> ()", &attach_peer);
+STABLE_TORCH_LIBRARY(yali, m) {
+  m.def("create(int device, int rank) -> int");
+  m.def("destroy(int comm) -> ()");
+  m.def("ipc_handle(int comm) -> int[]");
+  m.def("open_peer(int comm, int[] peer_handle) -> ()");
+  m.def("attach_peer(int comm, int peer_comm) -> ()");
   m.def("all_reduce(int comm, Tensor input, Tensor(a!) out, int kernel_mode=-1) -> ()");
   m.def(
       "fused_allreduce_rmsnorm(int comm, Tensor input, Tensor? residual, Tensor weight, float eps, "
       "Tensor(a!) norm_out, Tensor(b!) residual_out) -> ()");
-  m.def("plan(int nbytes, int mode=-1) -> int[]", &plan);
-  m.def("config_string() -> str", &config_string);
-  m.def("shared_bytes_for_env() -> int", &shared_bytes_for_env);
-  m.def("buffer_bytes(int comm) -> int", &buffer_bytes);
-  m.def("device_calls(int comm) -> int", &device_calls);
-  m.def("device_fused_calls(int comm) -> int", &device_fused_calls);
-  m.def("abort_message(int comm) -> str", &abort_message);
-  m.def("fused_launch(int comm, int rows, int hidden, ScalarType dtype) -> int[]", &fused_launch);
-  m.def("handle_config(int comm) -> str", &handle_config);
-  m.def("device_count() -> int", &device_count);
+  m.def("plan(int nbytes, int mode=-1) -> int[]");
+  m.def("config_string() -> str");
+  m.def("shared_bytes_for_env() -> int");
+  m.def("buffer_bytes(int comm) -> int");
+  m.def("device_calls(int comm) -> int");
+  m.def("device_fused_calls(int comm) -> int");
+  m.def("abort_message(int comm) -> str");
+  m.def("fused_launch(int comm, int rows, int hidden, ScalarType dtype) -> int[]");
+  m.def("handle_config(int comm) -> str");
+  m.def("device_count() -> int");
+  m.def("build_info() -> str");
 }
 
-TORCH_LIBRARY_IMPL(yali, CUDA, m) {
-  m.impl("all_reduce", &all_reduce);
-  m.impl("fused_allreduce_rmsnorm", &fused_allreduce_rmsnorm);
+// Ops without tensor arguments have no dispatch key to pick: registered for every backend.
+STABLE_TORCH_LIBRARY_IMPL(yali, CompositeExplicitAutograd, m) {
+  m.impl("create", TORCH_BOX(&create));
+  m.impl("destroy", TORCH_BOX(&destroy));
+  m.impl("ipc_handle", TORCH_BOX(&ipc_handle));
+  m.impl("open_peer", TORCH_BOX(&open_peer));
+  m.impl("attach_peer", TORCH_BOX(&attach_peer));
+  m.impl("plan", TORCH_BOX(&plan));
+  m.impl("config_string", TORCH_BOX(&config_string));
+  m.impl("shared_bytes_for_env", TORCH_BOX(&shared_bytes_for_env));
+  m.impl("buffer_bytes", TORCH_BOX(&buffer_bytes));
+  m.impl("device_calls", TORCH_BOX(&device_calls));
+  m.impl("device_fused_calls", TORCH_BOX(&device_fused_calls));
+  m.impl("abort_message", TORCH_BOX(&abort_message));
+  m.impl("fused_launch", TORCH_BOX(&fused_launch));
+  m.impl("handle_config", TORCH_BOX(&handle_config));
+  m.impl("device_count", TORCH_BOX(&device_count));
+  m.impl("build_info", TORCH_BOX(&build_info));
+}
+
+STABLE_TORCH_LIBRARY_IMPL(yali, CUDA, m) {
+  m.impl("all_reduce", TORCH_BOX(&all_reduce));
+  m.impl("fused_allreduce_rmsnorm", TORCH_BOX(&fused_allreduce_rmsnorm));
 }

@@ -1,0 +1,98 @@
+"""The plugin's lines in vLLM's log, on every supported vLLM.
+
+The plugin logs to "vllm.yali", a child of vLLM's "vllm" logger, so its lines carry
+vLLM's format and per-process prefix. vLLM 0.26-0.30 attach the "vllm" handler when
+``vllm.logger`` is imported. From 0.31 vLLM attaches it only when a process applies
+its logging configuration (``vllm.logger._configure_vllm_root_logger``), and the API
+server and ``LLM(...)`` load plugins before that: INFO lines logged then would be
+dropped (an unconfigured logger passes only warnings).
+
+``hold_until_configured()`` keeps the plugin's records in that window and hands them
+to vLLM's handlers right after vLLM configures logging; where vLLM's handler is
+already attached (0.26-0.30, and 0.31+ engine cores and workers) it does nothing.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+LOGGER = "vllm.yali"
+# Records kept at most while vLLM's logging is not configured (the plugin logs a few).
+MAX_HELD = 200
+_WRAPPED = "_yali_release"
+
+
+class _Held(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.records) < MAX_HELD:
+            self.records.append(record)
+
+
+_held: _Held | None = None
+
+
+def holding() -> bool:
+    """True while the plugin's records wait for vLLM's logging configuration."""
+    return _held is not None
+
+
+def release() -> None:
+    """Stop holding and pass the held records to the "vllm" logger's handlers (or, if vLLM attached
+    none, e.g. VLLM_CONFIGURE_LOGGING=0, to whatever the application configured above it)."""
+    global _held
+    held, _held = _held, None
+    if held is None:
+        return
+    log = logging.getLogger(LOGGER)
+    log.removeHandler(held)
+    log.setLevel(logging.NOTSET)
+    log.propagate = True
+    parent = logging.getLogger("vllm")
+    for r in held.records:
+        if r.levelno >= log.getEffectiveLevel():
+            # Made again through the record factory vLLM has installed by now (it adds fields
+            # its format needs, such as the process name), with the original time.
+            again = log.makeRecord(r.name, r.levelno, r.pathname, r.lineno, r.msg, r.args, r.exc_info,
+                                   r.funcName, None, r.stack_info)
+            again.created, again.msecs = r.created, r.msecs
+            parent.handle(again)
+
+
+def hold_until_configured() -> bool:
+    """Hold "vllm.yali" records until vLLM configures logging in this process, when it has not yet.
+    Returns True when holding. Idempotent; never raises."""
+    global _held
+    if _held is not None:
+        return True
+    if logging.getLogger("vllm").handlers:
+        return False  # vLLM's handler is attached: lines go straight to it
+    try:
+        import vllm.logger as vllm_logger
+    except Exception:
+        return False
+    configure = getattr(vllm_logger, "_configure_vllm_root_logger", None)
+    if configure is None:
+        return False  # not a hook point this module knows: lines go where the logger sends them
+    if logging.getLogger("vllm").handlers:  # importing vllm.logger configured it (0.26-0.30)
+        return False
+    if not getattr(configure, _WRAPPED, False):
+
+        @functools.wraps(configure)
+        def configure_then_release(*args, **kwargs):
+            try:
+                return configure(*args, **kwargs)
+            finally:
+                release()
+
+        setattr(configure_then_release, _WRAPPED, True)
+        vllm_logger._configure_vllm_root_logger = configure_then_release
+    _held = _Held()
+    log = logging.getLogger(LOGGER)
+    log.addHandler(_held)
+    log.setLevel(logging.DEBUG)
+    log.propagate = False
+    return True
