@@ -27,8 +27,8 @@ run_part() {  # run_part NAME SECONDS TEST_FILE [pytest args]
 nvidia-smi --query-gpu=index,name,uuid,driver_version --format=csv,noheader
 echo "MPS control: $(command -v nvidia-cuda-mps-control || echo 'not found') (not used: the processes time-slice)"
 case "$MODE" in
-  all)       run_part fused "${SHARED_FUSED_S:-170}" tests/gpu/test_fused.py
-             run_part allreduce "${SHARED_ALLREDUCE_S:-400}" tests/gpu/test_allreduce.py tests/gpu/test_bench_timing.py -k "not stress" ;;
+  all)       run_part fused "${SHARED_FUSED_S:-200}" tests/gpu/test_fused.py
+             run_part allreduce "${SHARED_ALLREDUCE_S:-380}" tests/gpu/test_allreduce.py tests/gpu/test_bench_timing.py -k "not stress" ;;
   fused)     run_part fused "${SHARED_FUSED_S:-540}" tests/gpu/test_fused.py ;;
   allreduce) run_part allreduce "${SHARED_ALLREDUCE_S:-540}" tests/gpu/test_allreduce.py tests/gpu/test_bench_timing.py -k "not stress" ;;
   *)         echo "usage: $0 [all|fused|allreduce]" >&2; exit 2 ;;
