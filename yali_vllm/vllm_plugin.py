@@ -222,6 +222,8 @@ def _p2p_from_info(infos: list[dict[str, Any]]) -> bool | None:
     if max(devices) >= torch.cuda.device_count():
         return None
     a, b = devices
+    if a == b:
+        return None  # one GPU for both ranks: YaliCommunicator refuses it unless YALI_ALLOW_SHARED_GPU=1
     return bool(torch.cuda.can_device_access_peer(a, b) and torch.cuda.can_device_access_peer(b, a))
 
 

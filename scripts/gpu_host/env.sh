@@ -8,8 +8,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT="${OUT:-/tmp/yali-out}"; mkdir -p "$OUT"
 # The checkout is used in place (no pip install on the offline host): give vLLM's
 # processes the package metadata that carries the vllm.general_plugins entry point.
-META=/tmp/yali-meta/yali_vllm-0.1.0.dist-info
+YALI_VERSION="$(sed -n 's/^__version__ = "\(.*\)"/\1/p' yali_vllm/_version.py)"
+META="/tmp/yali-meta/yali_vllm-$YALI_VERSION.dist-info"
 mkdir -p "$META"
-printf 'Metadata-Version: 2.1\nName: yali-vllm\nVersion: 0.1.0\n' > "$META/METADATA"
+printf 'Metadata-Version: 2.1\nName: yali-vllm\nVersion: %s\n' "$YALI_VERSION" > "$META/METADATA"
 printf '[vllm.general_plugins]\nyali = yali_vllm.vllm_plugin:register\n\n[console_scripts]\nyali-vllm-model = yali_vllm.models:main\n' > "$META/entry_points.txt"
 export PYTHONPATH="/tmp/yali-meta:$PYTHONPATH"

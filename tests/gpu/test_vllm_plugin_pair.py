@@ -27,9 +27,19 @@ def _inputs(rank: int) -> torch.Tensor:
 
 def _serve_through_vllm(rank: int, group) -> dict:
     os.environ.update(VLLM_DISABLE_PYNCCL="1", VLLM_ALLREDUCE_USE_SYMM_MEM="0", VLLM_ALLREDUCE_USE_FLASHINFER="0")
+    import vllm.logger
+
+    vllm.logger._configure_vllm_root_logger()  # as a vLLM worker does: the plugin's ON/OFF line shows
+    from vllm.distributed.device_communicators import custom_all_reduce
     from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
 
     from yali_vllm import vllm_plugin
+    from yali_vllm.communicator import shared_gpu_allowed
+
+    if shared_gpu_allowed():
+        # vLLM's custom all-reduce checks P2P with the rank as the device index (cuda:1 does not
+        # exist on one GPU): it is told there is no P2P and stays off, as it does on such a machine.
+        custom_all_reduce._can_p2p = lambda rank, world_size: False
 
     vllm_plugin.register()
     device = torch.device("cuda", rank_device(rank))
