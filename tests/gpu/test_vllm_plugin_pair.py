@@ -79,3 +79,52 @@ def test_vllm_cuda_communicator_serves_with_yali():
         if "after_checkpoint" in res:
             assert res["after_checkpoint"]
     assert results[0]["bits"] == results[1]["bits"], "the ranks' results are not bitwise equal"
+
+
+def _serve_through_sleep(rank: int, group) -> dict:
+    """YALI's buffers are its own cudaMalloc memory, outside torch's caching allocator (here with
+    expandable segments) and vLLM's cuMem pools: vLLM's sleep mode offloads and restores tensors
+    around it, and YALI keeps serving before, during and after."""
+    os.environ.update(VLLM_DISABLE_PYNCCL="1", VLLM_ALLREDUCE_USE_SYMM_MEM="0", VLLM_ALLREDUCE_USE_FLASHINFER="0")
+    from vllm.device_allocator.cumem import CuMemAllocator
+    from vllm.distributed.device_communicators import custom_all_reduce
+    from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
+
+    from yali_vllm import vllm_plugin
+    from yali_vllm.communicator import shared_gpu_allowed
+
+    if shared_gpu_allowed():
+        custom_all_reduce._can_p2p = lambda rank, world_size: False
+    vllm_plugin.register()
+    device = torch.device("cuda", rank_device(rank))
+    comm = CudaCommunicator(cpu_group=group, device=device, device_group=group, unique_name="tp:0")
+    ref = (_inputs(0).float() + _inputs(1).float()).to(torch.bfloat16)
+    allocator = CuMemAllocator.get_instance()
+    with allocator.use_memory_pool(tag="weights"):
+        pooled = _inputs(rank).to(device)  # in vLLM's cuMem pool, offloaded by sleep()
+    plain = _inputs(rank).to(device)  # torch's caching allocator, expandable segments
+
+    def exact(t) -> bool:
+        out = comm.all_reduce(t)
+        torch.cuda.synchronize(device)
+        return torch.equal(out.cpu(), ref)
+
+    res = {"yali": comm.yali_comm is not None, "conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+    res["before"] = [exact(pooled), exact(plain)]
+    allocator.sleep(offload_tags=("weights",))
+    res["asleep"] = exact(plain)
+    allocator.wake_up()
+    res["after"] = [exact(pooled), exact(plain)]
+    res["device_calls"] = comm.yali_comm.device_calls()
+    comm.destroy()
+    return res
+
+
+def test_yali_keeps_serving_through_sleep_mode_and_expandable_segments():
+    pytest.importorskip("vllm.device_allocator.cumem")
+    results = run_pair(_serve_through_sleep, timeout=240,
+                       env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    for res in results:
+        assert res["yali"] and res["conf"] == "expandable_segments:True", res
+        assert res["before"] == [True, True] and res["asleep"] and res["after"] == [True, True], res
+        assert res["device_calls"] >= 6  # the self-test and the five calls above
