@@ -153,12 +153,61 @@ def test_servable_decisions():
     assert servable(x, dev, 1 << 20)
     assert not servable(x, torch.device("cuda", 0), 1 << 20)   # other device
     assert not servable(x.to(torch.int32), dev, 1 << 20)       # dtype
-    assert not servable(x[1:], dev, 1 << 20)                   # 2-byte offset: not 16-byte aligned
-    assert servable(x[8:], dev, 1 << 20)                       # 16-byte offset is fine
+    # The address never decides (both ranks must route alike): unaligned inputs go through a copy.
+    assert servable(x[1:], dev, 1 << 20)
+    assert servable(x[8:], dev, 1 << 20)
+    assert not servable(x.clone().requires_grad_(), dev, 1 << 20)                        # autograd
+    assert not servable(torch.nested.nested_tensor([x[:4], x[:8]]), dev, 1 << 20)      # nested
     assert not servable(x.view(32, 32).t(), dev, 1 << 20)      # non-contiguous
     assert not servable(x, dev, 2047)                          # larger than the limit
     assert not servable(x[:0], dev, 1 << 20)                   # empty
     assert not servable("not a tensor", dev, 1 << 20)
+
+
+def test_aligned_copies_only_unaligned_tensors():
+    from yali_vllm.communicator import aligned
+
+    x = torch.arange(1024, dtype=torch.bfloat16)
+    assert aligned(x) is x and aligned(None) is None
+    y = aligned(x[3:])
+    assert y.data_ptr() % 16 == 0 and torch.equal(y, x[3:]) and y.data_ptr() != x[3:].data_ptr()
+
+
+def test_unknown_yali_variables_are_refused_by_name(monkeypatch):
+    monkeypatch.setenv("YALI_MAX_BYTE", "1M")  # a typo of YALI_MAX_BYTES
+    monkeypatch.setenv("YALI_TIMEOUT", "5")  # of YALI_TIMEOUT_S
+    with pytest.raises(ValueError) as e:
+        config.kernel_config()
+    msg = str(e.value)
+    assert "YALI_MAX_BYTE='1M'" in msg and "YALI_TIMEOUT='5'" in msg
+    assert "YALI_MAX_BYTES" in msg and "YALI_TIMEOUT_S" in msg and "YALI_DEV_*" in msg
+    monkeypatch.delenv("YALI_MAX_BYTE")
+    monkeypatch.delenv("YALI_TIMEOUT")
+    monkeypatch.setenv("YALI_SKIP_INSTALL", "1")  # the scripts' own variables pass
+    monkeypatch.setenv("YALI_LOAD_MODEL", "m")
+    assert config.kernel_config()["max_bytes"] == 2 * GiB
+
+
+def test_limits_that_depend_on_the_flash_buffer(monkeypatch):
+    # A smaller flash buffer alone: the defaults below it follow, no error about a variable not set.
+    monkeypatch.setenv("YALI_DEV_FLASH_BYTES", "4K")
+    c = config.kernel_config()
+    assert c["flash_bytes"] == c["ll_max"] == c["push_max"] == 4 * KiB
+    # Set by the user and too large: refused naming both variables.
+    monkeypatch.setenv("YALI_DEV_LL_MAX", "64K")
+    with pytest.raises(ValueError, match=r"YALI_DEV_LL_MAX=64K is invalid: .*at most YALI_DEV_FLASH_BYTES \(4096\)"):
+        config.kernel_config()
+
+
+@pytest.mark.parametrize("value,ok", [("0", True), ("0.001", True), ("86400", True), ("1e-12", False),
+                                      ("0.0005", False), ("86401", False), ("nan", False), ("-1", False)])
+def test_timeout_range(monkeypatch, value, ok):
+    monkeypatch.setenv("YALI_TIMEOUT_S", value)
+    if ok:
+        assert config.kernel_config()["timeout_s"] == float(value)
+    else:
+        with pytest.raises(ValueError, match=r"YALI_TIMEOUT_S=.* 0 \(no watchdog\) or seconds in \[0.001, 86400\]"):
+            config.kernel_config()
 
 
 def test_fake_impl_traces_without_gpu():

@@ -492,6 +492,12 @@ def _two_rank_worker(rank: int, port: int, outdir: str) -> None:
         os.environ["YALI_ENABLE"] = "sometimes"
         res["cuda_bad_enable"] = _decision(comm)
         os.environ["YALI_ENABLE"] = "1"
+        os.environ["YALI_MAX_BYTE"] = "1M"  # a typo of YALI_MAX_BYTES
+        res["cuda_unknown_var"] = _decision(comm)
+        del os.environ["YALI_MAX_BYTE"]
+        os.environ["YALI_FUSION"] = "1" if rank == 0 else "0"
+        res["cuda_fusion_differs"] = _decision(comm)
+        del os.environ["YALI_FUSION"]
         comm.use_custom_allreduce = False  # as under --disable-custom-all-reduce
         res["cuda_no_custom_ar"] = _decision(comm)
         res["checkpoint"] = _checkpoint_cases(comm, rank)
@@ -553,8 +559,12 @@ def test_two_ranks_agree_on_yali_enable(two_ranks):
         assert res["cuda_disabled"] == ["disabled by YALI_ENABLE", False]
         assert res["cuda_one_disabled"] == ["disabled by YALI_ENABLE", False]
         reason, warn = res["cuda_bad_enable"]
-        assert "disabled by YALI_ENABLE" in reason and warn
+        assert "invalid YALI_* setting" in reason and warn
         assert "invalid YALI_ENABLE='sometimes'" in reason
+        reason, warn = res["cuda_unknown_var"]
+        assert "unknown YALI_* variable(s) YALI_MAX_BYTE='1M'" in reason and warn
+        reason, warn = res["cuda_fusion_differs"]
+        assert "YALI_FUSION settings differ: ['on', 'off']" in reason and warn
         reason, warn = res["cuda_no_custom_ar"]
         assert "custom all-reduce is disabled" in reason and not warn
 

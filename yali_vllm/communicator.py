@@ -23,18 +23,39 @@ MAX_FUSED_HIDDEN_BYTES = 512 * 8 * 16
 
 
 def servable(x, device: torch.device, limit_bytes: int) -> bool:
-    """The input checks behind should_use(): dtype fp32/fp16/bf16, on `device`,
-    contiguous, 16-byte aligned, 0 < bytes <= limit_bytes."""
-    if not isinstance(x, torch.Tensor):
+    """The input checks behind should_use(): a dense, contiguous fp32/fp16/bf16 tensor on `device`
+    that needs no gradient, with 0 < bytes <= limit_bytes.
+
+    Only facts every rank shares for the same call (dtype, shape, layout, settings): never the
+    address, so both ranks of a group always route a call alike (YALI on one rank and vLLM's chain
+    on the other would wait for each other). An input that is not 16-byte aligned is served
+    through an aligned copy (aligned())."""
+    if not isinstance(x, torch.Tensor) or x.is_nested or x.layout != torch.strided:
         return False
     nbytes = x.numel() * x.element_size()
     return (
         x.dtype in SUPPORTED_DTYPES
         and x.device == device
+        and not x.requires_grad
         and 0 < nbytes <= limit_bytes
         and x.is_contiguous()
-        and x.data_ptr() % 16 == 0
     )
+
+
+def _unaligned(*tensors) -> bool:
+    """Whether any given tensor starts off a 16-byte boundary. False while torch.compile traces
+    (addresses exist only at run time; the op then checks them itself)."""
+    if torch.compiler.is_compiling():
+        return False
+    return any(t is not None and t.data_ptr() % 16 for t in tensors)
+
+
+def aligned(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t`, or a contiguous copy of it when its address is not a multiple of 16 bytes (the kernels
+    move 16-byte vectors). Fresh allocations of torch's allocators are aligned."""
+    if t is None or t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 # Both ranks on one GPU (two processes, one device, the same CUDA IPC exchange): lets the kernels'
@@ -97,6 +118,7 @@ class YaliCommunicator:
             self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
             me["uuid"] = str(torch.cuda.get_device_properties(self.device).uuid)
             try:
+                config.check_environment()
                 me["config"] = _ext.ops().config_string()  # raises ValueError naming a bad YALI_* variable
             except ValueError as e:
                 me["error"] = str(e)
@@ -188,6 +210,9 @@ class YaliCommunicator:
         if self._handle is None:
             raise RuntimeError("yali: all_reduce on a closed YaliCommunicator")
         self._note_capture()
+        if _unaligned(x, out):
+            staged = ops.all_reduce(self._handle, aligned(x), None, config.MODES[mode])
+            return staged if out is None else out.copy_(staged)
         return ops.all_reduce(self._handle, x, out, config.MODES[mode])
 
     def _note_capture(self) -> None:
@@ -198,7 +223,7 @@ class YaliCommunicator:
         """True when fused_allreduce_rmsnorm(x, residual, weight, eps) is served by YALI.
 
         x: [..., hidden] contiguous fp32/fp16/bf16 with hidden a multiple of 16 bytes and at
-        most MAX_FUSED_HIDDEN_BYTES per row; weight: [hidden], same dtype; residual: like x or None.
+        most MAX_FUSED_HIDDEN_BYTES per row (any address: unaligned tensors go through copies); weight: [hidden], same dtype; residual: like x or None.
         Messages above the one-launch limit are still served (all-reduce, then add + norm).
         """
         if not self.should_use(x) or x.dim() < 1 or not isinstance(weight, torch.Tensor):
@@ -209,11 +234,11 @@ class YaliCommunicator:
             return False
         if weight.shape != (hidden,) or weight.dtype != x.dtype or weight.device != x.device:
             return False
-        if not weight.is_contiguous() or weight.data_ptr() % 16 != 0:
+        if not weight.is_contiguous():
             return False
         if residual is not None and not (
             residual.shape == x.shape and residual.dtype == x.dtype and residual.device == x.device
-            and residual.is_contiguous() and residual.data_ptr() % 16 == 0
+            and residual.is_contiguous()
         ):
             return False
         return True
@@ -227,6 +252,11 @@ class YaliCommunicator:
         if self._handle is None:
             raise RuntimeError("yali: fused_allreduce_rmsnorm on a closed YaliCommunicator")
         self._note_capture()
+        outs = (norm_out, residual_out)
+        if _unaligned(x, residual, weight, *outs):
+            # Through aligned copies; outputs given at an unaligned address receive the result.
+            n, r = ops.fused_allreduce_rmsnorm(self._handle, aligned(x), aligned(residual), aligned(weight), eps)
+            return tuple(r_ if o is None else o.copy_(r_) for o, r_ in zip(outs, (n, r)))
         return ops.fused_allreduce_rmsnorm(self._handle, x, residual, weight, eps, norm_out, residual_out)
 
     def synchronize(self) -> None:

@@ -34,8 +34,48 @@ def env_flag(name: str, default: bool, environ=None) -> bool:
     raise ValueError(f"invalid {name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
 
 
+# Every YALI_* variable yali-vllm reads. Any other YALI_* name in the environment is refused
+# (check_environment), so a typo such as YALI_MAX_BYTE or YALI_TIMEOUT cannot be ignored silently.
+SETTINGS = {
+    "YALI_ENABLE": "the vLLM plugin on (1) or off (0)",
+    "YALI_FUSION": "YALI's all-reduce + RMSNorm fusion pass instead of vLLM's FlashInfer one",
+    "YALI_MAX_BYTES": "largest message YALI serves",
+    "YALI_KERNEL_MODE": "auto, flash or stream",
+    "YALI_TIMEOUT_S": "the kernels' watchdog",
+    "YALI_ALLOW_SHARED_GPU": "both ranks on one GPU, for testing",
+}
+# Read by the project's scripts and tests, not by the library; accepted so they can be exported.
+TOOL_VARIABLES = (
+    "YALI_SKIP_INSTALL", "YALI_VLLM_VERSION",  # scripts/quickstart.sh
+    "YALI_LOAD_MODEL", "YALI_LOAD_MAX_TOKENS", "YALI_LOAD_PROMPT_WORDS", "YALI_LOAD_CHAT_WEIGHT",
+    "YALI_LOAD_COMPLETIONS_WEIGHT", "YALI_LOAD_TIMEOUT_S", "YALI_LOAD_WAIT_S", "YALI_LOAD_IGNORE_EOS",  # locustfile
+    "YALI_BENCH_DEBUG", "YALI_RAY_TEST_TIMEOUT", "YALI_EXPECT_OTHER_BUILD_TORCH",  # benchmarks, tests
+)
+# Tuning knobs: validated, with the list of known names, by the C++ core (csrc/core/yali/config.cpp).
+DEV_PREFIX = "YALI_DEV_"
+
+
+def unknown_variables(environ=None) -> list[str]:
+    """The YALI_* names of `environ` (default os.environ) that yali-vllm does not read."""
+    env = os.environ if environ is None else environ
+    return sorted(k for k in env if k.startswith("YALI_") and not k.startswith(DEV_PREFIX)
+                  and k not in SETTINGS and k not in TOOL_VARIABLES)
+
+
+def check_environment(environ=None) -> None:
+    """ValueError naming every unknown YALI_* variable and listing the known settings."""
+    unknown = unknown_variables(environ)
+    if unknown:
+        env = os.environ if environ is None else environ
+        given = ", ".join(f"{k}={env[k]!r}" for k in unknown)
+        raise ValueError(f"unknown YALI_* variable(s) {given}: yali-vllm's settings are "
+                         f"{', '.join(SETTINGS)} and the {DEV_PREFIX}* tuning knobs")
+
+
 def kernel_config() -> dict:
-    """The configuration the C++ core resolves from the environment, as a dict of numbers/strings."""
+    """The configuration the C++ core resolves from the environment, as a dict of numbers/strings.
+    ValueError names a bad or unknown YALI_* variable."""
+    check_environment()
     return parse_config_string(_ext.ops().config_string())
 
 

@@ -76,9 +76,11 @@ _INIT_PARAMS = ("cpu_group", "device", "unique_name")
 
 
 def _parse_enable(environ: Any = None) -> bool:
-    """Value of YALI_ENABLE (default on); ValueError naming it when invalid."""
-    from yali_vllm.config import env_flag
+    """Value of YALI_ENABLE (default on); ValueError naming it when invalid, or naming an
+    unknown YALI_* variable (a misspelt setting)."""
+    from yali_vllm.config import check_environment, env_flag
 
+    check_environment(environ)
     return env_flag(ENABLE_VAR, True, environ)
 
 
@@ -193,9 +195,20 @@ def _local_info(comm: Any) -> dict[str, Any]:
         "enable_error": enable_error,
         "custom_ar": bool(getattr(comm, "use_custom_allreduce", False)),
         "batch_invariant": _batch_invariant(),
+        "fusion": _fusion_setting(),
         "device": device.index if is_cuda else None,
         "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
+
+
+def _fusion_setting() -> str:
+    """This rank's YALI_FUSION as it is understood ("on", "off", or the error), for comparison."""
+    try:
+        from yali_vllm.vllm_fusion import fusion_enabled
+
+        return "on" if fusion_enabled() else "off"
+    except Exception as e:
+        return f"invalid ({e})"
 
 
 def _batch_invariant() -> bool:
@@ -334,8 +347,14 @@ def setup_yali(comm: Any, *, platform_is_cuda: bool, stateless: bool = False) ->
     if not ok:
         errors = [i["enable_error"] for i in infos if i["enable_error"]]
         if errors:
-            return Decision(None, f"{reason} ({errors[0]})", True)
+            return Decision(None, f"invalid YALI_* setting: {errors[0]}", True)
         return Decision(None, reason, reason.startswith("no CUDA peer"))
+    # Settings every rank must share beyond the kernels' own (YaliCommunicator compares those):
+    # the fusion pass each rank builds, so that no rank runs YALI's fused kernel against a peer
+    # in FlashInfer's.
+    fusion = [i["fusion"] for i in infos]
+    if len(set(fusion)) > 1:
+        return Decision(None, f"the ranks' YALI_FUSION settings differ: {fusion}", True)
 
     yc, why = _create_communicator(comm)
     # Agree: YALI is used only if every rank has it, otherwise a rank would

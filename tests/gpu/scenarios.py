@@ -671,3 +671,55 @@ def fused_suite(rank, group, plan, interleave_calls, graph_replays, seed):
         dist.barrier(group=group)  # both ranks leave a scenario together
     comm.close()
     return results
+
+
+def unaligned_inputs(rank, group, seed):
+    """Rank 0's tensors sit 2 bytes past a 16-byte boundary, rank 1's are aligned: both ranks still
+    route every call to YALI (should_use/can_fuse never look at the address) and get exact, bitwise
+    equal results, served through aligned copies where needed (a plain all-reduce, in place and
+    out of place, and the fused op with an unaligned input, residual, weight and outputs)."""
+    device = _device()
+    comm = YaliCommunicator(group, device)
+    failures = []
+    shift = 1 if rank == 0 else 0
+    out = torch.empty(0, device=device)
+
+    def place(t: torch.Tensor) -> torch.Tensor:
+        """`t` at an address 2 bytes past 16-byte alignment on rank 0 (a view of a larger buffer)."""
+        buf = torch.empty(t.numel() + 8, dtype=t.dtype, device=device)
+        v = buf[shift:shift + t.numel()].view(t.shape)
+        v.copy_(t)
+        return v
+
+    try:
+        for n in (1, 7, 1001, 65537):
+            a, b = inputs(seed + n, n, torch.bfloat16, device)
+            x = place(a if rank == 0 else b)
+            if not comm.should_use(x):
+                failures.append(f"should_use refused n={n} on rank {rank}")
+                continue
+            ref = reference(a, b)
+            out = comm.all_reduce(x)
+            bad = mismatches(out, ref)
+            comm.all_reduce(x, out=x)  # in place
+            bad += mismatches(x, ref)
+            if bad:
+                failures.append(f"all_reduce n={n}: {bad} mismatches")
+        x0, x1, residual, weight = fused_inputs(seed, 5, 2048, torch.bfloat16, device)
+        args = (place(x0 if rank == 0 else x1), place(residual), place(weight))
+        if not comm.can_fuse(*args):
+            failures.append(f"can_fuse refused unaligned tensors on rank {rank}")
+        else:
+            norm_out, residual_out = place(torch.empty_like(x0)), place(torch.empty_like(x0))
+            n, r = comm.fused_allreduce_rmsnorm(*args, 1e-5, norm_out, residual_out)
+            # The same call on aligned tensors: the reference the staged path must equal bitwise.
+            rn, rr = comm.fused_allreduce_rmsnorm(x0 if rank == 0 else x1, residual, weight, 1e-5)
+            if n is not norm_out or r is not residual_out:
+                failures.append("fused: the given outputs were not returned")
+            if not (torch.equal(n.view(torch.int16), rn.view(torch.int16)) and
+                    torch.equal(r.view(torch.int16), rr.view(torch.int16))):
+                failures.append("fused: unaligned result differs from the aligned call")
+        torch.cuda.synchronize(device)
+        return {"failures": failures, "digest": digest(out), "device_calls": comm.device_calls()}
+    finally:
+        comm.close()

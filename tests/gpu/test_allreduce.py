@@ -50,6 +50,15 @@ def test_torch_compile_fullgraph():
         assert r["mismatches"] == 0
 
 
+@pytest.mark.timeout(200)
+def test_unaligned_inputs_route_alike_and_stay_exact():
+    r0, r1 = run_pair(scenarios.unaligned_inputs, 77, timeout=180)
+    for r in (r0, r1):
+        assert not r["failures"], r["failures"]
+    assert r0["digest"] == r1["digest"]
+    assert r0["device_calls"] == r1["device_calls"]
+
+
 @pytest.mark.timeout(120)
 def test_missing_peer_aborts_instead_of_hanging():
     r0, _ = run_pair(scenarios.missing_peer, 8.0, timeout=100, env={"YALI_TIMEOUT_S": "2"})

@@ -138,11 +138,22 @@ Config Config::from_env() {
   dev_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", -1, 1, &c.fused_row_loads_early);
   dev_int("YALI_DEV_FUSED_CLUSTER", -1, 8, &c.fused_cluster);
   refuse_unknown_dev_knobs(dev_knobs);
+  // Limits that depend on the flash buffer: a default follows a smaller YALI_DEV_FLASH_BYTES; a
+  // value the user set that does not fit is refused naming both variables.
+  const auto fit_flash = [&](const char* var, size_t* v) {
+    if (*v <= c.flash_bytes) return;
+    if (const char* s = std::getenv(var); s && *s)
+      bad(var, s, "a byte count at most YALI_DEV_FLASH_BYTES (" + std::to_string(c.flash_bytes) + ")");
+    *v = c.flash_bytes;
+  };
+  fit_flash("YALI_DEV_LL_MAX", &c.ll_max);
+  fit_flash("YALI_DEV_PUSH_MAX", &c.push_max);
   if (const char* t = std::getenv("YALI_TIMEOUT_S"); t && *t) {
     char* end = nullptr;
     double v = std::strtod(t, &end);
-    if (end == t || *end != '\0' || !(v >= 0.0) || v > 86400.0)
-      bad("YALI_TIMEOUT_S", t, "seconds in [0, 86400] (0 disables the watchdog)");
+    // Below a millisecond the watchdog could not tell a slow peer from a missing one.
+    if (end == t || *end != '\0' || !(v == 0.0 || (v >= kMinTimeoutS && v <= 86400.0)))
+      bad("YALI_TIMEOUT_S", t, "0 (no watchdog) or seconds in [0.001, 86400]");
     c.timeout_s = v;
   }
   c.validate();
@@ -167,8 +178,8 @@ void Config::validate() const {
   check_int("YALI_DEV_FUSED_SPLIT", fused_split, 1, kFusedMaxSplit);
   check_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", fused_row_loads_early, -1, 1);
   check_int("YALI_DEV_FUSED_CLUSTER", fused_cluster, -1, 8);
-  if (!(timeout_s >= 0.0 && timeout_s <= 86400.0))
-    bad("YALI_TIMEOUT_S", std::to_string(timeout_s), "seconds in [0, 86400]");
+  if (!(timeout_s == 0.0 || (timeout_s >= kMinTimeoutS && timeout_s <= 86400.0)))
+    bad("YALI_TIMEOUT_S", std::to_string(timeout_s), "0 (no watchdog) or seconds in [0.001, 86400]");
 }
 
 std::string Config::to_string() const {

@@ -30,6 +30,8 @@ constexpr int kStreamThreads = 512;  // half senders, half receivers
 constexpr size_t kFusedMaxRowBytes = size_t(kFlashThreads) * 8 * 16;
 // A split row's parts are added by one warp (fused.cuh: row_sum).
 constexpr int kFusedMaxSplit = 32;
+// Shortest watchdog YALI_TIMEOUT_S accepts (0 = none): below it a slow peer looks like a missing one.
+constexpr double kMinTimeoutS = 1e-3;
 
 struct Config {
   KernelMode mode = KernelMode::Auto;  // YALI_KERNEL_MODE
