@@ -32,3 +32,12 @@ def test_target_rows_worst_size_decides_and_missing_targets_are_named():
     assert rows["16–256 MiB eager: p99/p50 ≤ 1.15"][1] == "missed by 0.05"
     md = ab.markdown_table({"records": res["records"], "host": "h", "date": "d", "command": "c"})
     assert "## Targets (issue 2, yali, bf16)" in md and "| 4 MiB: per-op ≤ 15 µs | 4M: 14.00 | met |" in md
+
+
+def test_eager_table_starts_where_eager_is_a_device_time():
+    recs = [rec(s, t, p) for s, t, p in [(2 * KiB, "graph", 2.5), (2 * KiB, "eager", 40.0),
+                                          (8 * MiB, "graph", 29.0), (8 * MiB, "eager", 31.0)]]
+    md = ab.markdown_table({"records": recs, "host": "h", "date": "d", "command": "c"})
+    eager = md.split("## Eager per-call time from 8M")[1].split("##")[0]
+    assert "host launch pacing" in eager
+    assert "| 8M |" in eager and "| 2K |" not in eager and "40.0" not in eager
