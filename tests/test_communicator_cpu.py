@@ -10,15 +10,16 @@ import pytest
 import torch
 
 
-def _rank(rank, port, env, q):
+def _rank(rank, port, env, q, devices=None):
     import torch.distributed as dist
 
     os.environ.update(env.get(rank, {}))
+    device = (devices or {}).get(rank, torch.device("cuda", rank))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     from yali_vllm.communicator import YaliCommunicator, YaliUnavailable
 
     try:
-        YaliCommunicator(dist.group.WORLD, torch.device("cuda", rank))
+        YaliCommunicator(dist.group.WORLD, device)
         q.put((rank, "created"))
     except YaliUnavailable as e:
         q.put((rank, f"unavailable: {e}"))
@@ -27,13 +28,13 @@ def _rank(rank, port, env, q):
     dist.destroy_process_group()
 
 
-def _run(env):
+def _run(env, devices=None):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, env, q)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, port, env, q, devices)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -63,6 +64,16 @@ def test_bad_setting_on_one_rank_fails_both():
     got = _run({1: {"YALI_DEV_LANES": "999"}})
     for r in (0, 1):
         assert got[r].startswith("unavailable:"), got
+
+
+@pytest.mark.timeout(180)
+def test_bad_device_argument_on_one_rank_fails_both():
+    # torch.device("no-such-device") raises on rank 1 before the first exchange: recorded and
+    # exchanged, so rank 0 is not left waiting in the collective.
+    got = _run({}, devices={1: "no-such-device"})
+    for r in (0, 1):
+        assert got[r].startswith("unavailable:"), got
+        assert "no-such-device" in got[r], got
 
 
 @pytest.mark.parametrize("value, allowed", [(None, False), ("", False), ("0", False), ("1", True)])

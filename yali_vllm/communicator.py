@@ -107,21 +107,25 @@ class YaliCommunicator:
         self.rank = dist.get_rank(group)
         if self.world_size != 2:
             raise YaliUnavailable(f"world size is {self.world_size}; YALI serves exactly 2 ranks")
-        device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
         # Every step that can fail on one rank only is followed by an exchange of
         # the outcome, so both ranks raise together and neither is left waiting
-        # in a collective the other will never enter.
+        # in a collective the other will never enter: up to the first exchange,
+        # any rank-local error (a bad device argument included) is only recorded.
         me = {"host": socket.gethostname(), "boot_id": _boot_id(), "error": _ext.unavailable_reason()}
-        if device.type != "cuda":
-            me["error"] = me["error"] or f"device {device} is not a CUDA device"
-        if me["error"] is None:
-            self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-            me["uuid"] = str(torch.cuda.get_device_properties(self.device).uuid)
-            try:
+        try:
+            device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+            if device.type != "cuda":
+                me["error"] = me["error"] or f"device {device} is not a CUDA device"
+            if me["error"] is None:
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                if not 0 <= index < torch.cuda.device_count():
+                    raise ValueError(f"device cuda:{index} does not exist ({torch.cuda.device_count()} visible)")
+                self.device = torch.device("cuda", index)
+                me["uuid"] = str(torch.cuda.get_device_properties(self.device).uuid)
                 config.check_environment()
                 me["config"] = _ext.ops().config_string()  # raises ValueError naming a bad YALI_* variable
-            except ValueError as e:
-                me["error"] = str(e)
+        except Exception as e:
+            me["error"] = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
         peers = self._exchange(me)
         other = peers[1 - self.rank]
         if (other["host"], other["boot_id"]) != (me["host"], me["boot_id"]):
@@ -332,6 +336,21 @@ class YaliPair:
     def all_reduce(self, xs, outs=None, mode: str = "config"):
         """xs: [tensor on GPU 0, tensor on GPU 1]; each is launched on its device's current stream."""
         outs = outs or [None, None]
+        # Both ranks' arguments are checked before either kernel is launched: a launch on one GPU
+        # whose peer call is refused would wait for the watchdog.
+        for r in range(2):
+            x, out = xs[r], outs[r]
+            if not servable(x, self.devices[r], 1 << 62):
+                raise ValueError(f"yali: YaliPair input {r} is not served: it must be a contiguous fp32/fp16/"
+                                 f"bf16 tensor on {self.devices[r]}, got {x.dtype} on {x.device}")
+            if out is not None and (out.dtype != x.dtype or out.numel() != x.numel() or out.device != x.device):
+                raise ValueError(f"yali: YaliPair output {r} must match input {r}'s dtype, size and device")
+        if xs[0].dtype != xs[1].dtype or xs[0].numel() != xs[1].numel():
+            raise ValueError(f"yali: YaliPair inputs differ: {xs[0].dtype}[{xs[0].numel()}] on GPU 0, "
+                             f"{xs[1].dtype}[{xs[1].numel()}] on GPU 1")
+        xs = [aligned(x) for x in xs]
+        if any(o is not None and o.data_ptr() % 16 for o in outs):
+            return [o.copy_(r) if o is not None else r for o, r in zip(outs, self.all_reduce(xs, None, mode))]
         res = []
         for r in range(2):
             with torch.cuda.device(self.devices[r]):

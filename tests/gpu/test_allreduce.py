@@ -89,6 +89,26 @@ def test_single_process_pair():
 
 
 @pytest.mark.two_gpus
+def test_single_process_pair_checks_both_calls_before_launching():
+    from yali_vllm.communicator import YaliPair
+
+    pair = YaliPair(0, 1)
+    try:
+        before = pair.device_calls()
+        a = torch.ones(1000, dtype=torch.bfloat16, device="cuda:0")
+        for bad in (torch.ones(997, dtype=torch.bfloat16, device="cuda:1"),   # other size
+                    torch.ones(1000, dtype=torch.float16, device="cuda:1"),   # other dtype
+                    torch.ones(1000, dtype=torch.int32, device="cuda:1")):    # not served
+            with pytest.raises(ValueError, match="YaliPair"):
+                pair.all_reduce([a, bad])
+        assert pair.device_calls() == before  # nothing was launched on either GPU
+        outs = pair.all_reduce([a[1:], torch.ones(999, dtype=torch.bfloat16, device="cuda:1")])  # unaligned
+        assert all(bool((o == 2).all()) for o in outs)
+    finally:
+        pair.close()
+
+
+@pytest.mark.two_gpus
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_cpp_example(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
