@@ -25,11 +25,13 @@ def _inputs(rank: int) -> torch.Tensor:
     return torch.randn(N, generator=torch.Generator().manual_seed(1234 + rank)).to(torch.bfloat16)
 
 
-def _serve_through_vllm(rank: int, group) -> dict:
+def _vllm_tp_communicator(rank: int, group):
+    """vLLM's own CudaCommunicator for the group "tp:0", built as a vLLM worker builds it, with the
+    plugin registered and vLLM's logging configured (its ON/OFF lines show in the test log)."""
     os.environ.update(VLLM_DISABLE_PYNCCL="1", VLLM_ALLREDUCE_USE_SYMM_MEM="0", VLLM_ALLREDUCE_USE_FLASHINFER="0")
     import vllm.logger
 
-    vllm.logger._configure_vllm_root_logger()  # as a vLLM worker does: the plugin's ON/OFF line shows
+    vllm.logger._configure_vllm_root_logger()
     from vllm.distributed.device_communicators import custom_all_reduce
     from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
 
@@ -40,10 +42,15 @@ def _serve_through_vllm(rank: int, group) -> dict:
         # vLLM's custom all-reduce checks P2P with the rank as the device index (cuda:1 does not
         # exist on one GPU): it is told there is no P2P and stays off, as it does on such a machine.
         custom_all_reduce._can_p2p = lambda rank, world_size: False
-
     vllm_plugin.register()
     device = torch.device("cuda", rank_device(rank))
-    comm = CudaCommunicator(cpu_group=group, device=device, device_group=group, unique_name="tp:0")
+    return CudaCommunicator(cpu_group=group, device=device, device_group=group, unique_name="tp:0"), device
+
+
+def _serve_through_vllm(rank: int, group) -> dict:
+    from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
+
+    comm, device = _vllm_tp_communicator(rank, group)
     res: dict = {"yali": comm.yali_comm is not None, "vllm": vllm.__version__, "torch": torch.__version__}
     x = _inputs(rank).to(device)
     out = comm.all_reduce(x)
@@ -85,19 +92,9 @@ def _serve_through_sleep(rank: int, group) -> dict:
     """YALI's buffers are its own cudaMalloc memory, outside torch's caching allocator (here with
     expandable segments) and vLLM's cuMem pools: vLLM's sleep mode offloads and restores tensors
     around it, and YALI keeps serving before, during and after."""
-    os.environ.update(VLLM_DISABLE_PYNCCL="1", VLLM_ALLREDUCE_USE_SYMM_MEM="0", VLLM_ALLREDUCE_USE_FLASHINFER="0")
     from vllm.device_allocator.cumem import CuMemAllocator
-    from vllm.distributed.device_communicators import custom_all_reduce
-    from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
 
-    from yali_vllm import vllm_plugin
-    from yali_vllm.communicator import shared_gpu_allowed
-
-    if shared_gpu_allowed():
-        custom_all_reduce._can_p2p = lambda rank, world_size: False
-    vllm_plugin.register()
-    device = torch.device("cuda", rank_device(rank))
-    comm = CudaCommunicator(cpu_group=group, device=device, device_group=group, unique_name="tp:0")
+    comm, device = _vllm_tp_communicator(rank, group)
     ref = (_inputs(0).float() + _inputs(1).float()).to(torch.bfloat16)
     allocator = CuMemAllocator.get_instance()
     with allocator.use_memory_pool(tag="weights"):
