@@ -26,6 +26,8 @@ YALI_LOAD_COMPLETIONS_WEIGHT    weight of the completions user (0 = off)     1
 YALI_LOAD_IGNORE_EOS            1: generate exactly max_tokens               1
 YALI_LOAD_TIMEOUT_S             read timeout per request, seconds            120
 YALI_LOAD_WAIT_S                max think time between requests, seconds     0
+YALI_LOAD_API_KEY               sent as ``Authorization: Bearer <key>``;
+                                unset or empty: no header
 =============================== ============================================ =======
 
 Run (headless): ``locust -f benchmarks/locustfile.py --headless -u 32 -r 8 -t 60s
@@ -76,6 +78,7 @@ COMPLETIONS_WEIGHT = _env_int("YALI_LOAD_COMPLETIONS_WEIGHT", 1, 0, 1000)
 IGNORE_EOS = os.environ.get("YALI_LOAD_IGNORE_EOS", "1").strip().lower() not in ("0", "false", "no", "")
 REQUEST_TIMEOUT_S = _env_float("YALI_LOAD_TIMEOUT_S", 120.0, 1.0, 3600.0)
 WAIT_S = _env_float("YALI_LOAD_WAIT_S", 0.0, 0.0, 60.0)
+API_KEY = os.environ.get("YALI_LOAD_API_KEY", "")  # = vLLM's --api-key / VLLM_API_KEY
 
 if CHAT_WEIGHT == 0 and COMPLETIONS_WEIGHT == 0:
     raise ValueError("YALI_LOAD_CHAT_WEIGHT and YALI_LOAD_COMPLETIONS_WEIGHT are both 0: no user to run")
@@ -97,6 +100,11 @@ class EmptyCompletion(Exception):
 
 class HTTPStatusError(Exception):
     pass
+
+
+def auth_headers(api_key: str = API_KEY) -> dict[str, str]:
+    """Headers every request carries: the bearer token vLLM checks when it has an API key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def make_prompt(rng: random.Random, words: int = PROMPT_WORDS) -> str:
@@ -139,6 +147,7 @@ class _StreamingUser(User):
     def on_start(self) -> None:
         self.session = requests.Session()
         self.session.trust_env = False  # loopback only: never a proxy
+        self.session.headers.update(auth_headers())
         self.rng = random.Random()
         if _StreamingUser._model_name is None:
             _StreamingUser._model_name = self._discover_model()

@@ -5,6 +5,9 @@
 - compose, Kubernetes and Ray files parse, ask for 2 GPUs, probe /health, and set the
   NVLink-multicast-off environment in every service / container / `ray start`;
 - no file under deploy/ turns multicast back on (NCCL_NVLS_ENABLE=1, FlashInfer "mnnvl");
+- compose publishes every port on loopback unless a variable says otherwise, starts
+  Locust (and its web UI) only under its profile, and passes the host's VLLM_API_KEY to
+  vLLM and to the locustfile, which sends it as a bearer token;
 - Kubernetes manifests validate against the real Kubernetes JSON schemas
   (kubernetes-validate ships them, no network); the LeaderWorkerSet CRD, which has no
   built-in schema, is checked with a minimal schema of the fields we use, and its pod
@@ -14,9 +17,14 @@
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import json
+import os
 import re
 import shlex
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -32,6 +40,7 @@ COMPOSE = DEPLOY / "compose.yaml"
 RAY_CLUSTER = DEPLOY / "ray" / "cluster.yaml"
 K8S_FILES = sorted((DEPLOY / "k8s").glob("*.yaml"))
 VERSION_FILE = REPO / "yali_vllm" / "_version.py"
+LOCUSTFILE = REPO / "benchmarks" / "locustfile.py"
 
 MULTICAST_OFF = {
     "NCCL_NVLS_ENABLE": "0",
@@ -117,6 +126,35 @@ def compose_env(service: dict) -> dict[str, str]:
     if isinstance(env, list):  # ["KEY=value", ...]
         env = dict(item.split("=", 1) for item in env)
     return {k: ("" if v is None else str(v)) for k, v in env.items()}
+
+
+# ${VAR}, ${VAR:-default}, ${VAR-default}: compose's interpolation of a shell variable.
+_COMPOSE_VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+
+
+def compose_defaults(value: str) -> str:
+    """`value` as compose interpolates it when none of its variables is set: each
+    `${VAR:-default}` / `${VAR-default}` becomes its default, a bare `${VAR}` ''."""
+    return _COMPOSE_VAR.sub(lambda m: m.group(2) or "", value)
+
+
+def published_host_ips(service: dict) -> list[tuple[str, str]]:
+    """(host address, port entry) for each published port, variables at their defaults.
+    An entry without an address ("8000:8000", "8000", long syntax without host_ip) is
+    published on every interface: its address is ''."""
+    out: list[tuple[str, str]] = []
+    for entry in service.get("ports", []):
+        if isinstance(entry, dict):  # long syntax
+            out.append((compose_defaults(str(entry.get("host_ip", ""))), str(entry)))
+            continue
+        spec = compose_defaults(str(entry)).split("/", 1)[0]  # drop "/tcp", "/udp"
+        if spec.startswith("["):  # "[::1]:8000:8000"
+            host = spec[1:spec.index("]")]
+        else:
+            parts = spec.rsplit(":", 2)
+            host = parts[0] if len(parts) == 3 else ""
+        out.append((host, str(entry)))
+    return out
 
 
 def assert_multicast_off(env: dict[str, Any], where: str) -> None:
@@ -206,6 +244,76 @@ def test_multicast_off_in_every_compose_service():
     compose = yaml.safe_load(COMPOSE.read_text())
     for name, service in compose["services"].items():
         assert_multicast_off(compose_env(service), f"compose service {name}")
+
+
+def test_compose_publishes_ports_on_loopback_by_default():
+    compose = yaml.safe_load(COMPOSE.read_text())
+    seen = []
+    for name, service in compose["services"].items():
+        assert service.get("network_mode") != "host", f"{name}: network_mode host skips `ports`"
+        for host, entry in published_host_ips(service):
+            seen.append(entry)
+            assert host, f"{name}: {entry!r} is published on every interface by default"
+            assert ipaddress.ip_address(host).is_loopback, (
+                f"{name}: {entry!r} is published on {host} by default, not on loopback")
+    assert len(seen) >= 2, seen  # vLLM's API and Locust's UI
+
+
+def test_compose_locust_ui_only_under_its_profile():
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    assert not services["vllm"].get("profiles"), "vllm must start with a plain `up`"
+    publishes_ui = [n for n, s in services.items()
+                    if any(re.search(r"(^|:)8089(/\w+)?$", compose_defaults(str(p)))
+                           for p in s.get("ports", []))]
+    assert publishes_ui == ["locust"], publishes_ui
+    assert services["locust"].get("profiles"), "locust (web UI on 8089) needs a profile"
+    assert "--host http://vllm:8000" in str(services["locust"]["command"])
+
+
+def test_compose_passes_the_api_key_through():
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    serve = services["vllm"]
+    key = compose_env(serve).get("VLLM_API_KEY")
+    assert key is not None and re.fullmatch(r"\$\{VLLM_API_KEY(:?-)?\}", key), (
+        f"vllm: VLLM_API_KEY should come from the host's environment, is {key!r}")
+    # Unset on the host, it is '' in the container; vLLM keeps only non-empty keys, so the
+    # API then runs without authentication rather than with an empty key.
+    assert compose_defaults(key) == ""
+    script = " ".join(map(str, serve.get("entrypoint", []) + serve.get("command", [])))
+    assert "--api-key" not in script, "the key comes from VLLM_API_KEY, not the command line"
+    # The health check stays outside /v1, the only paths vLLM's key protects.
+    (url,) = re.findall(r"https?://[^'\"\s]+", " ".join(serve["healthcheck"]["test"]))
+    assert re.match(r"https?://[^/]+/health$", url), url
+    load_key = compose_env(services["locust"]).get("YALI_LOAD_API_KEY", "")
+    assert re.fullmatch(r"\$\{VLLM_API_KEY(:?-)?\}", load_key), (
+        f"locust: YALI_LOAD_API_KEY should be vLLM's key, is {load_key!r}")
+
+
+@pytest.mark.parametrize("key", ["s3cret", ""])
+def test_locustfile_sends_the_api_key(key):
+    if importlib.util.find_spec("locust") is None:
+        pytest.skip("locust not installed")
+    # in a subprocess: importing locust monkey-patches the interpreter (gevent)
+    code = textwrap.dedent(
+        f"""
+        import importlib.util, json
+        spec = importlib.util.spec_from_file_location("lf", {str(LOCUSTFILE)!r})
+        m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
+        m._StreamingUser._model_name = "m"  # no /v1/models discovery
+        user = object.__new__(m.ChatCompletionsUser)
+        user.on_start()
+        print(json.dumps(dict(user.session.headers)))
+        """
+    )
+    env = dict(os.environ, YALI_LOAD_API_KEY=key)
+    cp = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        timeout=120, env=env)
+    assert cp.returncode == 0, cp.stderr
+    headers = json.loads(cp.stdout.strip().splitlines()[-1])
+    if key:
+        assert headers.get("Authorization") == f"Bearer {key}", headers
+    else:
+        assert "Authorization" not in headers, headers
 
 
 @pytest.mark.parametrize("path", K8S_FILES, ids=lambda p: p.name)

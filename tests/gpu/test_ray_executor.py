@@ -4,9 +4,10 @@ multiprocessing executor, and YALI serves the TP=2 all-reduce under both.
 Flow (every step bounded by a timeout):
 1. write the embedded 8B model directory (config.json + tokenizer, dummy weights);
 2. run greedy generation with distributed_executor_backend="mp" in a fresh subprocess;
-3. `ray start --head --node-ip-address 127.0.0.1 --port <free> --num-gpus 2` (subprocess),
-   run the same generation with distributed_executor_backend="ray" in a fresh subprocess
-   with RAY_ADDRESS pointing at that cluster, then `ray stop --force` (in a finally);
+3. `ray start --head --node-ip-address 127.0.0.1 --port <free> --num-gpus 2 --temp-dir
+   <fresh dir>` (subprocess, its own process group), run the same generation with
+   distributed_executor_backend="ray" in a fresh subprocess with RAY_ADDRESS pointing at
+   that cluster, then stop that cluster and only it (in a finally, see below);
 4. compare token ids, YALI's per-rank state (LLM.collective_rpc(yali_tp_stats)) and the
    plugin's log lines.
 
@@ -21,8 +22,15 @@ Log-line assumption: yali_vllm.vllm_plugin logs, on each rank of each group,
 plugin's wording changes. Under Ray the workers' lines reach the driver's output through
 Ray's log forwarding and are also read from the cluster's worker log files.
 
-`ray stop --force` stops every Ray process on the machine: run this on a GPU host that
-runs no other Ray cluster.
+Stopping: `ray stop` acts on every Ray process of the machine and has no switch for one
+cluster, so it is not used. The processes of the cluster started here are: the process
+group of `ray start` (its daemons inherit it), every process whose command line names the
+cluster's own --temp-dir, and every descendant of those (Ray workers may get their own
+process group and rename themselves "ray::..."). They get SIGTERM, and what is left
+after a bounded wait gets SIGKILL; the list is taken before each signal and keeps the
+survivors of the previous one (a worker whose raylet is gone has a new parent). A pid is
+only signalled while its start time still matches, so a reused pid is never hit. Other
+Ray clusters on the host are left alone.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -60,7 +69,8 @@ ENV = {
     # collective_rpc with a function (yali_tp_stats) pickles it across processes.
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
 }
-RAY_CMD_TIMEOUT = 180  # ray start / ray stop
+RAY_CMD_TIMEOUT = 180  # ray start
+RAY_STOP_GRACE_S = 10  # per signal (SIGTERM, then SIGKILL) when stopping the cluster
 RUN_TIMEOUT = int(os.environ.get("YALI_RAY_TEST_TIMEOUT", "900"))  # one LLM run
 PROMPTS = [
     "The capital of France is",
@@ -148,11 +158,75 @@ def _run(cmd: list[str], log: Path, timeout: float, env: dict[str, str],
         return rc, proc.pid
 
 
-def _ray_stop(log: Path) -> None:
-    # python -m: the GPU host's stack is unpacked wheels without a `ray` console script.
-    cmd = [sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"]
-    rc, _ = _run(cmd, log, RAY_CMD_TIMEOUT, _env())
-    assert rc == 0, f"ray stop failed ({rc}):\n" + log.read_text(errors="replace")[-4000:]
+def _proc_stat(pid: int) -> tuple[str, int, int, int] | None:
+    """(state, ppid, pgid, start time in clock ticks) of a live process, else None."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = data[data.rindex(")") + 2:].split()  # from field 3 (state) on; comm may hold spaces
+    if fields[0] in ("Z", "X"):  # exited, not yet reaped
+        return None
+    return fields[0], int(fields[1]), int(fields[2]), int(fields[19])
+
+
+def _mentions(pid: int, path_re: re.Pattern[bytes]) -> bool:
+    try:
+        return bool(path_re.search(Path(f"/proc/{pid}/cmdline").read_bytes()))
+    except OSError:
+        return False
+
+
+def _ray_cluster_procs(pgid: int | None, ray_tmp: Path) -> dict[int, int]:
+    """pid -> start time of every live process of the cluster started here (module doc)."""
+    procs = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (st := _proc_stat(int(entry.name))) is not None:
+            procs[int(entry.name)] = st
+    path_re = re.compile(re.escape(str(ray_tmp).encode()) + rb"(/|\x00|$)")
+    found = {pid for pid, (_, _, group, _) in procs.items()
+             if (pgid is not None and group == pgid) or _mentions(pid, path_re)}
+    children: dict[int, list[int]] = {}
+    for pid, (_, ppid, _, _) in procs.items():
+        children.setdefault(ppid, []).append(pid)
+    todo = list(found)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    found.discard(os.getpid())
+    return {pid: procs[pid][3] for pid in found}
+
+
+def _still_running(procs: dict[int, int]) -> dict[int, int]:
+    return {pid: start for pid, start in procs.items()
+            if (st := _proc_stat(pid)) is not None and st[3] == start}
+
+
+def _stop_ray_cluster(pgid: int | None, ray_tmp: Path, log: Path) -> None:
+    """Stop the cluster started here and nothing else: SIGTERM, then SIGKILL, each
+    followed by a wait of at most RAY_STOP_GRACE_S seconds."""
+    procs: dict[int, int] = {}
+    lines = []
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        # survivors of SIGTERM, plus any process that came up since the last listing
+        procs = _still_running(procs) | _ray_cluster_procs(pgid, ray_tmp)
+        if not procs:
+            break
+        lines.append(f"{sig.name} -> {sorted(procs)}")
+        for pid in procs:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + RAY_STOP_GRACE_S
+        while (procs := _still_running(procs)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    left = _still_running(procs) | _ray_cluster_procs(pgid, ray_tmp)
+    lines.append(f"left running: {sorted(left)}")
+    log.write_text("\n".join(lines) + "\n")
+    assert not left, f"Ray processes {sorted(left)} outlived SIGKILL; see {log}"
 
 
 def _generate(backend: str, model: Path, work: Path, env: dict[str, str]) -> tuple[dict, str]:
@@ -178,7 +252,7 @@ def _check_yali(backend: str, result: dict, logs: str) -> None:
 
 
 # Outer bound (pytest-timeout) on top of the per-step timeouts.
-@pytest.mark.timeout(2 * RUN_TIMEOUT + 3 * RAY_CMD_TIMEOUT + 120)
+@pytest.mark.timeout(2 * RUN_TIMEOUT + RAY_CMD_TIMEOUT + 4 * RAY_STOP_GRACE_S + 120)
 def test_ray_executor_matches_mp_and_selects_yali(tmp_path):
     reason = _skip_reason()
     if reason:
@@ -208,11 +282,9 @@ def test_ray_executor_matches_mp_and_selects_yali(tmp_path):
             if f.suffix in (".out", ".err", ".log"):
                 ray_logs += "\n" + f.read_text(errors="replace")
     finally:
-        try:
-            _ray_stop(tmp_path / "ray-stop.log")
+        try:  # this cluster only; also after a failed or timed-out `ray start`
+            _stop_ray_cluster(ray_pgid, ray_tmp, tmp_path / "ray-stop.log")
         finally:
-            if ray_pgid is not None:
-                _kill_group(ray_pgid)  # anything `ray stop` missed of the daemons we started
             shutil.rmtree(ray_tmp, ignore_errors=True)
 
     assert len(mp_result["token_ids"]) == len(PROMPTS)
