@@ -38,19 +38,43 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _results import MULTICAST_OFF_ENV  # noqa: E402
+from cli_args import choice_list, positive_float, positive_int  # noqa: E402
 
 os.environ.update(MULTICAST_OFF_ENV)
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 ALL_BACKENDS = ["yali", "yali-flash", "yali-stream", "yali-prev", "nccl", "vllm-custom", "vllm-pynccl", "symm-one-shot",
                 "symm-two-shot"]
+DTYPE_NAMES = ["bf16", "fp16", "fp32"]
 DEFAULT_SIZES = "2K,16K,64K,256K,1M,4M,16M,64M,256M,1G"
+QUICK_SIZES = "2K,64K,1M,4M,64M"
 
 
 def parse_size(s: str) -> int:
     s = s.strip().upper()
     mul = {"K": KiB, "M": MiB, "G": GiB}.get(s[-1], 1)
     return int(float(s[:-1] if mul > 1 else s) * mul)
+
+
+def size_list(text: str) -> list[int]:
+    """"2K,1M" -> [2048, 1048576]: byte counts with an optional K/M/G suffix, each a positive
+    multiple of 4 (whole elements of every dtype), sorted, duplicates dropped."""
+    out = set()
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            n = parse_size(part)
+        except (ValueError, OverflowError):
+            n = 0
+        if n <= 0 or n % 4:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a size: bytes (K/M/G suffix allowed), a positive "
+                                             "multiple of 4")
+        out.add(n)
+    if not out:
+        raise argparse.ArgumentTypeError(f"empty list of sizes: {text!r}")
+    return sorted(out)
 
 
 def fmt_size(n: int) -> str:
@@ -299,14 +323,14 @@ def worker(rank, port, args, q):
     gloo = dist.new_group(backend="gloo")
     link = link_bandwidth_gbps(torch) if rank == 0 else None
     dist.barrier(group=gloo)
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    sizes = args.sizes
     max_bytes = max(sizes)
-    be = Backends(rank, dev, gloo, args.backends.split(","), max_bytes)
+    be = Backends(rank, dev, gloo, args.backends, max_bytes)
     cyc = sleep_cycles_per_us(torch)
     rows, t_start = [], time.time()
-    plan_total = len(args.dtypes.split(",")) * len(sizes) * len(be.ops)
+    plan_total = len(args.dtypes) * len(sizes) * len(be.ops)
     done = 0
-    for dname in args.dtypes.split(","):
+    for dname in args.dtypes:
         dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dname]
         esize = torch.empty(0, dtype=dtype).element_size()
         for nbytes in sizes:
@@ -546,20 +570,27 @@ def plot(res, out_dir, name, dtype="bf16"):
     print(f"wrote {path}")
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default=DEFAULT_SIZES, help="comma list, K/M/G suffixes (default %(default)s)")
-    ap.add_argument("--dtypes", default="bf16,fp16,fp32")
-    ap.add_argument("--backends", default=",".join(ALL_BACKENDS))
-    ap.add_argument("--graph-ops", type=int, default=50, help="ops per CUDA graph (fewer for large sizes)")
-    ap.add_argument("--replays", type=int, default=20, help="timed graph replays")
-    ap.add_argument("--samples", type=int, default=1000, help="eager samples per size")
+    ap.add_argument("--sizes", default=DEFAULT_SIZES, type=size_list,
+                    help="comma list, K/M/G suffixes (default %(default)s)")
+    ap.add_argument("--dtypes", default=",".join(DTYPE_NAMES),
+                    type=lambda s: choice_list(s, DTYPE_NAMES, "--dtypes"))
+    ap.add_argument("--backends", default=",".join(ALL_BACKENDS),
+                    type=lambda s: choice_list(s, ALL_BACKENDS, "--backends"))
+    ap.add_argument("--graph-ops", type=positive_int, default=50, help="ops per CUDA graph (fewer for large sizes)")
+    ap.add_argument("--replays", type=positive_int, default=20, help="timed graph replays")
+    ap.add_argument("--samples", type=positive_int, default=1000, help="eager samples per size")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--name", default=None, help="result file stem (default allreduce-<date>)")
-    ap.add_argument("--timeout", type=float, default=1500, help="give up after this many seconds")
+    ap.add_argument("--timeout", type=positive_float, default=1500, help="give up after this many seconds")
     ap.add_argument("--quick", action="store_true", help="bf16, 5 sizes, fewer samples")
     ap.add_argument("--report-only", metavar="JSON", help="rebuild table and plots from a result file")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     if args.report_only:
         with open(args.report_only) as f:
             res = json.load(f)
@@ -570,7 +601,7 @@ def main(argv=None):
         plot(res, out, stem)
         return
     if args.quick:
-        args.sizes, args.dtypes, args.samples, args.replays = "2K,64K,1M,4M,64M", "bf16", 300, 10
+        args.sizes, args.dtypes, args.samples, args.replays = size_list(QUICK_SIZES), ["bf16"], 300, 10
     args.name = args.name or "allreduce-" + time.strftime("%Y%m%d-%H%M%S")
     res = run_two_ranks(worker, args, args.timeout, "benchmark")
     write_outputs(args, res)

@@ -45,6 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _results import MULTICAST_OFF_ENV, results_header, write_json_and_markdown, write_results  # noqa: E402
 from allreduce_bench import pct, run_two_ranks, time_graph  # noqa: E402
+from cli_args import choice_list as parse_choice_list, positive_float, positive_int  # noqa: E402
+from cli_args import positive_int_list as parse_int_list  # noqa: E402
 
 os.environ.update(MULTICAST_OFF_ENV)
 
@@ -64,36 +66,6 @@ TOLERANCE = {"bf16": (2 ** -6, 2 ** -6), "fp16": (2 ** -9, 2 ** -8), "fp32": (1e
 
 
 # ----------------------------------------------------------------------------- arguments
-def parse_int_list(text: str, what: str = "value") -> list[int]:
-    """"1,2,4" -> [1, 2, 4]: positive integers, sorted, duplicates dropped."""
-    out = set()
-    for part in str(text).split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            v = int(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{what}: {part!r} is not an integer") from None
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"{what}: {v} is not positive")
-        out.add(v)
-    if not out:
-        raise argparse.ArgumentTypeError(f"{what}: empty list")
-    return sorted(out)
-
-
-def parse_choice_list(text: str, choices: list[str], what: str) -> list[str]:
-    """"bf16,fp16" -> ["bf16", "fp16"] in the order of `choices`; unknown names are an error."""
-    names = [p.strip() for p in str(text).split(",") if p.strip()]
-    bad = [n for n in names if n not in choices]
-    if bad:
-        raise argparse.ArgumentTypeError(f"{what}: unknown {', '.join(bad)} (choose from {', '.join(choices)})")
-    if not names:
-        raise argparse.ArgumentTypeError(f"{what}: empty list")
-    return [c for c in choices if c in names]
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", default="8192", type=lambda s: parse_int_list(s, "--hidden"),
@@ -104,18 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma list of bf16, fp16, fp32 (default %(default)s)")
     ap.add_argument("--backends", default=",".join(BACKENDS),
                     type=lambda s: parse_choice_list(s, BACKENDS, "--backends"))
-    ap.add_argument("--eps", type=float, default=1e-5, help="RMSNorm epsilon (default %(default)s)")
-    ap.add_argument("--fi-max-tokens", type=int, default=2048,
+    ap.add_argument("--eps", type=positive_float, default=1e-5, help="RMSNorm epsilon (default %(default)s)")
+    ap.add_argument("--fi-max-tokens", type=positive_int, default=2048,
                     help="FlashInfer workspace max_token_num at least this (vLLM: min(64 MiB / row bytes, "
                          "max_num_batched_tokens)); default %(default)s")
-    ap.add_argument("--graph-ops", type=int, default=50, help="fused ops per CUDA graph (default %(default)s)")
-    ap.add_argument("--replays", type=int, default=200, help="timed graph replays = samples (default %(default)s)")
-    ap.add_argument("--budget-s", type=float, default=420.0,
+    ap.add_argument("--graph-ops", type=positive_int, default=50, help="fused ops per CUDA graph (default %(default)s)")
+    ap.add_argument("--replays", type=positive_int, default=200, help="timed graph replays = samples (default %(default)s)")
+    ap.add_argument("--budget-s", type=positive_float, default=420.0,
                     help="stop starting measurements after this many seconds (default %(default)s)")
-    ap.add_argument("--timeout", type=float, default=None,
+    ap.add_argument("--timeout", type=positive_float, default=None,
                     help="kill the ranks after this many seconds (default budget + 150)")
-    ap.add_argument("--target-ratio", type=float, default=0.8, help="YALI / FlashInfer target (default %(default)s)")
-    ap.add_argument("--target-tokens", type=int, default=32,
+    ap.add_argument("--target-ratio", type=positive_float, default=0.8, help="YALI / FlashInfer target (default %(default)s)")
+    ap.add_argument("--target-tokens", type=positive_int, default=32,
                     help="the target ratio applies up to this many tokens; above, YALI must not be slower")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--name", default=None, help="result file stem (default fused-<date>)")
@@ -129,11 +101,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.quick:
         args.tokens, args.replays = [1, 8, 32, 128], min(args.replays, 50)
-    for name in ("graph_ops", "replays"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.budget_s <= 0:
-        ap.error("--budget-s must be > 0")
     if args.timeout is None:
         args.timeout = args.budget_s + 150.0
     args.name = args.name or "fused-" + time.strftime("%Y%m%d-%H%M%S")

@@ -44,6 +44,7 @@ from _results import (  # noqa: E402
     write_json_and_markdown,
     write_results,
 )
+from cli_args import float_range, int_range, positive_float, positive_int  # noqa: E402
 from serving_bench import (  # noqa: E402
     DEFAULT_CONFIGS,
     SERVER_CONFIGS,
@@ -351,18 +352,25 @@ def merge_main(paths: Sequence[Path], out: Path) -> int:
 
 
 # ===================================================================== run
+# The ranges benchmarks/locustfile.py accepts for its YALI_LOAD_* settings (it clamps other values).
+MAX_TOKENS = int_range(1, 4096)
+PROMPT_WORDS = int_range(1, 8192)
+WEIGHT = int_range(0, 1000)
+REQUEST_TIMEOUT_S = float_range(1.0, 3600.0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma list of {list(SERVER_CONFIGS)} (ignored with --soak)")
     p.add_argument("--soak", action="store_true", help="soak test of the yali configuration with a PASS/FAIL verdict")
-    p.add_argument("--users", type=int, default=None, help="locust users (default 32; 64 with --soak)")
-    p.add_argument("--spawn-rate", type=float, default=None, help="users started per second (default users/4)")
-    p.add_argument("--duration-s", type=int, default=None, help="locust run time per config (default 60; 120 with --soak)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--prompt-words", type=int, default=128)
-    p.add_argument("--chat-weight", type=int, default=1)
-    p.add_argument("--completions-weight", type=int, default=1)
-    p.add_argument("--request-timeout-s", type=float, default=120.0)
+    p.add_argument("--users", type=positive_int, default=None, help="locust users (default 32; 64 with --soak)")
+    p.add_argument("--spawn-rate", type=positive_float, default=None, help="users started per second (default users/4)")
+    p.add_argument("--duration-s", type=positive_int, default=None, help="locust run time per config (default 60; 120 with --soak)")
+    p.add_argument("--max-tokens", type=MAX_TOKENS, default=64)
+    p.add_argument("--prompt-words", type=PROMPT_WORDS, default=128)
+    p.add_argument("--chat-weight", type=WEIGHT, default=1, help="weight of the chat user (0 = off)")
+    p.add_argument("--completions-weight", type=WEIGHT, default=1, help="weight of the completions user (0 = off)")
+    p.add_argument("--request-timeout-s", type=REQUEST_TIMEOUT_S, default=120.0)
     p.add_argument("--locust-bin", default="locust", help="locust command, shell-split (default: locust on PATH, else this python -m locust)")
     add_server_args(p)
     p.add_argument("--out", type=Path, default=None, help="output dir (default benchmarks/results/load-DATE or soak-DATE)")
@@ -383,8 +391,8 @@ def resolve_args(args: argparse.Namespace) -> list[str]:
     unknown = [c for c in configs if c not in SERVER_CONFIGS]
     if unknown:
         raise SystemExit(f"unknown config(s) {unknown}; known: {list(SERVER_CONFIGS)}")
-    if args.users < 1 or args.duration_s < 1:
-        raise SystemExit("--users and --duration-s must be >= 1")
+    if args.chat_weight == 0 and args.completions_weight == 0:
+        raise SystemExit("--chat-weight and --completions-weight are both 0: no user to run")
     args.spawn_rate = args.spawn_rate or max(1.0, args.users / 4.0)
     return configs
 

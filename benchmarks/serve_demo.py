@@ -5,7 +5,10 @@ completion request, print the answer and the YALI lines of the server log, stop
 the server.
 
 Without 2 GPUs (or without vLLM) it says so and exits 0 after writing the model.
-  python benchmarks/serve_demo.py [--size 8b|70b] [--dir /tmp/yali-model]
+  python benchmarks/serve_demo.py [--size 8b|70b] [--dir DIR [--force]]
+
+The model goes to a directory of this user's own (<temp dir>/yali-model-<uid>), rewritten on
+every run; another --dir that is not empty (and holds no copy of the same model) needs --force.
 """
 from __future__ import annotations
 
@@ -19,21 +22,36 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from cli_args import positive_float  # noqa: E402
 
-def main() -> int:
+DEFAULT_DIR = os.path.join(tempfile.gettempdir(), f"yali-model-{os.getuid()}")
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="8b", choices=["8b", "70b"])
-    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "yali-model"))
-    ap.add_argument("--startup-timeout", type=float, default=900)
+    ap.add_argument("--dir", default=DEFAULT_DIR, help="model directory (default %(default)s)")
+    ap.add_argument("--force", action="store_true",
+                    help="write the model into a --dir that is not empty (config.json and tekken.json are replaced)")
+    ap.add_argument("--startup-timeout", type=positive_float, default=900)
     ap.add_argument("--prompt", default="The fastest way to add two tensors across two GPUs is")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
 
     import torch
 
     import yali_vllm
     from yali_vllm.models import write_model_dir
 
-    model = write_model_dir(args.dir, args.size)
+    try:
+        # Its own default directory is rewritten on every run.
+        model = write_model_dir(args.dir, args.size, force=args.force or args.dir == DEFAULT_DIR)
+    except (OSError, ValueError) as e:
+        ap.error(str(e))
     print(f"[demo] wrote the embedded {args.size} model to {model}")
     print(f"[demo] YALI extension: {'available' if yali_vllm.available() else yali_vllm.unavailable_reason()}")
     vllm_bin = shutil.which("vllm")

@@ -55,6 +55,7 @@ from _results import (  # noqa: E402
     write_json_and_markdown,
     write_results,
 )
+from cli_args import fraction, non_negative_int, positive_float, positive_int, tcp_port  # noqa: E402
 
 # yali_vllm from this checkout when it is not installed (an installed one comes first).
 if str(REPO_ROOT) not in sys.path:
@@ -150,8 +151,9 @@ def parse_csv_list(text: str) -> list[str]:
 
 
 def parse_int_list(text: str) -> list[int]:
-    vals = [int(t) for t in parse_csv_list(text)]
-    if not vals or any(v < 1 for v in vals):
+    """"1,8,32" -> [1, 8, 32]: positive integers in the given order."""
+    vals = [positive_int(t) for t in parse_csv_list(text)]
+    if not vals:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return vals
 
@@ -1180,7 +1182,9 @@ MODEL_SUMMARY_KEYS = (
 def prepare_model(size: str, model_dir: Path) -> Path:
     from yali_vllm.models import write_model_dir
 
-    return Path(write_model_dir(model_dir, size=size)).resolve()
+    # The benchmark's model directory is rewritten on every run: force replaces config.json and
+    # tekken.json there (never through a symbolic link) and keeps every other file.
+    return Path(write_model_dir(model_dir, size=size, force=True)).resolve()
 
 
 def model_summary(model_dir: Path, size: str) -> dict[str, Any]:
@@ -1215,18 +1219,18 @@ def default_out(prefix: str) -> Path:
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """Server/model/budget options shared with load_test.py."""
     p.add_argument("--model-size", choices=("70b", "8b"), default="70b", help="embedded dummy model (default 70b)")
-    p.add_argument("--model-dir", type=Path, default=None, help="where to write the model (default /tmp/serving-bench-model-SIZE)")
+    p.add_argument("--model-dir", type=Path, default=None, help="where to write the model; its config.json and tekken.json are replaced (default /tmp/serving-bench-model-SIZE)")
     p.add_argument("--vllm-bin", default="vllm", help="vllm command, shell-split (default: vllm on PATH)")
-    p.add_argument("--port", type=int, default=8100, help="first port to try; each server gets its own")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
-    p.add_argument("--max-num-seqs", type=int, default=None, help="vllm serve --max-num-seqs (default: vLLM's); smaller = faster CUDA-graph capture at startup")
+    p.add_argument("--port", type=tcp_port, default=8100, help="first port to try; each server gets its own")
+    p.add_argument("--max-model-len", type=positive_int, default=2048)
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.90)
+    p.add_argument("--max-num-seqs", type=positive_int, default=None, help="vllm serve --max-num-seqs (default: vLLM's); smaller = faster CUDA-graph capture at startup")
     p.add_argument("--extra-server-args", default="", help="extra vllm serve arguments for every config (one shell-quoted string)")
-    p.add_argument("--budget-s", type=float, default=540.0, help="global deadline for the whole run, seconds (default 540)")
-    p.add_argument("--startup-timeout-s", type=float, default=420.0, help="max wait for one server's /health (clipped to the budget)")
-    p.add_argument("--stop-grace-s", type=float, default=30.0, help="SIGTERM grace before SIGKILL when stopping a server")
-    p.add_argument("--startup-estimate-s", type=float, default=60.0, help="assumed server startup time until one is observed (budget planning)")
-    p.add_argument("--warmup-requests", type=int, default=4, help="short warm-up completions per server before measuring")
+    p.add_argument("--budget-s", type=positive_float, default=540.0, help="global deadline for the whole run, seconds (default 540)")
+    p.add_argument("--startup-timeout-s", type=positive_float, default=420.0, help="max wait for one server's /health (clipped to the budget)")
+    p.add_argument("--stop-grace-s", type=positive_float, default=30.0, help="SIGTERM grace before SIGKILL when stopping a server")
+    p.add_argument("--startup-estimate-s", type=positive_float, default=60.0, help="assumed server startup time until one is observed (budget planning)")
+    p.add_argument("--warmup-requests", type=non_negative_int, default=4, help="short warm-up completions per server before measuring")
     p.add_argument("--dry-run", action="store_true", help="print the commands and environments, run nothing")
 
 
@@ -1236,15 +1240,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma list of {list(SERVER_CONFIGS)}")
-    p.add_argument("--repeats", type=int, default=2, help="repeats per config, interleaved")
+    p.add_argument("--repeats", type=positive_int, default=2, help="repeats per config, interleaved")
     p.add_argument("--concurrency", type=parse_int_list, default=[1, 8, 32], help="comma list of --max-concurrency values")
-    p.add_argument("--prompts-per-concurrency", type=int, default=4, help="num-prompts = max(min-prompts, this x concurrency)")
-    p.add_argument("--min-prompts", type=int, default=8)
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0, help="dataset seed; concurrency point i uses seed+i (no prefix-cache reuse between points)")
-    p.add_argument("--bench-timeout-s", type=float, default=300.0, help="max time for one vllm bench serve run (clipped to the budget)")
-    p.add_argument("--bench-estimate-s", type=float, default=25.0, help="assumed bench time until one is observed (budget planning)")
+    p.add_argument("--prompts-per-concurrency", type=positive_int, default=4, help="num-prompts = max(min-prompts, this x concurrency)")
+    p.add_argument("--min-prompts", type=positive_int, default=8)
+    p.add_argument("--random-input-len", type=positive_int, default=1024)
+    p.add_argument("--random-output-len", type=positive_int, default=256)
+    p.add_argument("--seed", type=non_negative_int, default=0, help="dataset seed; concurrency point i uses seed+i (no prefix-cache reuse between points)")
+    p.add_argument("--bench-timeout-s", type=positive_float, default=300.0, help="max time for one vllm bench serve run (clipped to the budget)")
+    p.add_argument("--bench-estimate-s", type=positive_float, default=25.0, help="assumed bench time until one is observed (budget planning)")
     p.add_argument(
         "--bench-runner",
         choices=("worker", "cli"),
@@ -1256,22 +1260,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bench-module", default="vllm.benchmarks.serve", help=argparse.SUPPRESS)
     p.add_argument(
         "--profile-tokens",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="after the measured points of each config's first repeat, profile one streamed request of this many "
         "tokens with vLLM's torch profiler and write decode-profile.json/.md (kernel time per class and the gaps "
         "around them, see decode_profile.py) under --out; 0 = no profile. The profiler is configured on the server "
         "but only runs for that request, after the measurements",
     )
-    p.add_argument("--locust-users", type=int, default=0,
+    p.add_argument("--locust-users", type=non_negative_int, default=0,
                    help="after each config's first-repeat points, a locust load test (benchmarks/locustfile.py) "
                         "with this many users on the same server; rows in --out/load-test.json (kind load-test). 0 = none")
-    p.add_argument("--locust-duration-s", type=int, default=60, help="duration of each locust comparison run")
-    p.add_argument("--soak-s", type=int, default=0,
+    p.add_argument("--locust-duration-s", type=positive_int, default=60, help="duration of each locust comparison run")
+    p.add_argument("--soak-s", type=non_negative_int, default=0,
                    help="after the yali server's first-repeat points (and locust run), a soak of this many seconds "
                         "with --soak-users users on the same server; PASS needs zero failed requests and no "
                         "ERROR/Traceback line in the server log up to its stop (--out/soak.json). 0 = none")
-    p.add_argument("--soak-users", type=int, default=64)
+    p.add_argument("--soak-users", type=positive_int, default=64)
     p.add_argument("--locust-bin", default="locust", help="locust command, shell-split (default: locust on PATH, else this python -m locust)")
     add_server_args(p)
     p.add_argument("--out", type=Path, default=None, help="output dir (default benchmarks/results/serving-DATE)")
@@ -1291,13 +1295,6 @@ def validate_args(args: argparse.Namespace) -> list[str]:
     unknown = [c for c in configs if c not in SERVER_CONFIGS]
     if unknown:
         raise SystemExit(f"unknown config(s) {unknown}; known: {list(SERVER_CONFIGS)}")
-    if args.repeats < 1:
-        raise SystemExit("--repeats must be >= 1")
-    if args.profile_tokens < 0:
-        raise SystemExit("--profile-tokens must be >= 0")
-    for name in ("locust_users", "locust_duration_s", "soak_s", "soak_users"):
-        if getattr(args, name) < 0:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 0")
     if args.soak_s and "yali" not in configs:
         raise SystemExit("--soak-s soaks the yali server: add yali to --configs")
     need = args.random_input_len + args.random_output_len

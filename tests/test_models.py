@@ -113,3 +113,91 @@ def test_vllm_mistral_tokenizer_loads_from_dir(model_dir):
     ids = tok.encode("Hello world")
     assert ids[0] == 1 and max(ids) < 131072  # <s>, then BPE ids
     assert tok.decode(ids[1:]) == "Hello world"
+
+
+# ----------------------------------------------------------------------------- bad input
+def _refused(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        models.main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_cli_refuses_an_empty_directory_argument(name, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    err = _refused([name], capsys)
+    assert "argument dir" in err and f"{name!r} is empty" in err
+    assert list(tmp_path.iterdir()) == []  # nothing written into the current directory
+    with pytest.raises(ValueError, match="empty name"):
+        models.write_model_dir(name)
+
+
+def test_non_empty_directory_is_refused_unless_force(tmp_path, capsys):
+    pytest.importorskip("mistral_common")
+    d = tmp_path / "real-model"
+    d.mkdir()
+    (d / "config.json").write_text("theirs")
+    (d / "weights.bin").write_bytes(b"w")
+    err = _refused([str(d)], capsys)
+    assert str(d) in err and "--force" in err
+    assert (d / "config.json").read_text() == "theirs" and not (d / "tekken.json").exists()
+    with pytest.raises(FileExistsError, match="not empty"):
+        models.write_model_dir(d)
+    assert models.main([str(d), "--force"]) == 0
+    assert json.loads((d / "config.json").read_text())["hidden_size"] == 4096
+    assert (d / "weights.bin").read_bytes() == b"w"  # other files are kept
+
+
+def test_existing_empty_and_missing_directories_are_written(tmp_path):
+    pytest.importorskip("mistral_common")
+    assert models.write_model_dir(tmp_path, "8b") == tmp_path  # exists, empty
+    assert models.write_model_dir(tmp_path / "a" / "b", "8b").joinpath("tekken.json").is_file()  # created
+
+
+def test_a_rerun_into_the_same_model_is_accepted_and_another_size_is_refused(tmp_path, capsys):
+    pytest.importorskip("mistral_common")
+    d = models.write_model_dir(tmp_path / "m", "70b")
+    before = {p.name: p.stat().st_mtime_ns for p in d.iterdir()}
+    assert models.main([str(d), "--size", "70b"]) == 0  # same files, same content: left as they are
+    assert {p.name: p.stat().st_mtime_ns for p in d.iterdir()} == before
+    assert "--force" in _refused([str(d), "--size", "8b"], capsys)  # would change config.json
+    assert json.loads((d / "config.json").read_text())["hidden_size"] == 8192
+
+
+def test_a_file_in_place_of_the_directory_is_refused(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("keep")
+    assert "not a directory" in _refused([str(f), "--force"], capsys)
+    assert f.read_text() == "keep"
+
+
+@pytest.mark.parametrize("name", ["config.json", "tekken.json"])
+def test_symlinks_are_never_written_through(name, tmp_path, capsys):
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / name).symlink_to(victim)
+    for argv in ([str(d)], [str(d), "--force"]):
+        err = _refused(argv, capsys)
+        assert str(d) in err
+    assert "symbolic link" in err and str(d / name) in err
+    with pytest.raises(FileExistsError, match="symbolic link"):
+        models.write_model_dir(d, force=True)
+    assert victim.read_text() == "keep" and (d / name).is_symlink()
+    assert not (d / ({"config.json", "tekken.json"} - {name}).pop()).exists()  # nothing half-written
+
+
+def test_write_file_does_not_follow_a_link_created_after_the_check(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    (tmp_path / "config.json").symlink_to(victim)
+    with pytest.raises(OSError):
+        models._write_file(tmp_path / "config.json", b"{}")
+    assert victim.read_text() == "keep"
+
+
+def test_parser_defaults():
+    args = models.build_parser().parse_args(["m"])
+    assert (args.dir, args.size, args.force) == ("m", "8b", False)

@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import shlex
-import shutil
 from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +31,7 @@ from typing import Any
 # every id the tokenizer can produce has a row, and vice versa.
 TOKENIZER_RESOURCE = "tekken_240911.json"
 TOKENIZER_FILE = "tekken.json"
+CONFIG_FILE = "config.json"
 VOCAB_SIZE = 131072
 
 _COMMON: dict[str, Any] = {
@@ -102,26 +103,53 @@ def tokenizer_source() -> Path:
     return src
 
 
-def write_model_dir(path: str | Path, size: str = "8b") -> Path:
+def _write_file(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path``; a symbolic link there is an error, never followed."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def write_model_dir(path: str | Path, size: str = "8b", *, force: bool = False) -> Path:
     """Write ``config.json`` and ``tekken.json`` into ``path``; return it.
 
-    Existing files of the same names are overwritten, other files are kept.
+    ``path`` is created if missing.  An existing directory that is not empty is
+    refused unless it already holds exactly these two files with this content
+    (a re-run: left as it is) or ``force`` is set; with ``force`` files of those
+    two names are replaced and other files are kept.  A symbolic link in place
+    of either file is refused (with or without ``force``), so nothing is written
+    through it.
     """
+    if not str(path).strip():
+        raise ValueError(f"model directory {str(path)!r} is an empty name: name a directory to write")
     config = model_config(size)
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory")
+    for name in (CONFIG_FILE, TOKENIZER_FILE):
+        if (out / name).is_symlink():
+            raise FileExistsError(f"{out / name} is a symbolic link; remove it first (nothing is written through a link)")
     src = tokenizer_source()
+    tokenizer = src.read_bytes()
     # Guard against a mistral_common whose tokenizer no longer matches.
-    with open(src, encoding="utf-8") as f:
-        tok_vocab = json.load(f)["config"]["default_vocab_size"]
+    tok_vocab = json.loads(tokenizer)["config"]["default_vocab_size"]
     if tok_vocab != config["vocab_size"]:
         raise RuntimeError(
             f"{src} has vocab size {tok_vocab}, the embedded config expects {config['vocab_size']}"
         )
-    out = Path(path)
+    files = {CONFIG_FILE: (json.dumps(config, indent=2, sort_keys=True) + "\n").encode("utf-8"), TOKENIZER_FILE: tokenizer}
+    if out.is_dir() and not force and any(out.iterdir()):
+        if sorted(p.name for p in out.iterdir()) == sorted(files) and all(
+            (out / name).read_bytes() == data for name, data in files.items()
+        ):
+            return out
+        raise FileExistsError(
+            f"{out} is not empty; --force writes {CONFIG_FILE} and {TOKENIZER_FILE} into it anyway "
+            "(replacing files of those names, keeping the others)"
+        )
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "config.json", "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-        f.write("\n")
-    shutil.copyfile(src, out / TOKENIZER_FILE)
+    for name, data in files.items():
+        _write_file(out / name, data)
     return out
 
 
@@ -144,17 +172,35 @@ def serve_command(path: str | Path, tensor_parallel_size: int = 2, *, vllm: Sequ
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _directory(text: str) -> str:
+    """argparse type of the ``dir`` argument: a name that is not empty or blank."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is empty: name a directory to write")
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="yali-vllm-model",
         description="Write a Llama-shaped model directory (config.json + "
         "Tekken tokenizer) for vLLM dummy-weight runs.",
     )
-    parser.add_argument("dir", help="directory to write (created if missing)")
+    parser.add_argument("dir", type=_directory, help="directory to write (created if missing; refused if not empty, "
+                        "unless --force)")
     parser.add_argument("--size", choices=sorted(CONFIGS), default="8b")
+    parser.add_argument("--force", action="store_true", help="write into a directory that is not empty, replacing "
+                        f"its {CONFIG_FILE} and {TOKENIZER_FILE} (a symbolic link there is still refused)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    out = write_model_dir(args.dir, args.size).resolve()
-    print(f"wrote {out / 'config.json'} and {out / TOKENIZER_FILE}")
+    try:
+        out = write_model_dir(args.dir, args.size, force=args.force).resolve()
+    except (OSError, ValueError) as e:
+        parser.error(str(e))
+    print(f"wrote {out / CONFIG_FILE} and {out / TOKENIZER_FILE}")
     print("serve it with:")
     print("  " + shlex.join(serve_command(out)))
     return 0
