@@ -353,11 +353,15 @@ def test_dispatch_prefers_yali_over_custom_ar_at_every_size(single_rank_comm):
         comm.ca_comm = saved
 
 
-def test_dispatch_logs_backend_once_per_size_class(single_rank_comm, caplog):
+def test_dispatch_logs_backend_once_per_size_class(single_rank_comm, caplog, monkeypatch):
     """Fakes (stated above): the first all-reduce of each dtype and size class
-    logs which backend served it; repeats do not."""
+    logs which backend served it; repeats do not, and do not ask the library for the
+    kernel's name either (the dispatch path stays a set lookup)."""
     comm = single_rank_comm
     comm.yali_comm = FakeYali(use=True)
+    asked = []
+    real = vllm_plugin._yali_kernel
+    monkeypatch.setattr(vllm_plugin, "_yali_kernel", lambda n: asked.append(n) or real(n))
     with caplog.at_level(logging.INFO, logger="vllm.yali"):
         for _ in range(3):
             comm.all_reduce(torch.ones(1000))  # 4000 bytes: size class 2048..4095
@@ -369,6 +373,7 @@ def test_dispatch_logs_backend_once_per_size_class(single_rank_comm, caplog):
     assert "torch.float32 all-reduces of 2048..4095 bytes -> yali" in lines[0]
     assert "torch.bfloat16 all-reduces of 16..31 bytes -> yali" in lines[1]
     assert lines[2].endswith("-> vLLM's all-reduce chain")
+    assert asked == [4000, 20]  # once per new YALI line, never on a repeat
 
 
 def test_destroy_closes_yali(single_rank_comm):

@@ -582,17 +582,19 @@ def _wrap_init(orig_init: Any) -> Any:
     return __init__
 
 
-def _log_first_dispatch(comm: Any, input_: Any, backend: str) -> None:
+def _log_first_dispatch(comm: Any, input_: Any, yali: bool) -> None:
     """One INFO line the first time each (dtype, power-of-two size class, backend)
     is dispatched by this communicator: which backend serves which sizes, without
-    a line per call. (Replays of captured CUDA graphs run no Python at all.)"""
+    a line per call. (Replays of captured CUDA graphs run no Python at all.) A repeat
+    costs a set lookup: the kernel's name is asked of the library only for a new line."""
     nbytes = input_.numel() * input_.element_size()
-    key = (str(input_.dtype), max(nbytes, 1).bit_length(), backend)
+    key = (str(input_.dtype), max(nbytes, 1).bit_length(), yali)
     seen = comm.__dict__.setdefault("_yali_dispatch_seen", set())
     if key in seen:
         return
     seen.add(key)
     lo = 1 << (key[1] - 1)
+    backend = _yali_kernel(nbytes) if yali else "vLLM's all-reduce chain"
     logger.info("YALI dispatch on '%s': %s all-reduces of %d..%d bytes -> %s",
                 getattr(comm, "unique_name", "?"), key[0], lo, 2 * lo - 1, backend)
 
@@ -616,10 +618,10 @@ def _wrap_all_reduce(orig_all_reduce: Any) -> Any:
         # all-reduce and NCCL at every size and dtype (benchmarks/results/allreduce-20261122-r2.md).
         if yc.should_use(input_):
             if logger.isEnabledFor(logging.INFO):
-                _log_first_dispatch(self, input_, _yali_kernel(input_.numel() * input_.element_size()))
+                _log_first_dispatch(self, input_, True)
             return yc.all_reduce(input_)
         if logger.isEnabledFor(logging.INFO):
-            _log_first_dispatch(self, input_, "vLLM's all-reduce chain")
+            _log_first_dispatch(self, input_, False)
         return orig_all_reduce(self, input_)
 
     return all_reduce
