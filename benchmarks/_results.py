@@ -158,9 +158,9 @@ def parse_gpu_ids(csv_text: str) -> list[dict[str, str]]:
 
 
 def gpu_ids() -> list[dict[str, str]]:
-    """Which physical GPUs ran this (UUID, serial, PCI bus, VBIOS); [] without nvidia-smi. Leases
-    of the same kind land on different machines, and some effects differ between them (session
-    9: the GEMM after the fused op, benchmarks/results/decode-gemm-20261122-s9)."""
+    """Which physical GPUs ran this (UUID, serial, PCI bus, VBIOS); [] without nvidia-smi. Hosts
+    of the same type differ in some effects (the GEMM after the fused op,
+    benchmarks/results/decode-gemm-20261122-s9), so a result names its GPUs."""
     text = _run(["nvidia-smi", "--query-gpu=" + ",".join(GPU_ID_FIELDS), "--format=csv,noheader"])
     return parse_gpu_ids(text) if text else []
 

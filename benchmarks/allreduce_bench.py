@@ -8,7 +8,7 @@ For every backend x dtype x size it records
     per replay (graph time / ops), median and p99 over the replays;
   * eager: per-call time of individually launched ops, bracketed by CUDA events
     and queued behind a GPU sleep; p50/p95/p99 over >= --samples ops. Below
-    EAGER_MIN_BYTES this is host launch pacing, not device time (every backend sits
+    EAGER_MIN_BYTES this is host launch pacing, not GPU time (every backend sits
     on the same 35-75 us floor there), so the report shows eager times only from
     that size on; the graph time is the per-op time;
 and busBW in NCCL's convention (bytes / time for 2 ranks), with the peer-copy
@@ -259,14 +259,14 @@ def time_graph(torch, op, x, n_ops, replays, capture_ctx):
     return per_op
 
 
-# Smallest message whose eager per-call time is a device time: below it every backend measured
+# Smallest message whose eager per-call time is the GPU's time: below it every backend measured
 # the same 35-75 us host-pacing floor (benchmarks/results/allreduce-20261122-r3.md, eager table).
 EAGER_MIN_BYTES = 8 << 20
 
 
 def time_eager(torch, op, x, samples, cyc_per_us, host_us_per_op):
     # Queue the samples behind a GPU sleep long enough for the host to enqueue them all,
-    # so each sample is the device time of one op, not host launch gaps.
+    # so each sample is the GPU time of one op, not host launch gaps.
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(samples + 1)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(samples + 1)]
@@ -431,7 +431,7 @@ def write_outputs(args, res):
         "skipped_backends": res["skipped"],
         "method": "graph: per-op = graph replay time / ops per graph, p50/p99 over replays; eager: per-call "
                   "time between CUDA events, ops queued behind a GPU sleep (host-paced below "
-                  f"{EAGER_MIN_BYTES >> 20} MiB: not a device time there); busbw = bytes / us_p50",
+                  f"{EAGER_MIN_BYTES >> 20} MiB: not the GPU's time there); busbw = bytes / us_p50",
         "yali_config": _yali_config(),
     })
     hdr["records"] = res["rows"]
@@ -452,7 +452,7 @@ def _yali_config():
         return str(e)
 
 
-# Issue 2's targets (bf16): (label, timing, sizes, metric, bound, "max" = at most / "min" = at least).
+# The all-reduce targets (bf16): (label, timing, sizes, metric, bound, "max" = at most / "min" = at least).
 TARGETS = [
     ("≤ 64 KiB: per-op ≤ 3.5 µs", "graph", [s for s in (2 << 10, 4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10)],
      "us_p50", 3.5, "max"),
@@ -522,7 +522,7 @@ def markdown_table(res, dtype="bf16"):
             r = get.get((b, s, "eager"))
             cells.append(f"{r['us_p50']:.1f} / {r['us_p99']:.1f} ({r['us_p99'] / r['us_p50']:.2f})" if r else "–")
         out.append(f"| {fmt_size(s)} | " + " | ".join(cells) + " |")
-    out += ["\n## Targets (issue 2, yali, " + dtype + ")\n", "| target | measured | verdict |", "|---|---|---|"]
+    out += ["\n## Targets (yali, " + dtype + ")\n", "| target | measured | verdict |", "|---|---|---|"]
     out += [f"| {a} | {b} | {c} |" for a, b, c in target_rows(res, dtype)]
     if res.get("skipped_backends"):
         out.append("\nSkipped backends: " + "; ".join(f"{k}: {v}" for k, v in res["skipped_backends"].items()))

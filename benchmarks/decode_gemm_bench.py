@@ -2,14 +2,14 @@
 """The decode GEMMs of the 70B-class model at TP=2 with every layer's weights resident, in fresh
 process pairs with and without YALI's buffers mapped before the weights.
 
-Why: in the concurrency-1 serving profiles of sessions 7 and 8 the gate_up GEMM (the same cuBLAS
-kernel in both servers) took ~118 us per call in the yali server and ~108 us in vllm-default's,
-which is the whole end-to-end loss, while the same GEMM on one weight in a microbenchmark ran at
-~107 us with or without YALI's fused op before it. The serving model differs from that
-microbenchmark in what this script puts back: all 80 layers' weights (64 GiB per GPU) and a
-KV-cache-sized allocation are resident, each GEMM reads a different weight, the process's memory
-was laid out after the communicators mapped their buffers, and the kernels between the GEMMs are a
-decoder layer's. Each setup is a fresh pair of
+Why: in the concurrency-1 serving profiles (benchmarks/results/serving-70b-20261122-s7, -s8) the
+gate_up GEMM (the same cuBLAS kernel in both servers) takes ~118 us per call in the yali server
+and ~108 us in vllm-default's, which is the whole end-to-end loss, while the same GEMM on one
+weight in a microbenchmark runs at ~107 us with or without YALI's fused op before it. The serving
+model differs from that microbenchmark in what this script puts back: all 80 layers' weights
+(64 GiB per GPU) and a KV-cache-sized allocation are resident, each GEMM reads a different weight,
+the process's memory is laid out after the communicators mapped their buffers, and the kernels
+between the GEMMs are a decoder layer's. Each setup is a fresh pair of
 processes (rank r on GPU r), so each lays its memory out from scratch:
 
   plain        no communicator at all

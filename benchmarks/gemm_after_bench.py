@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """The decode gate_up GEMM after the kernel in front of it, on ONE GPU.
 
-Session 9 (benchmarks/results/decode-gemm-20261122-s9) found the cuBLAS gate_up GEMM of the 70B
-model at TP=2 about 10 % slower after a plain launch of a small kernel (YALI's fused op, torch's
-norm, vLLM's custom all-reduce) than after a thread block cluster launch (FlashInfer's fused
-kernel, YALI's op launched as one cluster of 4 CTAs) or another GEMM, on most 2xH200 leases and the
-reverse on one. The effect needs no communication, so one GPU can look at it: in front of each
-layer's gate_up GEMM this runs either nothing (GEMM after GEMM), torch's residual add + rms_norm,
-or a probe kernel with the shape of YALI's fused op and no communication (benchmarks/
+decode_gemm_bench.py (benchmarks/results/decode-gemm-20261122-s9) finds the cuBLAS gate_up GEMM
+of the 70B model at TP=2 about 10 % slower after a plain launch of a small kernel (YALI's fused
+op, torch's norm, vLLM's custom all-reduce) than after a thread block cluster launch (FlashInfer's
+fused kernel, YALI's op launched as one cluster of 4 CTAs) or another GEMM, on most 2xH200
+machines and the reverse on one. The effect needs no communication, so one GPU can look at it:
+in front of each layer's gate_up GEMM this runs either nothing (GEMM after GEMM), torch's residual
+add + rms_norm, or a probe kernel with the shape of YALI's fused op and no communication (benchmarks/
 probe_kernels.cu, built here with nvcc) launched with a chosen grid, cluster size and programmatic
 dependent launch (PDL). It also records how many clusters of 1/2/4/8/16 SM-filling CTAs the GPU
 runs at once (cudaOccupancyMaxActiveClusters), which depends on how its SMs are spread over GPCs
@@ -17,8 +17,9 @@ Each predecessor P gets two CUDA graphs (--graphs), each over `--layers` layers 
 weights:
   pair     P -> gate_up                                  (decode_gemm_bench's gate_up-after/<norm>)
   layers   P -> qkv -> o -> P -> gate_up -> down          (a decoder layer: decode_gemm_bench's layers/<norm>)
-Session 9's 2-GPU host ran gate_up fast in the pair graph even after torch's plain norm (109.5 us)
-and slow only in the decoder layer (118.4 us), so the layer graph is the one to compare with it.
+The 2-GPU host of decode-gemm-20261122-s9 ran gate_up fast in the pair graph even after torch's
+plain norm (109.5 us) and slow only in the decoder layer (118.4 us), so the layer graph is the one
+to compare with it.
 Per-layer time = replay time / layers (CUDA events, p50 over --replays); the torch profiler gives
 each kernel's median duration, and the gate_up GEMM's (the largest) is the figure that matters.
 The predecessors are measured in --rounds rounds, in reverse order on every other round, so a

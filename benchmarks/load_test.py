@@ -19,7 +19,7 @@ Writes ``load-test.json`` (schema in docs/BENCHMARKS.md), ``load-test.md``, and
 keeps locust's CSV/HTML and every server log under ``--out``.
 
 ``--merge A.json B.json ... --out DIR`` combines load-test results of the same mode
-and locust settings written by separate runs (e.g. one device call per configuration)
+and locust settings written by separate runs (e.g. one run per configuration)
 into one table.
 """
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""End-to-end serving benchmark: yali vs vLLM's own all-reduce paths (issue 4).
+"""End-to-end serving benchmark: yali vs vLLM's own all-reduce paths.
 
 For each configuration (``yali``, ``vllm-default``, ``nccl``) x ``--repeats``
 (interleaved: yali, vllm-default, nccl, yali, ...) this starts
@@ -17,7 +17,7 @@ The whole run is bounded by ``--budget-s``: every wait has a timeout clipped to
 what is left, and every server is stopped (its whole process group) in a
 ``finally``.  ``--report-only RESULT.json`` regenerates table + plots;
 ``--report-only A.json B.json ... --out DIR`` merges runs (e.g. one repeat per
-device call) into one result, renumbering the repeats.
+run) into one result, renumbering the repeats.
 ``--dry-run`` prints the commands without running anything.
 """
 

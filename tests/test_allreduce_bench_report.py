@@ -1,4 +1,4 @@
-"""CPU test of benchmarks/allreduce_bench.py's report: the issue-2 target rows are computed
+"""CPU test of benchmarks/allreduce_bench.py's report: the target rows are computed
 from the yali rows of a result (worst size decides; missing sizes say so)."""
 import os
 import sys
@@ -31,7 +31,7 @@ def test_target_rows_worst_size_decides_and_missing_targets_are_named():
     assert rows["1 GiB eager: busBW ≥ 360 GB/s"] == ("not measured in this run", "–")
     assert rows["16–256 MiB eager: p99/p50 ≤ 1.15"][1] == "missed by 0.05"
     md = ab.markdown_table({"records": res["records"], "host": "h", "date": "d", "command": "c"})
-    assert "## Targets (issue 2, yali, bf16)" in md and "| 4 MiB: per-op ≤ 15 µs | 4M: 14.00 | met |" in md
+    assert "## Targets (yali, bf16)" in md and "| 4 MiB: per-op ≤ 15 µs | 4M: 14.00 | met |" in md
 
 
 def test_eager_table_starts_where_eager_is_a_device_time():

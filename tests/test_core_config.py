@@ -107,7 +107,7 @@ def test_stream_chunks_fit_slots(monkeypatch):
     ("YALI_DEV_PUSH_CTA_BYTES", "100", "byte count"),
     ("YALI_DEV_PDL", "2", "integer in [0, 1]"),
     ("YALI_DEV_FUSED_BATCH_POLL_MIN", "-1", "byte count"),
-    ("YALI_DEV_BATCH_POLL", "1", "no such YALI_DEV_* knob"),  # removed in session 5: refused, not ignored
+    ("YALI_DEV_BATCH_POLL", "1", "no such YALI_DEV_* knob"),  # a removed knob: refused, not ignored
     ("YALI_DEV_PUSH_CTA_BYTE", "1K", "YALI_DEV_PUSH_CTA_BYTES"),  # a typo names the known knobs
     ("YALI_TIMEOUT_S", "-1", "seconds"),
 ])

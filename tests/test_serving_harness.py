@@ -1027,7 +1027,7 @@ def test_worker_bench_runner_timeout_and_restart(tmp_path, monkeypatch):
 
 
 def test_report_only_merges_runs(tmp_path):
-    """Two device calls with --repeats 1 each, merged: repeats renumbered, verdicts available."""
+    """Two runs with --repeats 1 each, merged: repeats renumbered, verdicts available."""
     paths = []
     for i, (y, n) in enumerate(((5.00, 6.00), (5.02, 6.03))):
         recs = make_records({("yali", 1): [y], ("nccl", 1): [n]})

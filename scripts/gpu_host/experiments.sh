@@ -6,7 +6,7 @@
 #   experiments.sh bench   the fused op (yali-fused only, 1-128 tokens) once per setting of
 #                          SETTINGS below, the default first and last (drift check)              ~5 min
 # Compare the rows with the fused benchmark's yali-fused / flashinfer-trtllm rows of the same machine.
-# (Session 5 measured flash-push's batched poll in tune round 6 and removed it: tune-20261122-r6.)
+# (flash-push has no batched poll: tune-20261122-r6 measured it slower.)
 . scripts/gpu_host/env.sh
 day=$(date +%Y%m%d)
 SETTINGS=(

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Last gpu-stack part is here: install vLLM 0.26.0 offline, then the full
+# With every gpu-stack part in .gpu-stack: install vLLM 0.26.0 offline, then the full
 # all-reduce microbenchmark and the fused all-reduce + RMSNorm microbenchmark
 # (the first FlashInfer use JIT-compiles its kernels into ~/.cache/flashinfer,
 # which the later vllm-default servers on this machine reuse).

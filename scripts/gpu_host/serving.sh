@@ -6,12 +6,12 @@
 # many seconds with 64 users on the yali server; both take their time from the same budget.)
 # REPEATS default 1 (repeats alternate between the configs), SUFFIX (result name) default r1,
 # CONFIGS default yali,vllm-default,nccl (also: yali-flashinfer-fusion, the plugin with YALI_FUSION=0)
-# (three do not fit one call: split them and merge the results with
+# (three do not fit one 10-minute run: split them and merge the results with
 # `serving_bench.py --report-only A.json B.json --out DIR`), PROFILE_TOKENS default 0: > 0 profiles
 # one request of that many tokens per config after its measurements (decode-profile.json/.md).
 # STOP_GRACE_S (default 30) is the SIGTERM grace of a server stop, which the budget keeps in reserve.
 # CONCURRENCY (default 1,8,32) narrows the points, e.g. to add one config's missing c=32 to an
-# earlier run. Only 8 files come back from $OUT, and two runs may share a call: each run returns
+# earlier run. $OUT is kept to a few files, also when two runs share it: each run leaves
 # its log, its JSON and one archive (the markdown, load-test/soak JSON, per-point raw files, server
 # logs and locust CSV/HTML are inside it; the markdown is also printed).
 . scripts/gpu_host/env.sh

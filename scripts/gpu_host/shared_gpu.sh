@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The two-rank kernel tests on a machine with ONE GPU (nvidia-h200 / nvidia-h100-x1): both ranks'
+# The two-rank kernel tests on a machine with ONE GPU (an H200 or H100): both ranks'
 # processes share GPU 0 (YALI_ALLOW_SHARED_GPU=1, tests/gpu/pair.py), with the same CUDA IPC
 # exchange, launches and checks as on the 2-GPU host. It runs the kernels' protocol, launch
-# shapes (clusters included) and numerics on real silicon when no 2-GPU machine is lent. Local
+# shapes (clusters included) and numerics on real silicon when no 2-GPU machine is available. Local
 # memory stands where NVLink would be and the two processes take turns on the GPU, so nothing
 # here is a timing and a race that needs the link's latency may not show.
 #   shared_gpu.sh [all|fused|allreduce]   all (default): fused first, then all-reduce (< 9.5 min)
-# Taking turns costs about 3.3 ms per call pair (session 10: the 10k-replay graph test, 70k pairs,
-# took 232 s), so the all-reduce part leaves out the 100k-call stress test, whose 300 s bound
-# assumes concurrent ranks; it stays with the 2-GPU host (kernels.sh).
+# Taking turns costs about 3.3 ms per call pair (the 10k-replay graph test, 70k pairs, takes
+# 232 s: gpu-tests-shared-20261123-s10), so the all-reduce part leaves out the 100k-call stress
+# test, whose 300 s bound assumes concurrent ranks; it stays with the 2-GPU host (kernels.sh).
 # Writes to $OUT: gpu-tests-shared-<part>-<date>.{json,log} (gpu-test-run results).
 # SHARED_FUSED_S / SHARED_ALLREDUCE_S override the bounds of the two parts.
 . scripts/gpu_host/env.sh

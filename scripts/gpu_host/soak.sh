@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Soak of the yali configuration on the 70B-class dummy model: one server start, then locust with
-# 64 streaming users for as long as the call holds: the run lasts SOAK_S seconds (default 3600),
+# 64 streaming users for as long as the budget holds: the run lasts SOAK_S seconds (default 3600),
 # shortened by load_test.py to what SOAK_BUDGET_S (default 560 s, from this script's start) leaves
 # after the server start and the stop reserve. PASS needs zero failed requests and no
-# ERROR/Traceback in the server log. In the call that installs the gpu-stack, pass what is left:
+# ERROR/Traceback in the server log. Right after installing the gpu-stack, pass what is left of a
+# 10-minute run:
 #   bash .gpu-stack/install.sh .gpu-stack > /tmp/install.log && SOAK_BUDGET_S=$((580 - SECONDS)) OUT=$OUT bash scripts/gpu_host/soak.sh
 . scripts/gpu_host/env.sh
 name="soak-70b-$(date +%Y%m%d)"
