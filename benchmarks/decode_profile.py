@@ -275,7 +275,7 @@ def main() -> int:
     if args.report_only is None:
         deadline = sb.Deadline(args.budget_s)
         say = sb.Progress("decode-profile", deadline)
-        model_dir = sb.prepare_model(args.model_size, args.model_dir or Path(f"/tmp/serving-bench-model-{args.model_size}"))
+        model_dir = sb.prepare_model(args.model_size, args.model_dir or sb.default_model_dir(args.model_size))
         for cfg in sb.parse_csv_list(args.configs):
             if cfg not in sb.SERVER_CONFIGS:
                 ap.error(f"--configs: unknown configuration {cfg!r} (known: {', '.join(sb.SERVER_CONFIGS)})")

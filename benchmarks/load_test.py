@@ -54,6 +54,7 @@ from serving_bench import (  # noqa: E402
     Terminated,
     add_server_args,
     default_out,
+    default_model_dir,
     install_signal_handlers,
     model_summary,
     parse_csv_list,
@@ -402,7 +403,7 @@ def run(args: argparse.Namespace) -> int:
     mode = "soak" if args.soak else "comparison"
     deadline = Deadline(args.budget_s)
     say = Progress("load-test", deadline)
-    model_dir = (args.model_dir or Path(f"/tmp/serving-bench-model-{args.model_size}")).resolve()
+    model_dir = (args.model_dir or default_model_dir(args.model_size)).resolve()
     out = (args.out or default_out("soak" if args.soak else "load")).resolve()
 
     def srv_cmd(cfg: str, port: int) -> list[str]:

@@ -1179,6 +1179,14 @@ MODEL_SUMMARY_KEYS = (
 )
 
 
+def default_model_dir(size: str) -> Path:
+    """The benchmarks' scratch model directory: per user, under the system temp dir (another user's
+    directory of the same name is never written into)."""
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"yali-serving-model-{size}-{os.getuid()}"
+
+
 def prepare_model(size: str, model_dir: Path) -> Path:
     from yali_vllm.models import write_model_dir
 
@@ -1219,7 +1227,7 @@ def default_out(prefix: str) -> Path:
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """Server/model/budget options shared with load_test.py."""
     p.add_argument("--model-size", choices=("70b", "8b"), default="70b", help="embedded dummy model (default 70b)")
-    p.add_argument("--model-dir", type=Path, default=None, help="where to write the model; its config.json and tekken.json are replaced (default /tmp/serving-bench-model-SIZE)")
+    p.add_argument("--model-dir", type=Path, default=None, help="where to write the model; its config.json and tekken.json are replaced (default: a per-user directory under the system temp dir, see default_model_dir)")
     p.add_argument("--vllm-bin", default="vllm", help="vllm command, shell-split (default: vllm on PATH)")
     p.add_argument("--port", type=tcp_port, default=8100, help="first port to try; each server gets its own")
     p.add_argument("--max-model-len", type=positive_int, default=2048)
@@ -1408,7 +1416,7 @@ def run(args: argparse.Namespace) -> int:
     configs = validate_args(args)
     deadline = Deadline(args.budget_s)
     say = Progress("serving-bench", deadline)
-    model_dir = (args.model_dir or Path(f"/tmp/serving-bench-model-{args.model_size}")).resolve()
+    model_dir = (args.model_dir or default_model_dir(args.model_size)).resolve()
     out = (args.out or default_out("serving")).resolve()
     schedule = interleaved_schedule(configs, args.repeats)
     concs: list[int] = list(args.concurrency)

@@ -12,6 +12,7 @@ import datetime as dt
 import importlib.util
 import json
 import os
+import tempfile
 import socket
 import subprocess
 import sys
@@ -1125,3 +1126,8 @@ def test_locust_and_soak_on_the_benchmark_servers(tmp_path, fake_vllm, monkeypat
 def test_soak_needs_the_yali_config():
     with pytest.raises(SystemExit, match="soak"):
         sb.main(["--dry-run", "--configs", "nccl", "--soak-s", "10"])
+
+
+def test_default_model_dir_is_per_user():
+    d = sb.default_model_dir("8b")
+    assert d.parent == Path(tempfile.gettempdir()) and d.name == f"yali-serving-model-8b-{os.getuid()}"
