@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _results import MULTICAST_OFF_ENV  # noqa: E402
-from cli_args import choice_list, positive_float, positive_int  # noqa: E402
+from cli_args import choice_list, positive_float, positive_int, sorted_unique  # noqa: E402
 
 os.environ.update(MULTICAST_OFF_ENV)
 
@@ -59,11 +59,7 @@ def parse_size(s: str) -> int:
 def size_list(text: str) -> list[int]:
     """"2K,1M" -> [2048, 1048576]: byte counts with an optional K/M/G suffix, each a positive
     multiple of 4 (whole elements of every dtype), sorted, duplicates dropped."""
-    out = set()
-    for part in str(text).split(","):
-        part = part.strip()
-        if not part:
-            continue
+    def one(part: str) -> int:
         try:
             n = parse_size(part)
         except (ValueError, OverflowError):
@@ -71,10 +67,9 @@ def size_list(text: str) -> list[int]:
         if n <= 0 or n % 4:
             raise argparse.ArgumentTypeError(f"{part!r} is not a size: bytes (K/M/G suffix allowed), a positive "
                                              "multiple of 4")
-        out.add(n)
-    if not out:
-        raise argparse.ArgumentTypeError(f"empty list of sizes: {text!r}")
-    return sorted(out)
+        return n
+
+    return sorted_unique(text, one, f"empty list of sizes: {text!r}")
 
 
 def fmt_size(n: int) -> str:

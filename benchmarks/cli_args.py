@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 
 def _int_in(text: str, low: int, high: int | None = None) -> int:
@@ -47,13 +48,27 @@ def int_range(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
+def _number(text: str) -> float:
+    """`text` as a float, nan when it is not a number (every range check below refuses nan)."""
+    try:
+        return float(str(text).strip())
+    except ValueError:
+        return math.nan
+
+
+def sorted_unique(text: str, parse_one: Callable[[str], Any], empty: str) -> list:
+    """Comma-separated items, each parsed by `parse_one` (which raises ArgumentTypeError naming a
+    bad one), sorted, duplicates dropped; `empty` is the error when there is no item."""
+    out = {parse_one(part.strip()) for part in str(text).split(",") if part.strip()}
+    if not out:
+        raise argparse.ArgumentTypeError(empty)
+    return sorted(out)
+
+
 def float_range(low: float, high: float) -> Callable[[str], float]:
     """The type of a number in [low, high] (nan and inf are refused)."""
     def parse(text: str) -> float:
-        try:
-            value = float(str(text).strip())
-        except ValueError:
-            value = math.nan
+        value = _number(text)
         if not (low <= value <= high):  # false for nan
             raise argparse.ArgumentTypeError(f"{text!r} is not a number in [{low:g}, {high:g}]")
         return value
@@ -64,10 +79,7 @@ def float_range(low: float, high: float) -> Callable[[str], float]:
 
 def positive_float(text: str) -> float:
     """A duration, ratio or epsilon: a finite number > 0 (nan and inf are refused)."""
-    try:
-        value = float(str(text).strip())
-    except ValueError:
-        value = math.nan
+    value = _number(text)
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number > 0")
     return value
@@ -75,10 +87,7 @@ def positive_float(text: str) -> float:
 
 def fraction(text: str) -> float:
     """A share of something, e.g. of GPU memory: a number in (0, 1]."""
-    try:
-        value = float(str(text).strip())
-    except ValueError:
-        value = math.nan
+    value = _number(text)
     if not (0 < value <= 1):  # false for nan
         raise argparse.ArgumentTypeError(f"{text!r} is not a number in (0, 1]")
     return value
@@ -86,21 +95,16 @@ def fraction(text: str) -> float:
 
 def positive_int_list(text: str, what: str = "value") -> list[int]:
     """"1,2,4" -> [1, 2, 4]: positive integers, sorted, duplicates dropped."""
-    out = set()
-    for part in str(text).split(","):
-        part = part.strip()
-        if not part:
-            continue
+    def one(part: str) -> int:
         try:
             v = int(part)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{what}: {part!r} is not an integer") from None
         if v <= 0:
             raise argparse.ArgumentTypeError(f"{what}: {v} is not positive")
-        out.add(v)
-    if not out:
-        raise argparse.ArgumentTypeError(f"{what}: empty list")
-    return sorted(out)
+        return v
+
+    return sorted_unique(text, one, f"{what}: empty list")
 
 
 def choice_list(text: str, choices: Sequence[str], what: str) -> list[str]:

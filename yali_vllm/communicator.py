@@ -349,7 +349,7 @@ class YaliPair:
             raise ValueError(f"yali: YaliPair inputs differ: {xs[0].dtype}[{xs[0].numel()}] on GPU 0, "
                              f"{xs[1].dtype}[{xs[1].numel()}] on GPU 1")
         xs = [aligned(x) for x in xs]
-        if any(o is not None and o.data_ptr() % 16 for o in outs):
+        if _unaligned(*outs):
             return [o.copy_(r) if o is not None else r for o, r in zip(outs, self.all_reduce(xs, None, mode))]
         res = []
         for r in range(2):
