@@ -5,9 +5,11 @@ once, and from then on every call is a single kernel launch on the current strea
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import socket
+import threading
 
 import torch
 import torch.distributed as dist
@@ -76,6 +78,46 @@ class YaliUnavailable(RuntimeError):
     """YALI cannot serve this group; the message says why. Callers fall back."""
 
 
+class YaliError(RuntimeError):
+    """A YALI kernel gave up: its watchdog (YALI_TIMEOUT_S) expired, or the two ranks issued
+    different calls. The message names the kernel, what it waited for and both ranks' calls. The
+    kernel trapped, so this process's CUDA context is lost: the process must restart."""
+
+
+# How often the abort watcher looks at the host-mapped abort record (no CUDA call, no GIL held
+# while it sleeps).
+ABORT_POLL_S = 0.2
+# close(): how long a rank waits for its peer to reach close() before it gives up coordinating.
+CLOSE_TIMEOUT_S = 60.0
+# Buffers of communicators closed while a CUDA graph may still replay their kernels (see close()).
+_kept_for_graphs: list[int] = []
+
+
+class _AbortWatcher:
+    """Logs a kernel's abort reason the moment the watchdog records it, before anything in the
+    process trips over the lost CUDA context (which only says "unspecified launch failure")."""
+
+    def __init__(self, handle: int, rank: int):
+        self._handle = handle  # not the communicator: the thread must not keep it alive
+        self._stop = threading.Event()
+        self.reported = ""
+        self._thread = threading.Thread(target=self._run, name=f"yali-abort-watch-r{rank}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(ABORT_POLL_S):
+            msg = _ext.ops().abort_message(self._handle)
+            if msg:
+                self.reported = msg
+                logger.error("YALI error: %s", msg)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5 * ABORT_POLL_S + 1)
+
+
 def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -99,6 +141,7 @@ class YaliCommunicator:
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device | int | str, max_bytes: int | None = None):
         self._handle: int | None = None
+        self._watcher: _AbortWatcher | None = None
         # Set once a CUDA graph captured one of this communicator's kernels: the graph holds its
         # buffers' addresses, so the buffers must outlive it (see the plugin's checkpoint hook).
         self.captured = False
@@ -161,6 +204,7 @@ class YaliCommunicator:
             self.close()
             raise
         self.buffer_bytes = int(y.buffer_bytes(self._handle))
+        self._watcher = _AbortWatcher(self._handle, self.rank)
         logger.info("yali: rank %d %s", self.rank, self.describe())
 
     def _exchange(self, mine: dict) -> list:
@@ -264,8 +308,20 @@ class YaliCommunicator:
         return ops.fused_allreduce_rmsnorm(self._handle, x, residual, weight, eps, norm_out, residual_out)
 
     def synchronize(self) -> None:
-        """Waits until every kernel on this rank's GPU has finished (YALI's included)."""
-        torch.cuda.synchronize(self.device)
+        """Waits until every kernel on this rank's GPU has finished (YALI's included). Raises
+        YaliError with the reason when a YALI kernel gave up."""
+        try:
+            torch.cuda.synchronize(self.device)
+        except RuntimeError as e:
+            self.raise_if_aborted(e)
+            raise
+
+    def raise_if_aborted(self, cause: BaseException | None = None) -> None:
+        """Raises YaliError naming the kernel, its wait and both ranks' calls if a YALI kernel of
+        this rank gave up (reads a host-mapped record: no CUDA call, works on a lost context)."""
+        msg = self.abort_message()
+        if msg:
+            raise YaliError(msg) from cause
 
     def device_calls(self) -> int:
         """YALI kernel launches that ran on this GPU (graph replays included). Synchronises."""
@@ -285,7 +341,8 @@ class YaliCommunicator:
 
     def abort_message(self) -> str:
         """Why a kernel gave up waiting for the peer ("" if none did)."""
-        return _ext.ops().abort_message(self._handle) if self._handle is not None else ""
+        h = self._handle if self._handle is not None else self._kept
+        return _ext.ops().abort_message(h) if h is not None else ""
 
     def describe(self) -> str:
         c = self.config
@@ -297,15 +354,78 @@ class YaliCommunicator:
             f"buffers {_mib(int(_ext.ops().buffer_bytes(self._handle)))} per GPU"
         )
 
-    def close(self) -> None:
-        """Frees the buffers and unmaps the peer's. A second call does nothing."""
-        if self._handle is not None:
-            h, self._handle = self._handle, None
-            _ext.ops().destroy(h)
+    _kept: int | None = None  # a closed communicator's handle whose buffers stay (see close())
+
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Releases the buffers, coordinated with the peer: both ranks call it, like a collective.
+
+        1. Every YALI kernel of this rank finishes; no new call is accepted.
+        2. The ranks agree over the CPU group (bounded by `timeout_s`) and learn whether a CUDA graph
+           on either captured YALI's kernels. If one did, the graph holds the buffers' addresses
+           and may replay: the buffers and the peer mapping stay for the life of the process (a
+           replay after close() then still computes the all-reduce with a peer that kept its own).
+        3. Otherwise each rank unmaps the peer's buffer, the ranks agree again, and only then does
+           each free its own: no peer kernel or mapping can touch freed memory.
+        If the peer does not reach close() in time (or the group is gone), this rank unmaps the
+        peer's buffer and keeps its own allocated (freed with the process), since the peer may
+        still map it. A second call does nothing."""
+        if self._handle is None:
+            return
+        h, self._handle = self._handle, None
+        if self._watcher is not None:
+            self._watcher.stop()
+        y = _ext.ops()
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception:  # noqa: BLE001 - a kernel trapped: the context is lost; the abort record says why
+            pass
+        captured = self._agree(bool(self.captured), timeout_s)
+        if captured is None:
+            y.close_peer(h)
+            self._keep(h, "the peer did not reach close() within %.0f s; this rank's buffer stays "
+                          "allocated until the process exits, since the peer may still map it" % timeout_s)
+            return
+        if any(captured):
+            self._keep(h, "a CUDA graph captured YALI's kernels: the buffers and the peer mapping stay for "
+                          "the life of the process, so that its replays never touch freed memory")
+            return
+        y.close_peer(h)
+        if self._agree(False, timeout_s) is None:
+            self._keep(h, "the peer did not confirm it unmapped this rank's buffer; it stays allocated "
+                          "until the process exits")
+            return
+        y.destroy(h)
+
+    def _keep(self, handle: int, why: str) -> None:
+        self._kept = handle
+        _kept_for_graphs.append(handle)
+        logger.info("yali: rank %d closed; %s", self.rank, why)
+
+    def _agree(self, mine: bool, timeout_s: float) -> list | None:
+        """Every rank's `mine`, once all ranks got here within `timeout_s`; None if the group cannot
+        tell (a rank missing, the group destroyed, a backend without monitored_barrier)."""
+        try:
+            dist.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=timeout_s),
+                                   wait_all_ranks=True)
+            got: list = [None] * self.world_size
+            dist.all_gather_object(got, mine, group=self.group)
+            return got
+        except Exception as e:
+            logger.warning("yali: rank %d could not coordinate close() with its peer: %s", self.rank, e)
+            return None
 
     def __del__(self):
+        """Dropped without close(): local clean-up only (no collective in a finaliser). The peer's
+        buffer is unmapped; this rank's own stays allocated until the process exits, since the
+        peer may still map it or write into it."""
         try:
-            self.close()
+            if self._watcher is not None:
+                self._watcher.stop()
+            if self._handle is not None:
+                h, self._handle = self._handle, None
+                if not self.captured:
+                    _ext.ops().close_peer(h)
+                _kept_for_graphs.append(h)
         except Exception:
             pass
 
@@ -361,6 +481,10 @@ class YaliPair:
         return [int(_ext.ops().device_calls(h)) for h in self._handles]
 
     def close(self) -> None:
+        """Both GPUs finish (a kernel on one may still write into the other's buffer), then both
+        buffers are freed."""
+        for h in self._handles:
+            _ext.ops().close_peer(h)
         for h in self._handles:
             _ext.ops().destroy(h)
         self._handles = []

@@ -134,6 +134,10 @@ yali::KernelMode to_mode(int64_t mode, const yali::Rank& r) {
   return mode < 0 ? r.config().mode : yali::KernelMode(int(mode));
 }
 
+// After a kernel of this rank gave up waiting (the watchdog trapped, so every later CUDA call of
+// the process fails), the reason it recorded: appended to launch errors.
+std::string after_abort(const yali::Rank& r) { return r.aborted() ? " <- " + r.abort_message() : std::string(); }
+
 // ------------------------------------------------------------------ ops
 int64_t create(int64_t device, int64_t rank) {
   const yali::Config c = config_from_env();
@@ -146,6 +150,12 @@ int64_t create(int64_t device, int64_t rank) {
   std::lock_guard<std::mutex> lock(g_mu);
   g_live.insert(r);
   return reinterpret_cast<int64_t>(r);
+}
+
+// Unmaps the peer's buffer after this GPU's work finished (YaliCommunicator.close: the first step).
+void close_peer(int64_t handle) {
+  yali::Rank* r = get(handle);
+  core([&] { r->close_peer(); });
 }
 
 void destroy(int64_t handle) {
@@ -199,7 +209,7 @@ void all_reduce(int64_t handle, const Tensor& input, const Tensor& out, int64_t 
                    ", flash limit ", r->config().flash_bytes, "); check should_use() first");
   const torch::stable::accelerator::DeviceGuard guard(r->device());
   const cudaError_t e = r->all_reduce(input.data_ptr(), out.data_ptr(), nbytes, dt, current_stream(r->device()), m);
-  YALI_CHECK(e == cudaSuccess, "all_reduce launch failed: ", cudaGetErrorString(e));
+  YALI_CHECK(e == cudaSuccess, "all_reduce launch failed: ", cudaGetErrorString(e), after_abort(*r));
 }
 
 // (norm_out, residual_out) = RMSNorm(all_reduce(input) [+ residual]) over the last dimension.
@@ -240,7 +250,7 @@ void fused_allreduce_rmsnorm(int64_t handle, const Tensor& input, const std::opt
       input.data_ptr(), residual ? residual->data_ptr() : nullptr, weight.data_ptr(), float(eps), norm_out.data_ptr(),
       residual_out.data_ptr(), size_t(rows), size_t(hidden), dt, current_stream(r->device()));
   YALI_CHECK(e == cudaSuccess, "fused_allreduce_rmsnorm launch failed: ", cudaGetErrorString(e),
-             " (tensors must be 16-byte aligned)");
+             r->aborted() ? after_abort(*r) : std::string(" (tensors must be 16-byte aligned)"));
 }
 
 std::vector<int64_t> plan(int64_t nbytes, int64_t mode) {
@@ -256,10 +266,12 @@ int64_t shared_bytes_for_env() { return int64_t(yali::shared_buffer_bytes(config
 int64_t buffer_bytes(int64_t handle) { return int64_t(get(handle)->buffer_bytes()); }
 int64_t device_calls(int64_t handle) {
   const yali::Rank* r = get(handle);
+  YALI_CHECK(!r->aborted(), r->abort_message());
   return core([&] { return int64_t(r->device_calls()); });
 }
 int64_t device_fused_calls(int64_t handle) {
   const yali::Rank* r = get(handle);
+  YALI_CHECK(!r->aborted(), r->abort_message());
   return core([&] { return int64_t(r->device_fused_calls()); });
 }
 std::string abort_message(int64_t handle) { return get(handle)->abort_message(); }
@@ -285,6 +297,7 @@ std::string build_info() { return yali_build_info; }
 STABLE_TORCH_LIBRARY(yali, m) {
   m.def("create(int device, int rank) -> int");
   m.def("destroy(int comm) -> ()");
+  m.def("close_peer(int comm) -> ()");
   m.def("ipc_handle(int comm) -> int[]");
   m.def("open_peer(int comm, int[] peer_handle) -> ()");
   m.def("attach_peer(int comm, int peer_comm) -> ()");
@@ -309,6 +322,7 @@ STABLE_TORCH_LIBRARY(yali, m) {
 STABLE_TORCH_LIBRARY_IMPL(yali, CompositeExplicitAutograd, m) {
   m.impl("create", TORCH_BOX(&create));
   m.impl("destroy", TORCH_BOX(&destroy));
+  m.impl("close_peer", TORCH_BOX(&close_peer));
   m.impl("ipc_handle", TORCH_BOX(&ipc_handle));
   m.impl("open_peer", TORCH_BOX(&open_peer));
   m.impl("attach_peer", TORCH_BOX(&attach_peer));

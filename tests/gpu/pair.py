@@ -40,11 +40,12 @@ def _entry(rank, port, fn, args, env, q):
         q.put((rank, "error", traceback.format_exc()))
 
 
-def run_pair(fn, *args, timeout: float = 300.0, env: dict | None = None):
+def run_pair(fn, *args, timeout: float = 300.0, env: dict | None = None, lost: tuple = ()):
     """fn(rank, group, *args) runs in both ranks; returns [result0, result1].
 
     Raises AssertionError with the worker's traceback if either rank fails, and
     kills both if they are not done within `timeout` seconds (a hang is a failure).
+    Ranks in `lost` are expected to die (a scenario kills them): their result is None.
     """
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -57,7 +58,7 @@ def run_pair(fn, *args, timeout: float = 300.0, env: dict | None = None):
     try:
         import queue
 
-        for _ in range(2):
+        for _ in range(2 - len(lost)):
             try:
                 rank, status, value = q.get(timeout=timeout)
             except queue.Empty:

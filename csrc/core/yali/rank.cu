@@ -166,6 +166,14 @@ void Rank::attach_peer(Rank& peer) {
   peer_is_ipc_ = false;
 }
 
+void Rank::close_peer() {
+  if (!peer_shared_) return;
+  DeviceGuard guard(device_);
+  cudaDeviceSynchronize();  // errors ignored: a trapped context still unmaps below
+  if (peer_is_ipc_) cudaIpcCloseMemHandle(peer_shared_);
+  peer_shared_ = nullptr;
+}
+
 Plan Rank::plan(size_t nbytes, KernelMode mode) const {
   if (mode == config_.mode) return plan_for(config_, nbytes);
   Config c = config_;
@@ -332,6 +340,8 @@ uint64_t Rank::device_calls() const {
   check(cudaMemcpy(&v, &state_->calls, sizeof(v), cudaMemcpyDeviceToHost), "cudaMemcpy(calls)");
   return v;
 }
+
+bool Rank::aborted() const { return static_cast<const volatile AbortInfo*>(abort_host_)->magic == kAbortMagic; }
 
 std::string Rank::abort_message() const {
   const volatile AbortInfo* a = abort_host_;

@@ -42,6 +42,10 @@ class Rank {
   void open_peer(const IpcHandleBytes& peer);
   // Single process driving both GPUs: use the other Rank's buffer directly (P2P).
   void attach_peer(Rank& peer);
+  // Waits for this GPU's work, then unmaps the peer's buffer (nothing of this rank reads or
+  // writes it any more). The first step of a coordinated close: each rank frees its own buffer
+  // (the destructor) only once the peer has unmapped it too.
+  void close_peer();
 
   // Launches one all-reduce of `nbytes` bytes of `dtype` on `stream`.
   // `mode` overrides Config::mode for this call (benchmarks force a kernel).
@@ -67,6 +71,7 @@ class Rank {
   uint64_t device_calls() const;      // synchronising read of LocalState::calls
   uint64_t device_fused_calls() const;  // synchronising read of LocalState::fused_calls
   std::string abort_message() const;  // "" unless a kernel gave up waiting
+  bool aborted() const;               // a kernel of this rank gave up (host-mapped record: no CUDA call)
   const Config& config() const { return config_; }
   size_t buffer_bytes() const { return layout_.total; }
   int device() const { return device_; }

@@ -1,0 +1,63 @@
+"""Never wrong, never hung, on the GPU (both ranks may share one: YALI_ALLOW_SHARED_GPU=1):
+different calls on the two ranks are detected by the per-call descriptor and fail both ranks at
+once; a peer that never calls or dies mid-call ends in a YaliError naming the kernel and the wait
+within YALI_TIMEOUT_S plus a margin; close() is safe with and without captured graphs."""
+import pytest
+
+from . import reliability
+from .pair import run_pair
+
+TIMEOUT_S = 4.0  # YALI_TIMEOUT_S of the watchdog cases
+MARGIN_S = 20.0  # trap, error propagation and (shared GPU) the other process's time slices
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("case", sorted(reliability.MISMATCH_CASES))
+def test_mismatched_calls_fail_both_ranks_at_once(case):
+    # YALI_TIMEOUT_S is long: a failure that waited for the watchdog would show in elapsed_s.
+    res = run_pair(reliability.mismatched_calls, case, timeout=120, env={"YALI_TIMEOUT_S": "60"})
+    for rank, r in enumerate(res):
+        assert r["good_call_mismatches"] == 0, r
+        assert r["error"] and r["error"].startswith("YaliError"), (rank, r)
+        assert "different calls" in r["abort"], (rank, r)
+        assert "this rank:" in r["abort"] and "peer:" in r["abort"], (rank, r)
+        assert r["elapsed_s"] < 30, (rank, r)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("kind,kernel", [("flash", "flash-push"), ("stream", "stream"), ("fused", "fused")])
+def test_peer_that_never_calls_ends_in_a_named_error(kind, kernel):
+    r0, _ = run_pair(reliability.peer_never_calls, kind, TIMEOUT_S + MARGIN_S, timeout=120,
+                     env={"YALI_TIMEOUT_S": str(TIMEOUT_S)})
+    assert r0["error"] and r0["error"].startswith("YaliError"), r0
+    assert "gave up" in r0["abort"] and kernel in r0["abort"], r0
+    assert "peer: not seen" in r0["abort"] or "peer:" in r0["abort"], r0
+    assert TIMEOUT_S * 0.9 <= r0["elapsed_s"] < TIMEOUT_S + MARGIN_S, r0
+
+
+@pytest.mark.timeout(150)
+def test_peer_killed_mid_call_ends_in_a_named_error():
+    r0, r1 = run_pair(reliability.peer_killed_mid_call, TIMEOUT_S, timeout=120, lost=(1,),
+                      env={"YALI_TIMEOUT_S": str(TIMEOUT_S)})
+    assert r1 is None  # killed
+    assert r0["error"] and r0["error"].startswith("YaliError"), r0
+    assert "gave up" in r0["abort"] and "stream" in r0["abort"], r0
+    assert r0["elapsed_s"] < TIMEOUT_S + MARGIN_S, r0
+
+
+@pytest.mark.timeout(150)
+def test_graph_replays_after_close_stay_exact():
+    res = run_pair(reliability.replay_after_close, 41, timeout=120)
+    for r in res:
+        assert r["mismatches"] == 0, r
+        assert r["refused"] and "closed" in r["refused"], r
+        assert r["abort"] == "", r
+
+
+@pytest.mark.timeout(150)
+def test_close_frees_after_both_unmapped_and_reopens():
+    res = run_pair(reliability.close_and_reopen, 43, timeout=120)
+    for r in res:
+        assert r["mismatches"] == 0, r
+        assert "is not open" in r["freed"], r
+        assert r["kept"] is None, r
