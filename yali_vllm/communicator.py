@@ -88,7 +88,7 @@ class YaliError(RuntimeError):
 # while it sleeps).
 ABORT_POLL_S = 0.2
 # close(): how long a rank waits for its peer to reach close() before it gives up coordinating.
-CLOSE_TIMEOUT_S = 60.0
+CLOSE_TIMEOUT_S = 10.0
 # Buffers of communicators closed while a CUDA graph may still replay their kernels (see close()).
 _kept_for_graphs: list[int] = []
 
