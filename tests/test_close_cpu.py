@@ -48,6 +48,9 @@ def _worker(rank, port, scenario, outdir):
             comm.close()  # a second call does nothing
             result = {"calls": calls, "kept": comm._kept, "elapsed_s": time.time() - t0}
         Path(outdir, f"rank{rank}.json").write_text(json.dumps(result))
+        if scenario != "absent":
+            dist.barrier()  # neither rank exits (closing its gloo pairs) while the other still talks
+        dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - reported to the test
         Path(outdir, f"rank{rank}.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
 

@@ -5,7 +5,8 @@
 # shapes (clusters included) and numerics on real silicon when no 2-GPU machine is available. Local
 # memory stands where NVLink would be and the two processes take turns on the GPU, so nothing
 # here is a timing and a race that needs the link's latency may not show.
-#   shared_gpu.sh [all|fused|allreduce]   all (default): fused first, then all-reduce (< 9.5 min)
+#   shared_gpu.sh [all|fused|allreduce|reliability]   all (default): fused first, then all-reduce
+#   (< 9.5 min); reliability: mismatched calls, watchdog paths, a killed peer, close() (~5 min)
 # Taking turns costs about 3.3 ms per call pair (the 10k-replay graph test, 70k pairs, takes
 # 232 s: gpu-tests-shared-20261123-s10), so the all-reduce part leaves out the 100k-call stress
 # test, whose 300 s bound assumes concurrent ranks; it stays with the 2-GPU host (kernels.sh).
@@ -31,5 +32,6 @@ case "$MODE" in
              run_part allreduce "${SHARED_ALLREDUCE_S:-380}" tests/gpu/test_allreduce.py tests/gpu/test_bench_timing.py -k "not stress" ;;
   fused)     run_part fused "${SHARED_FUSED_S:-540}" tests/gpu/test_fused.py ;;
   allreduce) run_part allreduce "${SHARED_ALLREDUCE_S:-540}" tests/gpu/test_allreduce.py tests/gpu/test_bench_timing.py -k "not stress" ;;
-  *)         echo "usage: $0 [all|fused|allreduce]" >&2; exit 2 ;;
+  reliability) run_part reliability "${SHARED_RELIABILITY_S:-540}" tests/gpu/test_reliability.py ;;
+  *)         echo "usage: $0 [all|fused|allreduce|reliability]" >&2; exit 2 ;;
 esac

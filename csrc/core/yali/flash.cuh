@@ -14,7 +14,7 @@
 //  * Flags hold the epoch itself and are compared with >=, so they never need
 //    resetting and a peer running one call ahead is harmless.
 #pragma once
-#include "kernel_common.cuh"
+#include "call_check.cuh"
 
 namespace yali {
 
@@ -41,6 +41,7 @@ struct FlashArgs {
   LocalState* state;
   uint64_t timeout_ns;
   AbortInfo* abort;
+  CallCheck call;  // flash-push and the fused op check their call against the peer's (call_check.cuh)
 };
 
 // Advances this CTA's epoch; returns it (same value in all threads).

@@ -194,14 +194,18 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kern
   };
   load_batch(p, chunk.begin + t, chunk.end, input);
   if constexpr (kRowLoadsEarly) load_first_part();
+  const bool checker = blockIdx.x == 0 && t == kFlashThreads - 1;
+  const uint64_t call_n = checker ? a.f.state->call_seq + 1 : 0;  // overlaps the epoch fetch
   const uint64_t e = flash_begin(a.f);
   if (blockIdx.x == 0 && t == 0) atomicAdd(reinterpret_cast<unsigned long long*>(&a.f.state->fused_calls), 1ull);
   const size_t par = (e & 1) * a.f.parity_bytes;
   Vec16* to_peer = reinterpret_cast<Vec16*>(a.f.peer_push + par);
   Vec16* from_peer = reinterpret_cast<Vec16*>(a.f.my_push + par);
+  uint32_t* call_slot = checker ? call_begin(a.f.call, a.f.state, call_n) : nullptr;
 
   // 1. send my chunk
   push_send<T>(to_peer, p, chunk, input);
+  if (checker) call_verify(a.f.call, call_slot, a.f.timeout_ns, a.f.abort, Kernel::FlashPush);
   if constexpr (!kRowLoadsEarly) load_first_part();  // in flight while the peer's data crosses the link
   // 2. per part of mine: receive the peer's partial sums, add mine, normalise.
   //    A later row's input and residual loads go out together with its polls.

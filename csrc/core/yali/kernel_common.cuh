@@ -12,9 +12,20 @@ namespace yali {
 
 // Records why this kernel gives up (in host-mapped memory, so the host can read
 // it after the context is lost) and traps.
+// `theirs` (what = 9, a call mismatch): the peer's descriptor; otherwise the record takes this
+// rank's current call from LocalState and the peer's unread descriptor, if any, from its slots.
 __device__ __noinline__ void abort_kernel(AbortInfo* abort, Kernel kernel, int what, uint64_t expected,
-                                          uint64_t seen) {
+                                          uint64_t seen, const CallDesc* theirs = nullptr) {
   volatile AbortInfo* a = abort;
+  const volatile LocalState* st = abort->state;
+  for (int i = 0; i < 4; ++i) a->mine.w[i] = st ? st->current_call.w[i] : kCallEmpty;
+  for (int i = 0; i < 4; ++i) a->theirs.w[i] = theirs ? theirs->w[i] : kCallEmpty;
+  if (!theirs && abort->call_slots)
+    for (int slot = 0; slot < 2; ++slot) {
+      const volatile uint32_t* p = abort->call_slots + 4 * slot;
+      if (p[0] != kCallEmpty)
+        for (int i = 0; i < 4; ++i) a->theirs.w[i] = p[i];
+    }
   a->kernel = int(kernel);
   a->block = int(blockIdx.x);
   a->what = what;

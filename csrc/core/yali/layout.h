@@ -9,12 +9,27 @@
 
 namespace yali {
 
+// What one call is, as both ranks must agree on it: built by Rank::call_desc on the host, sent to
+// the peer by every YALI kernel and compared there (call_check.cuh). Every word keeps bit 31
+// clear, so no descriptor word ever equals kCallEmpty.
+//   w[0], w[1]: message bytes, low and high 31 bits
+//   w[2]: op (bits 0-1: 1 all-reduce, 2 fused all-reduce + RMSNorm) | kernel (bits 2-5) |
+//         dtype (bits 6-7) | CTAs or lanes of the launch (bits 8-19)
+//   w[3]: the fused op's hidden size (0 for a plain all-reduce)
+struct CallDesc {
+  uint32_t w[4];
+};
+constexpr uint32_t kCallEmpty = 0xffffffffu;
+enum class CallOp : uint32_t { AllReduce = 1, Fused = 2 };
+
 struct SharedLayout {
   // Flag words, 8 bytes each, written only by the peer, polled only locally.
   size_t flash_arrive;   // [kMaxFlashCtas]  "my flash CTA b staged its data for epoch e"
   size_t flash_gather;   // [kMaxFlashCtas]  "my two-shot CTA b published its reduced half"
   size_t stream_ready;   // [kMaxLanes * kMaxSlots]  "slot holds my chunk with sequence g"
   size_t stream_credit;  // [kMaxLanes * kMaxSlots]  "I consumed your chunk with sequence g"
+  size_t call_slots;     // [2][4] 32-bit words: the peer's descriptor of its current call (call_check.cuh);
+                         // kCallEmpty wherever no unread descriptor is
   // Data areas.
   size_t flash_stage;    // 2 parities x flash_bytes: my input, staged for the peer to read
   size_t flash_reduced;  // 2 parities x flash_bytes: two-shot, my reduced half for the peer
@@ -35,6 +50,7 @@ struct SharedLayout {
     flash_gather = take(sizeof(uint64_t) * kMaxFlashCtas);
     stream_ready = take(sizeof(uint64_t) * kMaxLanes * kMaxSlots);
     stream_credit = take(sizeof(uint64_t) * kMaxLanes * kMaxSlots);
+    call_slots = take(2 * sizeof(CallDesc));
     flash_ll = take(2 * 2 * c.ll_max);
     flags_end = off;  // the LL words are flags too: they must start zeroed
     flash_push = take(2 * c.flash_bytes);
@@ -46,6 +62,7 @@ struct SharedLayout {
   size_t flags_end;  // [0, flags_end) must be zeroed before the peer may write
 };
 
+
 // State only the owning GPU touches; it persists across calls and is advanced
 // by the kernels themselves, which is what makes every call CUDA-graph safe.
 struct LocalState {
@@ -56,6 +73,8 @@ struct LocalState {
   // The fused op with rows split over CTAs: CTA b's sum of squares of its part of
   // a row, tagged with the call's epoch (fused.cuh: row_sum).
   uint64_t row_partial[kMaxFlashCtas];
+  uint64_t call_seq;      // calls made so far (every kernel that checks its call advances it)
+  CallDesc current_call;  // the call running now, for the abort record of any CTA
 };
 
 // Written by a kernel that gave up waiting for its peer, read by the host after
@@ -68,6 +87,12 @@ struct AbortInfo {
                    // 6 = flash-push data, 7 = a fused row's partial sum from another CTA
   uint64_t expected;
   uint64_t seen;
+  CallDesc mine;    // this rank's call (what = 9), or the call running when the kernel gave up
+  CallDesc theirs;  // the peer's call (what = 9), or its unread descriptor; kCallEmpty words: none seen
+  // Set by the host before any launch: where abort_kernel finds the call running now and the
+  // peer's descriptors (device pointers).
+  const LocalState* state;
+  const uint32_t* call_slots;
 };
 constexpr uint32_t kAbortMagic = 0x59414c49;  // "YALI"
 

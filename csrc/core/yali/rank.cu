@@ -103,6 +103,8 @@ Rank::Rank(int device, int rank, const Config& config)
   if (major < 7) throw std::runtime_error("yali: needs compute capability 7.0+ (system-scope acquire/release)");
   check(cudaMalloc(&shared_, layout_.total), "cudaMalloc(shared buffer)");
   check(cudaMemset(shared_, 0, layout_.flags_end), "cudaMemset(flags)");
+  // The call descriptor slots start empty (call_check.cuh: kCallEmpty is all ones).
+  check(cudaMemset(shared_ + layout_.call_slots, 0xff, 2 * sizeof(CallDesc)), "cudaMemset(call slots)");
   // The flash-push area starts empty (push.cuh).
   fill_words<<<256, 256>>>(reinterpret_cast<uint32_t*>(shared_ + layout_.flash_push), 2 * config_.flash_bytes / 4,
                            kPushEmpty);
@@ -112,6 +114,8 @@ Rank::Rank(int device, int rank, const Config& config)
   check(cudaHostAlloc(&abort_host_, sizeof(AbortInfo), cudaHostAllocMapped | cudaHostAllocPortable),
         "cudaHostAlloc(abort record)");
   std::memset(abort_host_, 0, sizeof(AbortInfo));
+  abort_host_->state = state_;
+  abort_host_->call_slots = reinterpret_cast<const uint32_t*>(shared_ + layout_.call_slots);
   check(cudaHostGetDevicePointer(&abort_dev_, abort_host_, 0), "cudaHostGetDevicePointer");
   // The peer may write our flags as soon as it has our handle: they must be zero by then.
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
@@ -181,8 +185,30 @@ Plan Rank::plan(size_t nbytes, KernelMode mode) const {
   return plan_for(c, nbytes);
 }
 
+static CallDesc call_desc(CallOp op, Kernel kernel, size_t nbytes, DType dtype, int ctas, size_t hidden) {
+  CallDesc d;
+  d.w[0] = uint32_t(nbytes & 0x7fffffffu);
+  d.w[1] = uint32_t((nbytes >> 31) & 0x7fffffffu);
+  d.w[2] = uint32_t(op) | (uint32_t(kernel) & 0xfu) << 2 | (uint32_t(dtype) & 0x3u) << 6 | (uint32_t(ctas) & 0xfffu) << 8;
+  d.w[3] = uint32_t(hidden & 0x7fffffffu);
+  return d;
+}
+
+static std::string describe_call(const CallDesc& d) {
+  if (d.w[0] == kCallEmpty) return "not seen (it has not issued this call)";
+  static const char* dtypes[] = {"fp32", "fp16", "bf16", "?"};
+  const uint64_t nbytes = uint64_t(d.w[0]) | uint64_t(d.w[1]) << 31;
+  const uint32_t op = d.w[2] & 0x3u, dtype = (d.w[2] >> 6) & 0x3u, ctas = (d.w[2] >> 8) & 0xfffu;
+  const Kernel kernel = Kernel((d.w[2] >> 2) & 0xfu);
+  std::string what = op == uint32_t(CallOp::Fused)
+                         ? "fused all-reduce + RMSNorm of hidden " + std::to_string(d.w[3]) + ", "
+                         : op == uint32_t(CallOp::AllReduce) ? std::string("all_reduce of ") : std::string("? of ");
+  return what + std::to_string(nbytes) + " bytes " + dtypes[dtype] + " by " + kernel_name(kernel) + " on " +
+         std::to_string(ctas) + (kernel == Kernel::Stream ? " lanes" : " CTAs");
+}
+
 cudaError_t Rank::all_reduce(const void* in, void* out, size_t nbytes, DType dtype, cudaStream_t stream,
-                             KernelMode mode) const {
+                             KernelMode mode, const CallDesc* fused) const {
   const Plan p = plan(nbytes, mode);
   if (p.kernel == Kernel::None || !peer_shared_ || nbytes % dtype_size(dtype) != 0 ||
       (reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(out)) % 16 != 0)
@@ -195,13 +221,26 @@ cudaError_t Rank::all_reduce(const void* in, void* out, size_t nbytes, DType dty
                    shared_ + layout_.stream_slots, peer_shared_ + layout_.stream_slots,
                    flag_words(shared_, layout_.stream_ready), flag_words(peer_shared_, layout_.stream_ready),
                    flag_words(shared_, layout_.stream_credit), flag_words(peer_shared_, layout_.stream_credit),
-                   state_, timeout_ns, abort_dev_};
+                   state_, timeout_ns, abort_dev_, call_check(fused, CallOp::AllReduce, p, nbytes, dtype)};
   } else {
     f = flash_args(in, out, nbytes);
+    f.call = call_check(fused, CallOp::AllReduce, p, nbytes, dtype);
   }
   return with_element_type(dtype, [&](auto zero) {
     return launch_typed<decltype(zero)>(p, f, s, config_.pdl != 0, stream);
   });
+}
+
+CallCheck Rank::call_check(const CallDesc* given, CallOp op, const Plan& p, size_t nbytes, DType dtype) const {
+  CallCheck c;
+  c.desc = given ? *given : call_desc(op, p.kernel, nbytes, dtype, p.blocks, 0);
+  if (given) {  // the fused op's all-reduce: the fused call, launched as this plan
+    c.desc.w[2] = (c.desc.w[2] & 0x3u) | (uint32_t(p.kernel) & 0xfu) << 2 | (c.desc.w[2] & 0xc0u) |
+                  (uint32_t(p.blocks) & 0xfffu) << 8;
+  }
+  c.my_slots = reinterpret_cast<uint32_t*>(shared_ + layout_.call_slots);
+  c.peer_slots = reinterpret_cast<uint32_t*>(peer_shared_ + layout_.call_slots);
+  return c;
 }
 
 FlashArgs Rank::flash_args(const void* in, void* out, size_t nbytes) const {
@@ -285,10 +324,13 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
   a.eps = eps;
   const FusedLaunch l = fused_launch(rows, hidden, dtype);
   a.split = l.split;
-  if (!l.one_launch) {
+  const CallDesc desc = call_desc(CallOp::Fused, Kernel::FlashPush, nbytes, dtype, l.grid, hidden);
+  if (l.one_launch) {
+    a.f.call = call_check(&desc, CallOp::Fused, Plan{Kernel::FlashPush, l.grid, 0}, nbytes, dtype);
+  } else {
     // All-reduce into norm_out (it may be `in`; never residual, which may alias
     // residual_out), then the epilogue reads the sum from there, row by row.
-    const cudaError_t e = all_reduce(in, norm_out, nbytes, dtype, stream, config_.mode);
+    const cudaError_t e = all_reduce(in, norm_out, nbytes, dtype, stream, config_.mode, &desc);
     if (e != cudaSuccess) return e;
     a.sum = norm_out;
   }
@@ -346,14 +388,25 @@ bool Rank::aborted() const { return static_cast<const volatile AbortInfo*>(abort
 std::string Rank::abort_message() const {
   const volatile AbortInfo* a = abort_host_;
   if (a->magic != kAbortMagic) return "";
+  CallDesc mine, theirs;
+  for (int i = 0; i < 4; ++i) {
+    mine.w[i] = a->mine.w[i];
+    theirs.w[i] = a->theirs.w[i];
+  }
+  const std::string calls = "this rank: " + describe_call(mine) + "; peer: " + describe_call(theirs);
+  const std::string who = "yali: rank " + std::to_string(rank_) + " " + kernel_name(Kernel(a->kernel)) + " kernel, block " +
+                          std::to_string(a->block);
+  if (a->what == 9)
+    return who + ": the two ranks issued different calls (" + calls +
+           "): every rank must issue the same YALI calls, in the same order";
   static const char* whats[] = {"?", "flash arrive flag", "flash gather flag", "stream credit", "stream ready",
                                 "flash-ll data", "flash-push data",
-                                "fused row partial sum (from another CTA of this GPU, itself waiting for the peer)"};
-  const int w = (a->what >= 1 && a->what <= 7) ? a->what : 0;
-  return "yali: rank " + std::to_string(rank_) + " " + kernel_name(Kernel(a->kernel)) + " kernel, block " +
-         std::to_string(a->block) + ", gave up after YALI_TIMEOUT_S=" + std::to_string(config_.timeout_s) +
-         "s waiting for the peer's " + whats[w] + " (expected >= " + std::to_string(a->expected) + ", saw " +
-         std::to_string(a->seen) + "): the peer process died or the two ranks issued different all-reduces";
+                                "fused row partial sum (from another CTA of this GPU, itself waiting for the peer)",
+                                "call descriptor"};
+  const int w = (a->what >= 1 && a->what <= 8) ? a->what : 0;
+  return who + ", gave up after YALI_TIMEOUT_S=" + std::to_string(config_.timeout_s) + "s waiting for the peer's " +
+         whats[w] + " (expected >= " + std::to_string(a->expected) + ", saw " + std::to_string(a->seen) + "; " + calls +
+         "): the peer process died or the two ranks issued different all-reduces";
 }
 
 }  // namespace yali

@@ -14,6 +14,7 @@
 namespace yali {
 
 struct FlashArgs;
+struct CallCheck;
 
 // How the fused op runs for one shape (Rank::fused_launch decides, the launch follows it).
 struct FusedLaunch {
@@ -51,8 +52,10 @@ class Rank {
   // `mode` overrides Config::mode for this call (benchmarks force a kernel).
   // Returns cudaErrorInvalidValue for inputs this rank cannot serve (check
   // plan() and alignment first), or the launch error.
+  // `fused`: the fused op's descriptor, when this all-reduce is its first launch (the peer checks
+  // the call as a whole).
   cudaError_t all_reduce(const void* in, void* out, size_t nbytes, DType dtype, cudaStream_t stream,
-                         KernelMode mode) const;
+                         KernelMode mode, const CallDesc* fused = nullptr) const;
   Plan plan(size_t nbytes, KernelMode mode) const;
 
   // Fused all-reduce + residual add + RMSNorm over rows of `hidden` elements
@@ -80,6 +83,7 @@ class Rank {
 
  private:
   FlashArgs flash_args(const void* in, void* out, size_t nbytes) const;
+  CallCheck call_check(const CallDesc* given, CallOp op, const Plan& p, size_t nbytes, DType dtype) const;
 
   int device_;
   int rank_;

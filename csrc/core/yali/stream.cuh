@@ -13,7 +13,7 @@
 // LocalState::lane_seq holds each lane's sequence across calls; both ranks
 // launch identical plans, so their counters stay equal.
 #pragma once
-#include "kernel_common.cuh"
+#include "call_check.cuh"
 
 namespace yali {
 
@@ -34,6 +34,7 @@ struct StreamArgs {
   LocalState* state;
   uint64_t timeout_ns;
   AbortInfo* abort;
+  CallCheck call;  // lane 0 checks the call against the peer's before it adds any chunk (call_check.cuh)
 };
 
 // One CTA per lane: its first half (sender warps) and second half (receiver
@@ -46,13 +47,19 @@ __global__ void __launch_bounds__(kStreamThreads, 1) stream_kernel(StreamArgs a)
   constexpr int kGroup = kStreamThreads / 2;
   __shared__ uint64_t s_base;
   __shared__ volatile uint32_t s_sent;  // chunks my senders have finished reading (in-place safety)
+  __shared__ uint32_t* s_call_slot;
   const int lane = blockIdx.x;
   if (threadIdx.x == 0) {
     s_base = a.state->lane_seq[lane];
     s_sent = 0;
-    if (lane == 0) a.state->calls += 1;
+    if (lane == 0) {
+      a.state->calls += 1;
+      s_call_slot = call_begin(a.call, a.state, a.state->call_seq + 1);  // before any chunk is sent
+    }
   }
   __syncthreads();
+  if (lane == 0 && threadIdx.x == kGroup)  // lane 0's first receiver, before it adds any chunk
+    call_verify(a.call, s_call_slot, a.timeout_ns, a.abort, Kernel::Stream);
   const uint64_t base = s_base;
   const size_t nchunks = (a.nbytes + a.chunk_bytes - 1) / a.chunk_bytes;
   const uint32_t my_chunks = nchunks > size_t(lane) ? uint32_t((nchunks - 1 - lane) / a.lanes + 1) : 0;

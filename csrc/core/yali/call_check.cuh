@@ -1,0 +1,76 @@
+// Every call is checked across the ranks: before a kernel uses the peer's data, it knows that the
+// peer is running the same call (op, kernel, bytes, dtype, CTAs, hidden size: CallDesc). Two calls
+// that differ would otherwise complete with wrong values whenever they fill the same 16-byte
+// vectors or chunks, or wait for data that never comes.
+//
+// Per call, one thread of the launch (CTA 0's "checker"):
+//  1. call_begin: advances LocalState::call_seq (n) and stores this rank's descriptor into the
+//     peer's slot n & 1 with one 16-byte store over NVLink, before any data is sent;
+//  2. call_verify, before it waits for any of the peer's data: waits until the peer's descriptor
+//     is in my slot n & 1 (arrival is seen in the words themselves, as flash-push sees its data:
+//     kCallEmpty marks an empty word and no descriptor word is ever kCallEmpty), compares it with
+//     mine, and gives the slot back (kCallEmpty). A difference traps at once on both ranks (each
+//     compares), recording both descriptors; the host names both calls (Rank::abort_message).
+// The other CTAs never wait for the check: a trap ends the whole launch, and a launch whose
+// descriptor matches loses nothing. The checker's wait overlaps the wait for data, which the peer
+// sends after its descriptor.
+//
+// Two slots suffice by the flash-push parity argument: the peer writes slot n & 1 again in its
+// call n + 2, which starts after its call n + 1 completed, which needed my descriptor of call
+// n + 1, which I send after my call n (and with it my clearing of slot n & 1) completed.
+#pragma once
+#include "kernel_common.cuh"
+
+namespace yali {
+
+struct CallCheck {
+  CallDesc desc;         // this call
+  uint32_t* my_slots;    // [2][4]: the peer's descriptors land here
+  uint32_t* peer_slots;  // [2][4] in the peer's buffer
+};
+
+__device__ __forceinline__ void store_call(uint32_t* p, const CallDesc& d) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};"
+               :: "l"(p), "r"(d.w[0]), "r"(d.w[1]), "r"(d.w[2]), "r"(d.w[3]) : "memory");
+}
+
+__device__ __forceinline__ CallDesc load_call(const uint32_t* p) {
+  CallDesc d;
+  asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(d.w[0]), "=r"(d.w[1]), "=r"(d.w[2]), "=r"(d.w[3]) : "l"(p) : "memory");
+  return d;
+}
+
+__device__ __forceinline__ bool call_arrived(const CallDesc& d) {
+  return d.w[0] != kCallEmpty && d.w[1] != kCallEmpty && d.w[2] != kCallEmpty && d.w[3] != kCallEmpty;
+}
+
+// Step 1, by the checker thread, with n = LocalState::call_seq + 1 (loaded early by the caller, so
+// that the load overlaps the kernel's other start-up loads). Returns my slot of this call.
+__device__ __forceinline__ uint32_t* call_begin(const CallCheck& c, LocalState* state, uint64_t n) {
+  state->call_seq = n;
+  state->current_call = c.desc;
+  const int slot = int(n & 1);
+  store_call(c.peer_slots + 4 * slot, c.desc);
+  return c.my_slots + 4 * slot;
+}
+
+// Step 2, by the same thread (or one that synchronised with it since).
+__device__ __forceinline__ void call_verify(const CallCheck& c, uint32_t* slot, uint64_t timeout_ns, AbortInfo* abort,
+                                            Kernel kernel) {
+  CallDesc v = load_call(slot);
+  if (!call_arrived(v)) {
+    const uint64_t start = global_timer_ns();
+    for (uint32_t spins = 1;; ++spins) {
+      v = load_call(slot);
+      if (call_arrived(v)) break;
+      if (timeout_ns != 0 && (spins & 1023u) == 0 && global_timer_ns() - start > timeout_ns)
+        abort_kernel(abort, kernel, 8, 0, 0);
+    }
+  }
+  if (v.w[0] != c.desc.w[0] || v.w[1] != c.desc.w[1] || v.w[2] != c.desc.w[2] || v.w[3] != c.desc.w[3])
+    abort_kernel(abort, kernel, 9, 0, 0, &v);
+  store_call(slot, CallDesc{{kCallEmpty, kCallEmpty, kCallEmpty, kCallEmpty}});
+}
+
+}  // namespace yali
