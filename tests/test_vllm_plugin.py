@@ -394,6 +394,21 @@ def test_dispatch_logs_backend_once_per_size_class(single_rank_comm, caplog, mon
     assert asked == [4000, 20]  # once per new YALI line, never on a repeat
 
 
+def test_dispatch_below_info_logs_later_when_info_is_on(single_rank_comm, caplog):
+    """Fake (stated above): below INFO the dispatch records nothing, so a size class first
+    served then still gets its line once INFO logging is on."""
+    comm = single_rank_comm
+    comm.yali_comm = FakeYali(use=True)
+    with caplog.at_level(logging.WARNING, logger="vllm.yali"):
+        comm.all_reduce(torch.ones(1000))
+    assert not [r for r in caplog.records if "YALI dispatch" in r.getMessage()]
+    with caplog.at_level(logging.INFO, logger="vllm.yali"):
+        comm.all_reduce(torch.ones(1000))
+        comm.all_reduce(torch.ones(1000))
+    lines = [r.getMessage() for r in caplog.records if "YALI dispatch" in r.getMessage()]
+    assert len(lines) == 1 and "torch.float32 all-reduces of 2048..4095 bytes -> yali" in lines[0]
+
+
 def test_destroy_closes_yali(single_rank_comm):
     comm = single_rank_comm
     fake = FakeYali(use=True)

@@ -16,7 +16,7 @@ from typing import Any
 from yali_vllm.vllm_log import LOGGER
 
 from .group_setup import after_init, checkpoint_release, close_quietly
-from .stats import buffer_size, log_first_dispatch
+from .stats import buffer_size, log_dispatch
 
 logger = logging.getLogger(LOGGER)
 
@@ -29,13 +29,17 @@ def wrap_all_reduce(orig_all_reduce: Any) -> Any:
             return orig_all_reduce(self, input_)
         # YALI first for every size it serves: it measured faster than vLLM's custom
         # all-reduce and NCCL at every size and dtype (benchmarks/results/allreduce-20261122-r2.md).
-        if yc.should_use(input_):
-            if logger.isEnabledFor(logging.INFO):
-                log_first_dispatch(self, input_, True)
-            return yc.all_reduce(input_)
+        yali = yc.should_use(input_)
         if logger.isEnabledFor(logging.INFO):
-            log_first_dispatch(self, input_, False)
-        return orig_all_reduce(self, input_)
+            # One line the first time each (dtype, power-of-two size class, backend) is
+            # dispatched by this communicator; a repeat costs this set lookup. (Replays of
+            # captured CUDA graphs run no Python at all.)
+            nbytes = input_.nbytes
+            key = (input_.dtype, (nbytes or 1).bit_length(), yali)
+            if key not in self._yali_dispatch_seen:
+                self._yali_dispatch_seen.add(key)
+                log_dispatch(self, key, nbytes)
+        return yc.all_reduce(input_) if yali else orig_all_reduce(self, input_)
 
     return all_reduce
 
@@ -47,6 +51,7 @@ def wrap_init(orig_init: Any) -> Any:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         orig_init(self, *args, **kwargs)
         self.yali_comm = None
+        self._yali_dispatch_seen = set()  # all_reduce's dispatch classes already logged
         try:
             bound = sig.bind(self, *args, **kwargs)
             stateless = bound.arguments.get("tcp_store_group") is not None

@@ -11,21 +11,15 @@ from yali_vllm.vllm_log import LOGGER
 logger = logging.getLogger(LOGGER)
 
 
-def log_first_dispatch(comm: Any, input_: Any, yali: bool) -> None:
-    """One INFO line the first time each (dtype, power-of-two size class, backend)
-    is dispatched by this communicator: which backend serves which sizes, without
-    a line per call. (Replays of captured CUDA graphs run no Python at all.) A repeat
-    costs a set lookup: the kernel's name is asked of the library only for a new line."""
-    nbytes = input_.numel() * input_.element_size()
-    key = (str(input_.dtype), max(nbytes, 1).bit_length(), yali)
-    seen = comm.__dict__.setdefault("_yali_dispatch_seen", set())
-    if key in seen:
-        return
-    seen.add(key)
-    lo = 1 << (key[1] - 1)
+def log_dispatch(comm: Any, key: tuple[Any, int, bool], nbytes: int) -> None:
+    """The INFO line for a new dispatch class ``key`` = (dtype, power-of-two size class,
+    served by YALI) of ``comm``, first seen with an ``nbytes`` tensor (hook.py keeps the
+    set of classes seen). The kernel's name is asked of the library only here."""
+    dtype, size_class, yali = key
+    lo = 1 << (size_class - 1)
     backend = _yali_kernel(nbytes) if yali else "vLLM's all-reduce chain"
     logger.info("YALI dispatch on '%s': %s all-reduces of %d..%d bytes -> %s",
-                getattr(comm, "unique_name", "?"), key[0], lo, 2 * lo - 1, backend)
+                getattr(comm, "unique_name", "?"), dtype, lo, 2 * lo - 1, backend)
 
 
 def _yali_kernel(nbytes: int) -> str:
