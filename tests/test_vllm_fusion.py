@@ -1,5 +1,5 @@
 """CPU tests of YALI's vLLM fusion pass and op (yali_vllm/vllm_fusion.py) and of
-the plugin's wiring of it (yali_vllm/vllm_plugin.py), against the real vLLM.
+the plugin's wiring of it (yali_vllm/plugin/fusion_patch.py), against the real vLLM.
 
 Real vLLM throughout: its IR norm ops, its pattern matcher pass base class, its
 PostGradPassManager, and, in the two-rank tests, its distributed set-up (a TP
@@ -32,7 +32,8 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 import vllm.ir.ops  # noqa: E402
 
-from yali_vllm import vllm_fusion, vllm_plugin  # noqa: E402
+from yali_vllm import plugin, vllm_fusion  # noqa: E402
+from yali_vllm.plugin import fusion_patch  # noqa: E402
 from .cpu_ranks import run_two_cpu_ranks  # noqa: E402
 
 EPS = 1e-5
@@ -116,7 +117,7 @@ def test_fusion_flag_bad_value_names_variable(raw):
 
 def test_factory_raises_naming_bad_yali_fusion(monkeypatch):
     monkeypatch.setenv("YALI_FUSION", "sometimes")
-    factory = vllm_plugin.fusion_pass_factory(StandInPass)
+    factory = fusion_patch.fusion_pass_factory(StandInPass)
     with pytest.raises(ValueError, match="YALI_FUSION='sometimes'"):
         factory(object())
 
@@ -125,8 +126,8 @@ def test_factory_off_without_tp_group(monkeypatch, caplog):
     """In a process without a TP group (no distributed set-up here) the factory
     builds vLLM's pass and says why."""
     monkeypatch.delenv("YALI_FUSION", raising=False)
-    vllm_plugin._fusion_logged.clear()
-    factory = vllm_plugin.fusion_pass_factory(StandInPass)
+    fusion_patch._fusion_logged.clear()
+    factory = fusion_patch.fusion_pass_factory(StandInPass)
     cfg = object()
     with caplog.at_level(logging.INFO, logger="vllm.yali"):
         built = factory(cfg)
@@ -142,7 +143,7 @@ def test_factory_off_without_tp_group(monkeypatch, caplog):
 def test_op_registered_once_functional_schema():
     vllm_fusion.register_op()
     vllm_fusion.register_op()  # idempotent
-    vllm_plugin._register_fusion_op()
+    fusion_patch.register_fusion_op()
     op = torch.ops.vllm.yali_fused_allreduce_rmsnorm.default
     schema = op._schema
     assert str(schema) == (
@@ -231,33 +232,33 @@ def pass_manager_module():
     from vllm.compilation.passes import pass_manager
 
     original = pass_manager.__dict__.get("AllReduceFusionPass")
-    factor = envs.environment_variables.pop(vllm_plugin.CACHE_FACTOR, None)
+    factor = envs.environment_variables.pop(fusion_patch.CACHE_FACTOR, None)
     yield pass_manager
     if original is None:
         pass_manager.__dict__.pop("AllReduceFusionPass", None)
     else:
         pass_manager.AllReduceFusionPass = original
-    envs.environment_variables.pop(vllm_plugin.CACHE_FACTOR, None)
+    envs.environment_variables.pop(fusion_patch.CACHE_FACTOR, None)
     if factor is not None:
-        envs.environment_variables[vllm_plugin.CACHE_FACTOR] = factor
+        envs.environment_variables[fusion_patch.CACHE_FACTOR] = factor
 
 
 def test_patch_skips_missing_symbol(pass_manager_module, caplog):
     pass_manager_module.__dict__.pop("AllReduceFusionPass", None)  # as on a CPU platform
     with caplog.at_level(logging.WARNING, logger="vllm.yali"):
-        assert vllm_plugin.patch_fusion_pass() is False
+        assert fusion_patch.patch_fusion_pass() is False
     assert "AllReduceFusionPass" not in pass_manager_module.__dict__
     assert any("AllReduceFusionPass is missing" in r.getMessage() for r in caplog.records)
 
 
 def test_patch_replaces_symbol_once_and_unpatch_restores(pass_manager_module):
     pass_manager_module.AllReduceFusionPass = StandInPass
-    assert vllm_plugin.patch_fusion_pass() is True
+    assert fusion_patch.patch_fusion_pass() is True
     factory = pass_manager_module.AllReduceFusionPass
     assert factory is not StandInPass and factory._yali_original is StandInPass
-    assert vllm_plugin.patch_fusion_pass() is True  # idempotent: not wrapped twice
+    assert fusion_patch.patch_fusion_pass() is True  # idempotent: not wrapped twice
     assert pass_manager_module.AllReduceFusionPass is factory
-    vllm_plugin.unpatch_fusion_pass()
+    fusion_patch.unpatch_fusion_pass()
     assert pass_manager_module.AllReduceFusionPass is StandInPass
 
 
@@ -276,18 +277,18 @@ def test_install_hooks_follow_vllm_config(pass_manager_module, monkeypatch):
             compilation_config=CompilationConfig(mode=mode, pass_config=PassConfig(fuse_allreduce_rms=fuse)),
         )
         with set_current_vllm_config(cfg):
-            vllm_plugin._install_fusion_hooks()
+            fusion_patch.install_fusion_hooks()
 
     install(CompilationMode.NONE, True)
     install(CompilationMode.VLLM_COMPILE, False)
     assert pass_manager_module.AllReduceFusionPass is StandInPass
-    assert vllm_plugin.CACHE_FACTOR not in envs.environment_variables
+    assert fusion_patch.CACHE_FACTOR not in envs.environment_variables
     install(CompilationMode.VLLM_COMPILE, True)
     assert pass_manager_module.AllReduceFusionPass._yali_original is StandInPass
     # No TP group in this process: vLLM's pass, and the cache key says so.
-    assert envs.compile_factors()[vllm_plugin.CACHE_FACTOR] == "vllm"
+    assert envs.compile_factors()[fusion_patch.CACHE_FACTOR] == "vllm"
     monkeypatch.setenv("YALI_FUSION", "bogus")
-    assert envs.compile_factors()[vllm_plugin.CACHE_FACTOR] == "invalid (ValueError)"
+    assert envs.compile_factors()[fusion_patch.CACHE_FACTOR] == "invalid (ValueError)"
 
 
 # ------------------------------------------- two real ranks on CPU (gloo)
@@ -353,9 +354,9 @@ def _two_rank_worker(rank: int, port: int, model_dir: str, outdir: str) -> None:
         # traced as torch.ops.vllm.all_reduce, the op vLLM's patterns match.
         tp.use_custom_op_call = True
         comm = tp.device_communicator
-        vllm_plugin.register()  # registers the op, as in every vLLM process
+        plugin.register()  # registers the op, as in every vLLM process
 
-        factory = vllm_plugin.fusion_pass_factory(StandInPass)
+        factory = fusion_patch.fusion_pass_factory(StandInPass)
         handler_lines: list[str] = []
 
         class H(logging.Handler):
@@ -369,14 +370,14 @@ def _two_rank_worker(rank: int, port: int, model_dir: str, outdir: str) -> None:
         comm.yali_comm = None
         res["off_decision"] = list(vllm_fusion.fusion_decision())
         res["off_pass"] = type(factory(cfg)).__name__
-        res["off_factor"] = vllm_plugin.fusion_cache_factor()
+        res["off_factor"] = fusion_patch.fusion_cache_factor()
         comm.yali_comm = StandInYali(fuse=False, group=tp)
         res["on_decision"] = list(vllm_fusion.fusion_decision())
         res["on_pass"] = type(factory(cfg)).__name__
-        res["on_factor"] = vllm_plugin.fusion_cache_factor()
+        res["on_factor"] = fusion_patch.fusion_cache_factor()
         os.environ["YALI_FUSION"] = "0"
         res["disabled_pass"] = type(factory(cfg)).__name__
-        res["disabled_factor"] = vllm_plugin.fusion_cache_factor()
+        res["disabled_factor"] = fusion_patch.fusion_cache_factor()
         del os.environ["YALI_FUSION"]
         res["log"] = [ln for ln in handler_lines if ln.startswith(("YALI fusion pass ON", "YALI fusion pass OFF"))]
         res["patterns_log"] = [ln for ln in handler_lines if ln.startswith("YALI fusion pass: patterns")]
@@ -384,7 +385,7 @@ def _two_rank_worker(rank: int, port: int, model_dir: str, outdir: str) -> None:
         # 2. vLLM's own pass manager, with the symbol patched (a stand-in
         # original: see the module docstring), builds YALI's pass only.
         pass_manager.AllReduceFusionPass = StandInPass
-        vllm_plugin.patch_fusion_pass()
+        fusion_patch.patch_fusion_pass()
         pm = pass_manager.PostGradPassManager()
         pm.configure(cfg)
         res["configured"] = [type(p).__name__ for p in pm.passes]

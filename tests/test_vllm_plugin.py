@@ -1,4 +1,4 @@
-"""CPU tests of the vLLM plugin (yali_vllm/vllm_plugin.py) against the real vLLM.
+"""CPU tests of the vLLM plugin (yali_vllm/plugin/) against the real vLLM.
 
 Everything here uses vLLM's real classes: the plugin patches vLLM's own
 CudaCommunicator, and the multi-rank tests build real CudaCommunicators over
@@ -29,48 +29,49 @@ from vllm.distributed.device_communicators.cuda_communicator import (  # noqa: E
     CudaCommunicator,
 )
 
-from yali_vllm import vllm_plugin  # noqa: E402
-from yali_vllm.vllm_plugin import yali_gate  # noqa: E402
+from yali_vllm import plugin  # noqa: E402
+from yali_vllm.plugin import fusion_patch, gate, group_setup, patch, stats  # noqa: E402
+from yali_vllm.plugin.gate import yali_gate  # noqa: E402
 from .cpu_ranks import free_port, run_two_cpu_ranks  # noqa: E402
 
-ENTRY_POINT = "yali_vllm.vllm_plugin:register"
+ENTRY_POINT = "yali_vllm.plugin:register"
 
 
 @pytest.fixture
 def unpatched():
     """vLLM's CudaCommunicator as shipped, restored after the test."""
-    vllm_plugin.unpatch_class(CudaCommunicator)
+    patch.unpatch_class(CudaCommunicator)
     yield CudaCommunicator
-    vllm_plugin.unpatch_class(CudaCommunicator)
+    patch.unpatch_class(CudaCommunicator)
 
 
 @pytest.fixture
 def patched(unpatched):
-    vllm_plugin.register()
-    assert vllm_plugin.is_patched(CudaCommunicator)
+    plugin.register()
+    assert patch.is_patched(CudaCommunicator)
     yield CudaCommunicator
 
 
 # ----------------------------------------------------------------- YALI_ENABLE
 @pytest.mark.parametrize("raw", ["1", "true", "YES", " on ", "True"])
 def test_enable_true_values(raw):
-    assert vllm_plugin._parse_enable({"YALI_ENABLE": raw}) is True
+    assert gate.parse_enable({"YALI_ENABLE": raw}) is True
 
 
 @pytest.mark.parametrize("raw", ["0", "false", "No", "OFF"])
 def test_enable_false_values(raw):
-    assert vllm_plugin._parse_enable({"YALI_ENABLE": raw}) is False
+    assert gate.parse_enable({"YALI_ENABLE": raw}) is False
 
 
 @pytest.mark.parametrize("env", [{}, {"YALI_ENABLE": ""}, {"YALI_ENABLE": "  "}])
 def test_enable_default_is_on(env):
-    assert vllm_plugin._parse_enable(env) is True
+    assert gate.parse_enable(env) is True
 
 
 @pytest.mark.parametrize("raw", ["2", "maybe", "enable", "y"])
 def test_enable_bad_value_names_variable(raw):
     with pytest.raises(ValueError) as e:
-        vllm_plugin._parse_enable({"YALI_ENABLE": raw})
+        gate.parse_enable({"YALI_ENABLE": raw})
     msg = str(e.value)
     assert "YALI_ENABLE" in msg and repr(raw) in msg
     for accepted in ("1/0", "true/false", "yes/no", "on/off"):
@@ -123,9 +124,9 @@ def test_gate_uses_vllms_tp_name_test():
     # enables its TP-only backends for the exact name "tp" (0.30+ has "etp" groups too).
     from vllm.distributed.parallel_state import _get_unique_name
 
-    assert vllm_plugin.is_tp_group(_get_unique_name("tp"))
+    assert gate.is_tp_group(_get_unique_name("tp"))
     for other in ("pp", "etp", "dcp", "pcp", "ep", "world"):
-        assert not vllm_plugin.is_tp_group(_get_unique_name(other)), other
+        assert not gate.is_tp_group(_get_unique_name(other)), other
 
 
 def test_gate_leaves_batch_invariant_mode_to_vllm():
@@ -138,25 +139,25 @@ def test_gate_leaves_batch_invariant_mode_to_vllm():
     ("0.25.1", False), ("0.34.0", False), ("1.0.0", False), ("unknown", False),
 ])
 def test_supported_range(version, inside):
-    assert vllm_plugin.in_supported_range(version) is inside
+    assert plugin.in_supported_range(version) is inside
 
 
 def test_installed_vllm_is_in_the_supported_range():
     import vllm
 
-    assert vllm_plugin.in_supported_range(vllm.__version__), vllm.__version__
+    assert plugin.in_supported_range(vllm.__version__), vllm.__version__
 
 
 def test_optional_hooks_follow_the_installed_vllm(unpatched):
     # suspend (0.30+) and checkpoint_prepare (0.27+) are wrapped where vLLM's class defines them.
-    shipped = {n: unpatched.__dict__.get(n) for n in vllm_plugin._OPTIONAL_HOOKS}
-    vllm_plugin.register()
+    shipped = {n: unpatched.__dict__.get(n) for n in patch._OPTIONAL_HOOKS}
+    plugin.register()
     for name, fn in shipped.items():
         if callable(fn):
             assert unpatched.__dict__[name].__wrapped__ is fn, name
         else:
             assert name not in unpatched.__dict__, name
-    vllm_plugin.unpatch_class(unpatched)
+    patch.unpatch_class(unpatched)
     assert {n: unpatched.__dict__.get(n) for n in shipped} == shipped
 
 
@@ -180,38 +181,55 @@ def test_entry_point_registered_in_metadata():
     from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
 
     plugins = load_plugins_by_group(DEFAULT_PLUGINS_GROUP)
-    assert plugins.get("yali") is vllm_plugin.register
+    assert plugins.get("yali") is plugin.register
+
+
+def test_former_module_path_still_serves():
+    # Package metadata and code written against yali_vllm.vllm_plugin keep working.
+    from yali_vllm import vllm_plugin
+
+    assert vllm_plugin.register is plugin.register
+    assert vllm_plugin.yali_tp_stats is stats.yali_tp_stats
+
+
+def test_wheel_ships_every_package():
+    # pyproject.toml lists the packages a wheel (deploy/Dockerfile) installs: yali_vllm.plugin too.
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = Path(__file__).resolve().parents[1]
+    listed = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    found = [".".join(p.parent.relative_to(root).parts) for p in sorted((root / "yali_vllm").rglob("__init__.py"))]
+    assert sorted(listed) == found
 
 
 def test_hook_points_of_installed_vllm_are_recognised():
     # Fails loudly on a vLLM upgrade that moves the hook points.
-    assert vllm_plugin.check_hook_points(CudaCommunicator) is None
+    assert patch.check_hook_points(CudaCommunicator) is None
 
 
 def test_register_patches_real_class_once(unpatched):
     originals = {n: CudaCommunicator.__dict__[n] for n in ("__init__", "all_reduce", "destroy")}
-    vllm_plugin.register()
-    assert vllm_plugin.is_patched(CudaCommunicator)
+    plugin.register()
+    assert patch.is_patched(CudaCommunicator)
     wrappers = {n: CudaCommunicator.__dict__[n] for n in originals}
     for name in originals:
         assert wrappers[name] is not originals[name]
         assert wrappers[name].__wrapped__ is originals[name]
     # vLLM may load general plugins more than once per process.
-    vllm_plugin.register()
-    vllm_plugin.register()
+    plugin.register()
+    plugin.register()
     for name in originals:
         assert CudaCommunicator.__dict__[name] is wrappers[name]
     # The patched class still passes the hook-point check (signatures kept).
-    assert vllm_plugin.check_hook_points(CudaCommunicator) is None
-    vllm_plugin.unpatch_class(CudaCommunicator)
+    assert patch.check_hook_points(CudaCommunicator) is None
+    patch.unpatch_class(CudaCommunicator)
     for name in originals:
         assert CudaCommunicator.__dict__[name] is originals[name]
 
 
 def test_register_survives_missing_vllm_module(monkeypatch, caplog):
-    monkeypatch.setattr(vllm_plugin, "_COMM_MODULE", "vllm.no_such_module_for_yali")
+    monkeypatch.setattr(plugin, "_COMM_MODULE", "vllm.no_such_module_for_yali")
     with caplog.at_level(logging.WARNING, logger="vllm.yali"):
-        vllm_plugin.register()  # must not raise
+        plugin.register()  # must not raise
     assert "cannot be loaded" in caplog.text and "YALI stays off" in caplog.text
 
 
@@ -254,9 +272,9 @@ class _RenamedInitParams:
 @pytest.mark.parametrize("cls", [_NoAllReduce, _NewAllReduceSignature, _RenamedInitParams])
 def test_unrecognised_internals_left_untouched(cls, caplog):
     before = dict(cls.__dict__)
-    assert vllm_plugin.check_hook_points(cls) is not None
+    assert patch.check_hook_points(cls) is not None
     with caplog.at_level(logging.WARNING, logger="vllm.yali"):
-        assert vllm_plugin.patch_class(cls) is False
+        assert patch.patch_class(cls) is False
     assert dict(cls.__dict__) == before
     assert "internals not recognised" in caplog.text
 
@@ -360,8 +378,8 @@ def test_dispatch_logs_backend_once_per_size_class(single_rank_comm, caplog, mon
     comm = single_rank_comm
     comm.yali_comm = FakeYali(use=True)
     asked = []
-    real = vllm_plugin._yali_kernel
-    monkeypatch.setattr(vllm_plugin, "_yali_kernel", lambda n: asked.append(n) or real(n))
+    real = stats._yali_kernel
+    monkeypatch.setattr(stats, "_yali_kernel", lambda n: asked.append(n) or real(n))
     with caplog.at_level(logging.INFO, logger="vllm.yali"):
         for _ in range(3):
             comm.all_reduce(torch.ones(1000))  # 4000 bytes: size class 2048..4095
@@ -376,6 +394,21 @@ def test_dispatch_logs_backend_once_per_size_class(single_rank_comm, caplog, mon
     assert asked == [4000, 20]  # once per new YALI line, never on a repeat
 
 
+def test_dispatch_below_info_logs_later_when_info_is_on(single_rank_comm, caplog):
+    """Fake (stated above): below INFO the dispatch records nothing, so a size class first
+    served then still gets its line once INFO logging is on."""
+    comm = single_rank_comm
+    comm.yali_comm = FakeYali(use=True)
+    with caplog.at_level(logging.WARNING, logger="vllm.yali"):
+        comm.all_reduce(torch.ones(1000))
+    assert not [r for r in caplog.records if "YALI dispatch" in r.getMessage()]
+    with caplog.at_level(logging.INFO, logger="vllm.yali"):
+        comm.all_reduce(torch.ones(1000))
+        comm.all_reduce(torch.ones(1000))
+    lines = [r.getMessage() for r in caplog.records if "YALI dispatch" in r.getMessage()]
+    assert len(lines) == 1 and "torch.float32 all-reduces of 2048..4095 bytes -> yali" in lines[0]
+
+
 def test_destroy_closes_yali(single_rank_comm):
     comm = single_rank_comm
     fake = FakeYali(use=True)
@@ -387,7 +420,7 @@ def test_destroy_closes_yali(single_rank_comm):
 
 
 def test_setup_refuses_unrecognised_communicator_object():
-    yc, reason, warn = vllm_plugin.setup_yali(object(), platform_is_cuda=True)
+    yc, reason, warn = group_setup.setup_yali(object(), platform_is_cuda=True)
     assert yc is None and warn
     assert "vLLM internals not recognised" in reason and "unique_name" in reason
 
@@ -410,13 +443,13 @@ def test_fusion_note_follows_vllm_config():
             ),
         )
         with set_current_vllm_config(cfg):
-            return vllm_plugin._fusion_note()
+            return fusion_patch.fusion_note()
 
     text = note(CompilationMode.VLLM_COMPILE, True)
     assert text and "fuse_allreduce_rms" in text
     assert note(CompilationMode.VLLM_COMPILE, False) is None
     assert note(CompilationMode.NONE, True) is None  # eager: the pass never runs
-    assert vllm_plugin._fusion_note() is None  # no config set
+    assert fusion_patch.fusion_note() is None  # no config set
 
 
 # ------------------------------------------- two real ranks on CPU (gloo)
@@ -430,7 +463,7 @@ class _ListHandler(logging.Handler):
 
 
 def _decision(comm) -> list:
-    yc, reason, warn = vllm_plugin.setup_yali(comm, platform_is_cuda=True)
+    yc, reason, warn = group_setup.setup_yali(comm, platform_is_cuda=True)
     assert yc is None
     return [reason, warn]
 
@@ -453,7 +486,7 @@ def _checkpoint_cases(comm, rank: int) -> dict:
     for case, captured in {"none_captured": (False, False), "one_captured": (True, False)}.items():
         yc = _StandInYali(captured[rank])
         comm.yali_comm = yc
-        what = vllm_plugin.checkpoint_release(comm)
+        what = group_setup.checkpoint_release(comm)
         out[case] = [comm.yali_comm is None, yc.closed, yc.synced, what]
     comm.yali_comm = None
     return out
@@ -469,7 +502,7 @@ def _two_rank_worker(rank: int, port: int, outdir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     res: dict = {}
     try:
-        vllm_plugin.register()
+        plugin.register()
         group = dist.new_group([0, 1], backend="gloo")
 
         def make(name: str) -> CudaCommunicator:
@@ -487,7 +520,7 @@ def _two_rank_worker(rank: int, port: int, outdir: str) -> None:
 
         # Same group, as if the platform were CUDA: the per-rank inputs are
         # gathered and the real YaliCommunicator is asked (it refuses on CPU).
-        res["info"] = vllm_plugin.gather_group_info(comm)
+        res["info"] = group_setup.gather_group_info(comm)
         res["cuda_enabled"] = _decision(comm)
         os.environ["YALI_ENABLE"] = "0"
         res["cuda_disabled"] = _decision(comm)
@@ -579,8 +612,8 @@ _LOG_PROBE = r"""
 import logging
 import vllm.logger as vllm_logger
 configured_at_import = bool(logging.getLogger("vllm").handlers)
-from yali_vllm import vllm_plugin
-vllm_plugin.register()
+from yali_vllm.plugin import register
+register()
 print("PROBE registered; vLLM logging configured at import:", configured_at_import, flush=True)
 vllm_logger._configure_vllm_root_logger()  # what vLLM's API server, LLM(...) and workers do
 print("PROBE configured", flush=True)

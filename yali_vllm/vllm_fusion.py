@@ -4,7 +4,7 @@ vLLM's ``AllReduceFusionPass`` (compilation/passes/fusion/allreduce_rms_fusion.p
 rewrites "``tensor_model_parallel_all_reduce`` followed by (fused-add-)RMSNorm"
 into FlashInfer's fused kernel, so those all-reduces never reach the device
 communicator and YALI.  When YALI serves the TP group, the plugin builds
-:class:`YaliAllReduceFusionPass` instead (see ``vllm_plugin.fusion_pass_factory``):
+:class:`YaliAllReduceFusionPass` instead (see ``plugin.fusion_patch.fusion_pass_factory``):
 the same patterns, rewritten into one op of ours,
 
     torch.ops.vllm.yali_fused_allreduce_rmsnorm(input, residual, weight, eps, group_name)

@@ -13,5 +13,5 @@ META_ROOT="${TMPDIR:-/tmp}/yali-meta-$(id -u)"   # per user: it goes first on PY
 META="$META_ROOT/yali_vllm-$YALI_VERSION.dist-info"
 mkdir -p "$META"
 printf 'Metadata-Version: 2.1\nName: yali-vllm\nVersion: %s\n' "$YALI_VERSION" > "$META/METADATA"
-printf '[vllm.general_plugins]\nyali = yali_vllm.vllm_plugin:register\n\n[console_scripts]\nyali-vllm-model = yali_vllm.models:main\n' > "$META/entry_points.txt"
+printf '[vllm.general_plugins]\nyali = yali_vllm.plugin:register\n\n[console_scripts]\nyali-vllm-model = yali_vllm.models:main\n' > "$META/entry_points.txt"
 export PYTHONPATH="$META_ROOT:$PYTHONPATH"

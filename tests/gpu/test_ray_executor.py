@@ -15,7 +15,7 @@ Why RAY_ADDRESS: vLLM calls ray.init(address=None). Ray then uses RAY_ADDRESS, e
 newest cluster recorded in /tmp/ray/ray_current_cluster, else silently starts a private
 local instance; the explicit address makes sure the cluster started here is the one used.
 
-Log-line assumption: yali_vllm.vllm_plugin logs, on each rank of each group,
+Log-line assumption: the plugin (yali_vllm/plugin/group_setup.py) logs, on each rank of each group,
 "YALI all-reduce ON for group '<name>' (rank R of 2, ...)" or
 "YALI all-reduce OFF for group '<name>': <reason>". The match is case-insensitive on
 "yali" + "all-reduce"/"allreduce"/"all_reduce" + "on"/"off"; update ON_RE/OFF_RE if the
@@ -83,7 +83,7 @@ OFF_RE = re.compile(r"yali\b.*\ball[-_ ]?reduce\s+off\b.*?group\s+'([^']*)'", re
 CHILD = r"""
 import json, sys
 from vllm import LLM, SamplingParams
-from yali_vllm.vllm_plugin import yali_tp_stats
+from yali_vllm.plugin import yali_tp_stats
 
 
 def main():  # guarded: vLLM's engine processes re-import this file under spawn

@@ -104,7 +104,7 @@ def _entry_point_installed() -> bool:
     from importlib.metadata import entry_points
 
     return any(
-        ep.value == "yali_vllm.vllm_plugin:register"
+        ep.value == "yali_vllm.plugin:register"
         for ep in entry_points(group="vllm.general_plugins")
     )
 
@@ -126,7 +126,7 @@ def plugin_path(tmp_path_factory) -> str:
             "Metadata-Version: 2.1\nName: yali-vllm-checkout\nVersion: 0.0.0\n"
         )
         (info / "entry_points.txt").write_text(
-            "[vllm.general_plugins]\nyali = yali_vllm.vllm_plugin:register\n"
+            "[vllm.general_plugins]\nyali = yali_vllm.plugin:register\n"
         )
         paths.append(str(site))
     return os.pathsep.join(paths)

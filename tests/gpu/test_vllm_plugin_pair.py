@@ -35,14 +35,14 @@ def _vllm_tp_communicator(rank: int, group):
     from vllm.distributed.device_communicators import custom_all_reduce
     from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
 
-    from yali_vllm import vllm_plugin
     from yali_vllm.communicator import shared_gpu_allowed
+    from yali_vllm.plugin import register
 
     if shared_gpu_allowed():
         # vLLM's custom all-reduce checks P2P with the rank as the device index (cuda:1 does not
         # exist on one GPU): it is told there is no P2P and stays off, as it does on such a machine.
         custom_all_reduce._can_p2p = lambda rank, world_size: False
-    vllm_plugin.register()
+    register()
     device = torch.device("cuda", rank_device(rank))
     return CudaCommunicator(cpu_group=group, device=device, device_group=group, unique_name="tp:0"), device
 
@@ -70,10 +70,10 @@ def test_vllm_entry_point_registers_the_plugin():
     from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
     from vllm.plugins import load_general_plugins
 
-    from yali_vllm import vllm_plugin
+    from yali_vllm.plugin.patch import is_patched
 
     load_general_plugins()
-    assert vllm_plugin.is_patched(CudaCommunicator)
+    assert is_patched(CudaCommunicator)
     assert hasattr(torch.ops.vllm, "yali_fused_allreduce_rmsnorm")
 
 

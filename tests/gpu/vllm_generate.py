@@ -10,7 +10,7 @@ YALI_ENABLE environment variable, as in production.
 The JSON has: token_ids (one list per prompt), logprobs (per prompt and
 position: {token id: logprob} for the top 2 tokens and the chosen one),
 stats_before / stats_after (per TP rank: whether YALI serves the group and
-its device-side kernel counters, from yali_vllm.vllm_plugin.yali_tp_stats),
+its device-side kernel counters, from yali_vllm.plugin.yali_tp_stats),
 num_layers, and the configuration.  The same JSON is printed on the last stdout line after the
 marker "YALI_RESULT ".
 """
@@ -63,7 +63,7 @@ def main() -> int:
 
     from vllm import LLM, SamplingParams
 
-    from yali_vllm.vllm_plugin import yali_tp_stats
+    from yali_vllm.plugin import yali_tp_stats
 
     kwargs: dict = dict(
         model=args.model_dir,

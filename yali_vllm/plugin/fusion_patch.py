@@ -1,0 +1,203 @@
+"""The fusion pass patch: YALI's all-reduce+RMSNorm pass instead of vLLM's FlashInfer one.
+
+In a worker, once a CUDA TP group exists (group_setup.py), the ``AllReduceFusionPass`` name
+in vLLM's pass manager module is replaced by a factory (:func:`fusion_pass_factory`) that
+builds YALI's fusion pass (yali_vllm/vllm_fusion.py) instead of vLLM's FlashInfer one when
+YALI serves the group and ``YALI_FUSION`` is on, and vLLM's compile cache key gets the
+choice (:data:`CACHE_FACTOR`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from yali_vllm.vllm_log import LOGGER
+
+logger = logging.getLogger(LOGGER)
+
+_PM_MODULE = "vllm.compilation.passes.pass_manager"
+_PM_SYMBOL = "AllReduceFusionPass"
+# Attribute of the factory holding the class it stands in for (marks the patch).
+_FACTORY_ORIGINAL = "_yali_original"
+# Compile-cache factor (see _register_cache_factor).
+CACHE_FACTOR = "YALI_FUSION_PASS"
+_fusion_logged: set[str] = set()
+
+
+def _log_fusion_once(level: int, msg: str, *args: Any) -> None:
+    text = msg % args
+    if text not in _fusion_logged:
+        _fusion_logged.add(text)
+        logger.log(level, "%s", text)
+
+
+def fusion_pass_factory(original: Any) -> Any:
+    """What PostGradPassManager.configure calls instead of vLLM's
+    AllReduceFusionPass(config): YALI's pass when YALI serves the TP group
+    and YALI_FUSION is on, else vLLM's pass (``original``).  Exactly one of
+    the two is built, so vLLM's pass never runs alongside ours.  A bad
+    YALI_FUSION raises ValueError naming it."""
+
+    def AllReduceFusionPass(config: Any) -> Any:
+        from yali_vllm import vllm_fusion
+
+        use, why = vllm_fusion.fusion_decision()
+        if use:
+            try:
+                pass_ = vllm_fusion.YaliAllReduceFusionPass(config)
+            except Exception as e:  # deterministic, so every rank falls back alike
+                logger.warning(
+                    "YALI fusion pass OFF: building it failed (%s: %s); using vLLM's FlashInfer fusion",
+                    type(e).__name__, e, exc_info=True,
+                )
+                return original(config)
+            _log_fusion_once(
+                logging.INFO,
+                "YALI fusion pass ON (replaces vLLM's FlashInfer all-reduce+RMSNorm fusion): %s", why,
+            )
+            return pass_
+        _log_fusion_once(
+            logging.INFO, "YALI fusion pass OFF: %s; using vLLM's FlashInfer all-reduce+RMSNorm fusion", why
+        )
+        return original(config)
+
+    setattr(AllReduceFusionPass, _FACTORY_ORIGINAL, original)
+    return AllReduceFusionPass
+
+
+def patch_fusion_pass() -> bool:
+    """Replace ``AllReduceFusionPass`` in vLLM's pass_manager module (the name
+    ``PostGradPassManager.configure`` instantiates) by fusion_pass_factory,
+    once.  False, with a log line, when the module or the name is missing."""
+    import importlib
+
+    try:
+        module = importlib.import_module(_PM_MODULE)
+    except Exception as e:
+        logger.warning(
+            "YALI: vLLM's %s cannot be loaded (%s: %s); YALI fusion pass not installed",
+            _PM_MODULE, type(e).__name__, e,
+        )
+        return False
+    current = module.__dict__.get(_PM_SYMBOL)
+    if current is None:
+        logger.warning(
+            "YALI: vLLM internals not recognised (%s.%s is missing); YALI fusion pass not "
+            "installed, vLLM's compilation passes are left unchanged", _PM_MODULE, _PM_SYMBOL,
+        )
+        return False
+    if getattr(current, _FACTORY_ORIGINAL, None) is None:
+        setattr(module, _PM_SYMBOL, fusion_pass_factory(current))
+    return True
+
+
+def unpatch_fusion_pass() -> None:
+    """Undo patch_fusion_pass (tests and debugging)."""
+    import sys
+
+    module = sys.modules.get(_PM_MODULE)
+    current = module.__dict__.get(_PM_SYMBOL) if module is not None else None
+    original = getattr(current, _FACTORY_ORIGINAL, None)
+    if original is not None:
+        setattr(module, _PM_SYMBOL, original)
+
+
+def fusion_cache_factor() -> str:
+    """Which fusion pass this process builds: "yali" or "vllm" (or "invalid")."""
+    try:
+        from yali_vllm.vllm_fusion import fusion_decision
+
+        return "yali" if fusion_decision()[0] else "vllm"
+    except Exception as e:
+        return f"invalid ({type(e).__name__})"
+
+
+def _register_cache_factor() -> None:
+    """Make vLLM's compile cache key depend on the fusion pass chosen.
+
+    vLLM keys its torch.compile caches (VllmBackend's cache directory and the
+    AOT-compiled artifact) on its config and on ``vllm.envs.compile_factors()``,
+    which hashes every entry of ``vllm.envs.environment_variables``; the
+    plugin's choice is in neither.  Without this entry a run with YALI's pass
+    would load a graph compiled with FlashInfer's fusion by an earlier run
+    without YALI (or the reverse).  The entry's getter is evaluated when vLLM
+    computes the key, in the worker, after the TP group is set up."""
+    import vllm.envs as envs
+
+    envs.environment_variables.setdefault(CACHE_FACTOR, fusion_cache_factor)
+
+
+def install_fusion_hooks() -> None:
+    """Worker side, once a CUDA TP group exists: the pass factory and the cache
+    factor.  Skipped when vLLM will not build its fusion pass (eager, or
+    fuse_allreduce_rms off), which also spares the import of vLLM's
+    compilation passes (FlashInfer's comm module among them) in eager runs."""
+    if fusion_configured() is False:
+        return
+    try:
+        if patch_fusion_pass():
+            _register_cache_factor()
+    except Exception:
+        logger.warning("YALI: installing the fusion pass failed; vLLM's passes unchanged", exc_info=True)
+
+
+def fusion_configured() -> bool | None:
+    """Whether vLLM will build its all-reduce+RMSNorm fusion pass: the pass
+    config asks for it and vLLM compiles (eager runs, mode NONE, and stock
+    torch.compile never apply it).  None when no vLLM config is current."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        cfg = get_current_vllm_config_or_none()
+        if cfg is None:
+            return None
+        cc = cfg.compilation_config
+        if not cc.pass_config.fuse_allreduce_rms:
+            return False
+        return getattr(getattr(cc, "mode", None), "name", "VLLM_COMPILE") == "VLLM_COMPILE"
+    except Exception:
+        return None
+
+
+def fusion_note() -> str | None:
+    """A note when vLLM's FlashInfer all-reduce+RMSNorm fusion is configured,
+    since the all-reduces it fuses never reach the device communicator.
+    Logged only when YALI's own fusion pass is turned off (YALI_FUSION=0)."""
+    if not fusion_configured():
+        return None
+    return (
+        "vLLM's all-reduce+RMSNorm fusion (compilation_config.pass_config."
+        "fuse_allreduce_rms) is on and YALI_FUSION=0 keeps vLLM's FlashInfer fusion: "
+        "the all-reduces it fuses run in FlashInfer's fused kernel, not YALI; YALI serves "
+        "the remaining ones (YALI_FUSION=1 fuses them with YALI's kernel instead, "
+        "-cc.pass_config.fuse_allreduce_rms=false routes all of them to YALI's all-reduce)"
+    )
+
+
+def yali_fusion_wanted() -> bool:
+    """Whether this rank's YALI_FUSION asks for YALI's fusion pass."""
+    try:
+        from yali_vllm.vllm_fusion import fusion_enabled
+
+        return fusion_enabled()
+    except ValueError:
+        return True  # invalid YALI_FUSION: the fusion pass factory raises, naming it
+    except Exception:
+        return False
+
+
+def register_fusion_op() -> None:
+    """torch.ops.vllm.yali_fused_allreduce_rmsnorm, in every vLLM process (the
+    op YALI's fusion pass puts into compiled graphs).  Never raises."""
+    try:
+        from yali_vllm.vllm_fusion import register_op
+
+        register_op()
+    except Exception as e:
+        logger.warning(
+            "YALI: the fused all-reduce+RMSNorm op cannot be registered (%s: %s); "
+            "YALI's fusion pass stays off",
+            type(e).__name__,
+            e,
+        )

@@ -1,0 +1,84 @@
+"""The gate: whether YALI serves a vLLM device communicator's group, and why not.
+
+Pure functions of values that are equal on every rank of the group (group_setup.py gathers
+the per-rank ones), so all ranks reach the same answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+ENABLE_VAR = "YALI_ENABLE"
+
+
+def parse_enable(environ: Any = None) -> bool:
+    """Value of YALI_ENABLE (default on); ValueError naming it when invalid, or naming an
+    unknown YALI_* variable (a misspelt setting)."""
+    from yali_vllm.config import check_environment, env_flag
+
+    check_environment(environ)
+    return env_flag(ENABLE_VAR, True, environ)
+
+
+def is_tp_group(unique_name: str) -> bool:
+    """Whether a group's unique name ("tp:0") names vLLM's tensor-parallel group: the exact
+    prefix "tp", as vLLM's CudaCommunicator matches it (0.30+) before enabling its TP-only
+    backends. Other groups are left alone, including "etp" (expert/Engram tensor parallelism,
+    0.30+), whose all-reduces are not the dense layers' TP all-reduces the plugin serves."""
+    return unique_name.split(":")[0] == "tp"
+
+
+def yali_gate(
+    unique_name: str,
+    world_size: int,
+    hostnames: Sequence[str],
+    platform_is_cuda: bool,
+    enabled: bool,
+    *,
+    custom_ar_enabled: bool = True,
+    p2p: bool | None = None,
+    stateless: bool = False,
+    batch_invariant: bool = False,
+) -> tuple[bool, str]:
+    """Decide whether a vLLM device communicator gets YALI.
+
+    Pure function of values that are equal on every rank of the group (the
+    caller gathers the per-rank ones), so all ranks reach the same answer and
+    either all of them or none enter YaliCommunicator's collective set-up.
+
+    hostnames: one per rank.  custom_ar_enabled: vLLM's own custom
+    all-reduce switch for the group; YALI is a custom all-reduce and follows
+    it (off under --disable-custom-all-reduce, multi-node, batch-invariant
+    mode; from vLLM 0.32 batch-invariant mode keeps vLLM's custom all-reduce
+    on, so ``batch_invariant`` is checked on its own).  p2p: CUDA peer access between the two GPUs, None when it cannot
+    be told here (YaliCommunicator checks it again).  stateless: vLLM's
+    stateless (elastic) process groups, not supported.
+
+    Returns (ok, reason); reason says why YALI stays off (or "ok").
+    """
+    if not is_tp_group(unique_name):
+        return False, "not a tensor-parallel group"
+    if not enabled:
+        return False, f"disabled by {ENABLE_VAR}"
+    if world_size != 2:
+        return False, f"world size is {world_size}, YALI serves exactly 2 ranks"
+    if not platform_is_cuda:
+        return False, "vLLM platform is not CUDA"
+    if stateless:
+        return False, "stateless (elastic) process groups are not supported"
+    if batch_invariant:
+        return False, (
+            "vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1): YALI's fused op changes its "
+            "launch shape with the token count, so it is left to vLLM's batch-invariant path"
+        )
+    if not custom_ar_enabled:
+        return False, (
+            "vLLM's custom all-reduce is disabled for this group "
+            "(--disable-custom-all-reduce, multi-node or batch-invariant mode)"
+        )
+    if len(hostnames) != world_size or len(set(hostnames)) != 1:
+        return False, f"ranks are not on one host: {list(hostnames)}"
+    if p2p is False:
+        return False, "no CUDA peer-to-peer access between the two GPUs"
+    return True, "ok"
