@@ -10,8 +10,8 @@ yali server about 1 ms per token slower than vllm-default although the fused
 microbenchmark puts the two fused kernels within 0.1 us of each other; the gaps
 around the fused kernels inside the model are what this measures.
 
-  python benchmarks/decode_profile.py --model-size 70b --out /tmp/prof   # on the GPU host
-  python benchmarks/decode_profile.py --report-only DIR/traces --out DIR  # analyse traces again
+  python -m benchmarks.decode_profile --model-size 70b --out /tmp/prof   # on the GPU host
+  python -m benchmarks.decode_profile --report-only DIR/traces --out DIR  # analyse traces again
 
 Writes decode-profile.json (kind decode-profile: one row per config x rank x
 kernel class) and decode-profile.md under --out; the traces stay in --out/traces.
@@ -29,9 +29,15 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import serving_bench as sb  # noqa: E402
-from _results import load_results_of_kind, results_header, write_json_and_markdown  # noqa: E402
+from benchmarks.common.cli_args import parse_csv_list
+from benchmarks.common.results import default_out, load_results_of_kind, results_header, write_json_and_markdown
+from benchmarks.serving.budget import Deadline, Progress
+from benchmarks.serving.commands import pick_port
+from benchmarks.serving.configs import SERVER_CONFIGS
+from benchmarks.serving.model import default_model_dir, prepare_model
+from benchmarks.serving.profiler import profile_request
+from benchmarks.serving.server import running_server, server_command_for, server_env, warmup_server
+from benchmarks.serving.server_options import add_server_args
 
 KIND = "decode-profile"
 # First match wins; names are CUDA kernel names as the profiler records them.
@@ -206,23 +212,23 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def profile_config(args, cfg: str, model_dir: Path, out: Path, deadline: "sb.Deadline", say) -> None:
+def profile_config(args, cfg: str, model_dir: Path, out: Path, deadline: "Deadline", say) -> None:
     trace_dir = (out / "traces" / cfg).resolve()
     trace_dir.mkdir(parents=True, exist_ok=True)
-    port = sb.pick_port(args.port)
+    port = pick_port(args.port)
     profiler = {"profiler": "torch", "torch_profiler_dir": str(trace_dir), "torch_profiler_with_stack": False,
                 "ignore_frontend": True}
-    cmd = sb.server_command_for(args, model_dir, cfg, port) + ["--profiler-config", json.dumps(profiler)]
-    env = sb.server_env(sb.SERVER_CONFIGS[cfg])
+    cmd = server_command_for(args, model_dir, cfg, port) + ["--profiler-config", json.dumps(profiler)]
+    env = server_env(SERVER_CONFIGS[cfg])
     if args.dry_run:
         print("$ " + " ".join(cmd))
         return
     say(f"{cfg}: starting server on port {port}")
-    with sb.running_server(cmd, env, out / "server-logs" / f"{cfg}.log", port, cfg,
+    with running_server(cmd, env, out / "server-logs" / f"{cfg}.log", port, cfg,
                            startup_timeout_s=deadline.clip(args.startup_timeout_s, 60)) as srv:
         say(f"{cfg}: healthy; warm-up")
-        sb.warmup_server(srv.base_url, str(model_dir), args.warmup_requests)
-        dur = sb.profile_request(srv.base_url, str(model_dir), args.tokens, deadline, 20.0)
+        warmup_server(srv.base_url, str(model_dir), args.warmup_requests)
+        dur = profile_request(srv.base_url, str(model_dir), args.tokens, deadline, 20.0)
         say(f"{cfg}: profiled a {args.tokens}-token request ({dur:.1f}s with the trace)")
     say(f"{cfg}: server stopped; traces: {len(list(trace_dir.rglob('*.json*')))} files")
 
@@ -255,7 +261,7 @@ def merge(paths: list[Path], out: Path) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sb.add_server_args(ap)
+    add_server_args(ap)
     ap.add_argument("--configs", default="yali,vllm-default")
     ap.add_argument("--tokens", type=int, default=32, help="tokens generated in the profiled request")
     ap.add_argument("--out", type=Path, default=None)
@@ -269,16 +275,16 @@ def main() -> int:
         if args.out is None:
             ap.error("--merge needs --out")
         return merge(args.merge, args.out)
-    out = args.out or sb.default_out("decode-profile")
+    out = args.out or default_out("decode-profile")
     out.mkdir(parents=True, exist_ok=True)
     trace_root = args.report_only or out / "traces"
     if args.report_only is None:
-        deadline = sb.Deadline(args.budget_s)
-        say = sb.Progress("decode-profile", deadline)
-        model_dir = sb.prepare_model(args.model_size, args.model_dir or sb.default_model_dir(args.model_size))
-        for cfg in sb.parse_csv_list(args.configs):
-            if cfg not in sb.SERVER_CONFIGS:
-                ap.error(f"--configs: unknown configuration {cfg!r} (known: {', '.join(sb.SERVER_CONFIGS)})")
+        deadline = Deadline(args.budget_s)
+        say = Progress("decode-profile", deadline)
+        model_dir = prepare_model(args.model_size, args.model_dir or default_model_dir(args.model_size))
+        for cfg in parse_csv_list(args.configs):
+            if cfg not in SERVER_CONFIGS:
+                ap.error(f"--configs: unknown configuration {cfg!r} (known: {', '.join(SERVER_CONFIGS)})")
             try:
                 profile_config(args, cfg, model_dir, out, deadline, say)
             except Exception as e:  # keep the other configuration's profile

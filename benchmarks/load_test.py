@@ -33,10 +33,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import (  # noqa: E402
-    MULTICAST_OFF_ENV,
-    child_env,
+from benchmarks.common.cli_args import float_range, int_range, parse_csv_list, positive_float, positive_int
+from benchmarks.common.gpu_env import MULTICAST_OFF_ENV, child_env
+from benchmarks.common.results import (
+    default_out,
     load_results_of_kind,
     merge_sources,
     results_header,
@@ -44,34 +44,21 @@ from _results import (  # noqa: E402
     write_json_and_markdown,
     write_results,
 )
-from cli_args import float_range, int_range, positive_float, positive_int  # noqa: E402
-from serving_bench import (  # noqa: E402
-    DEFAULT_CONFIGS,
-    SERVER_CONFIGS,
-    Deadline,
-    Progress,
-    ServerError,
-    Terminated,
-    add_server_args,
-    default_out,
-    default_model_dir,
-    install_signal_handlers,
-    model_summary,
-    parse_csv_list,
-    pick_port,
-    prepare_model,
-    resolve_command,
-    run_bounded,
+from benchmarks.serving.budget import Deadline, Progress, Terminated, install_signal_handlers
+from benchmarks.serving.commands import ServerError, pick_port, resolve_command, run_bounded, split_command, tail_lines
+from benchmarks.serving.configs import SERVER_CONFIGS
+from benchmarks.serving.model import default_model_dir, model_summary, prepare_model
+from benchmarks.serving.schema import DEFAULT_CONFIGS
+from benchmarks.serving.server import (
     server_command_for,
     server_env,
-    split_command,
     start_server,
     startup_wait,
     stop_and_scan,
-    tail_lines,
     wait_healthy,
     warmup_server,
 )
+from benchmarks.serving.server_options import add_server_args
 
 KIND = "load-test"
 RESULT_NAME = "load-test.json"
