@@ -49,15 +49,7 @@ from benchmarks.serving.commands import ServerError, pick_port, resolve_command,
 from benchmarks.serving.configs import SERVER_CONFIGS
 from benchmarks.serving.model import default_model_dir, model_summary, prepare_model
 from benchmarks.serving.schema import DEFAULT_CONFIGS
-from benchmarks.serving.server import (
-    server_command_for,
-    server_env,
-    start_server,
-    startup_wait,
-    stop_and_scan,
-    wait_healthy,
-    warmup_server,
-)
+from benchmarks.serving.server import server_command_for, server_env, start_server, stop_and_scan, wait_ready
 from benchmarks.serving.server_options import add_server_args
 
 KIND = "load-test"
@@ -469,10 +461,9 @@ def run(args: argparse.Namespace) -> int:
             rc: int | None = None
             row: dict[str, Any] | None = None
             try:
-                wait_s, bound = startup_wait(deadline, args.startup_timeout_s, stop_reserve)
-                waited = wait_healthy(server, wait_s, bound=bound)
-                say(f"{cfg}: healthy after {waited:.1f}s")
-                warmup_server(server.base_url, str(model_dir), args.warmup_requests, timeout_s=deadline.clip(60.0, stop_reserve))
+                waited, _, _ = wait_ready(server, deadline, args.startup_timeout_s, stop_reserve, str(model_dir),
+                                          args.warmup_requests)
+                say(f"{cfg}: healthy after {waited:.1f}s, warmed up")
                 duration = int(min(args.duration_s, deadline.remaining() - stop_reserve - overhead))
                 if duration < min(5, args.duration_s):
                     raise ServerError("not enough budget left to run locust")

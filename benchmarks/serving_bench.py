@@ -58,16 +58,7 @@ from benchmarks.serving.profiler import profile_request, profiler_config
 from benchmarks.serving.report import backfill_extra_keys, merge_results, write_report
 from benchmarks.serving.runners import CliBenchRunner, WorkerBenchRunner, bench_args
 from benchmarks.serving.schema import DEFAULT_CONFIGS, KIND, RESULT_NAME, make_record, parse_bench_result
-from benchmarks.serving.server import (
-    Server,
-    server_command_for,
-    server_env,
-    start_server,
-    startup_wait,
-    stop_and_scan,
-    wait_healthy,
-    warmup_server,
-)
+from benchmarks.serving.server import Server, server_command_for, server_env, start_server, stop_and_scan, wait_ready
 from benchmarks.serving.server_options import add_server_args
 
 
@@ -386,15 +377,10 @@ def _run_all(
             say(f"{tag}: starting server on port {port}: {shlex.join(cmd)}")
             server = start_server(cmd, server_env(SERVER_CONFIGS[cfg]), log_path, port, cfg)
             try:
-                wait_s, bound = startup_wait(deadline, args.startup_timeout_s, stop_reserve)
-                waited = wait_healthy(server, wait_s, bound=bound)
+                waited, ok, bad = wait_ready(server, deadline, args.startup_timeout_s, stop_reserve, str(model_dir),
+                                             args.warmup_requests)
                 est_startup = max(est_startup or 0.0, waited)
-                say(f"{tag}: healthy after {waited:.1f}s")
-                ok, bad = warmup_server(
-                    server.base_url, str(model_dir), args.warmup_requests, timeout_s=deadline.clip(60.0, stop_reserve)
-                )
-                if args.warmup_requests:
-                    say(f"{tag}: warm-up {ok} ok, {bad} failed")
+                say(f"{tag}: healthy after {waited:.1f}s" + (f", warm-up {ok} ok, {bad} failed" if args.warmup_requests else ""))
                 for j, c in enumerate(concs):
                     est = est_bench.get(c, args.bench_estimate_s)
                     if deadline.remaining() < est + stop_reserve:

@@ -121,6 +121,16 @@ def startup_wait(deadline: Deadline, startup_timeout_s: float, reserve_s: float)
     return wait_s, "--startup-timeout-s" if wait_s >= startup_timeout_s else "the run's budget (--budget-s)"
 
 
+def wait_ready(server: Server, deadline: Deadline, startup_timeout_s: float, reserve_s: float, model: str,
+               warmup_requests: int) -> tuple[float, int, int]:
+    """A server started inside a budgeted run: healthy within ``startup_timeout_s`` or what the budget
+    leaves, then warmed up. Returns (seconds until healthy, warm-up requests that succeeded, failed)."""
+    wait_s, bound = startup_wait(deadline, startup_timeout_s, reserve_s)
+    waited = wait_healthy(server, wait_s, bound=bound)
+    ok, bad = warmup_server(server.base_url, model, warmup_requests, timeout_s=deadline.clip(60.0, reserve_s))
+    return waited, ok, bad
+
+
 def stop_server(server: Server, grace_s: float = 30.0, gpu_free_timeout_s: float = 30.0) -> None:
     """Stop the server's process group, then wait (bounded) for the GPUs' memory to be released."""
     stop_process_group(server.proc, grace_s=grace_s)
