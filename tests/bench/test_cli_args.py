@@ -13,7 +13,7 @@ from benchmarks import fused_bench as fb
 from benchmarks import load_test as lt
 from benchmarks import serving_bench as sb
 from benchmarks.common import cli_args
-from benchmarks.serving import schema
+from benchmarks.serving import bench_run, schema
 from examples import serve_demo as sd
 
 
@@ -88,7 +88,7 @@ def test_serving_bench_defaults_parse_as_before():
     assert (args.budget_s, args.port, args.repeats, args.concurrency) == (540.0, 8100, 2, [1, 8, 32])
     assert (args.max_model_len, args.gpu_memory_utilization, args.max_num_seqs) == (2048, 0.90, None)
     assert (args.warmup_requests, args.profile_tokens, args.locust_users, args.soak_s, args.seed) == (4, 0, 0, 0, 0)
-    assert sb.validate_args(args) == list(schema.DEFAULT_CONFIGS)
+    assert bench_run.validate_args(args) == list(schema.DEFAULT_CONFIGS)
     args = sb.build_parser().parse_args(["--port", "65535", "--budget-s", "0.5", "--concurrency", "32,1"])
     assert (args.port, args.budget_s, args.concurrency) == (65535, 0.5, [32, 1])
 

@@ -7,8 +7,7 @@ import os
 import subprocess
 import sys
 
-from benchmarks import decode_profile as dp
-from benchmarks import serving_bench as sb
+from benchmarks.serving import bench_run, profile_analysis
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,17 +28,17 @@ TRACE = {"traceEvents": [
 
 
 def test_kernel_classes():
-    assert dp.kernel_class("void yali::flash_push_kernel<float>(yali::FlashArgs)") == "yali"
-    assert dp.kernel_class("allreduce_fusion_kernel_twoshot") == "flashinfer-allreduce"
-    assert dp.kernel_class("void vllm::cross_device_reduce_1stage<...>") == "vllm-custom-allreduce"
-    assert dp.kernel_class("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "nccl"
-    assert dp.kernel_class("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
-    assert dp.kernel_class("flash_fwd_splitkv_kernel") == "attention"
-    assert dp.kernel_class("triton_poi_fused_add_0") == "other"
+    assert profile_analysis.kernel_class("void yali::flash_push_kernel<float>(yali::FlashArgs)") == "yali"
+    assert profile_analysis.kernel_class("allreduce_fusion_kernel_twoshot") == "flashinfer-allreduce"
+    assert profile_analysis.kernel_class("void vllm::cross_device_reduce_1stage<...>") == "vllm-custom-allreduce"
+    assert profile_analysis.kernel_class("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "nccl"
+    assert profile_analysis.kernel_class("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert profile_analysis.kernel_class("flash_fwd_splitkv_kernel") == "attention"
+    assert profile_analysis.kernel_class("triton_poi_fused_add_0") == "other"
 
 
 def test_analyze_counts_durations_and_gaps_per_stream():
-    res = dp.analyze(TRACE)
+    res = profile_analysis.analyze(TRACE)
     assert res["kernels"] == 6 and res["span_us"] == 46.0
     c = res["classes"]
     assert c["yali"] == {"count": 1, "total_us": 5.0, "mean_us": 5.0, "gap_before_us": 2.0, "gap_after_us": 3.0}
@@ -56,12 +55,12 @@ def test_rows_from_traces_per_config_and_rank(tmp_path):
             json.dump(TRACE, f)
         (d / "frontend.json").write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "x",
                                                                       "ts": 0, "dur": 1}]}))
-    rows = dp.rows_from_traces(tmp_path, tokens=2)
+    rows = profile_analysis.rows_from_traces(tmp_path, tokens=2)
     assert {r["config"] for r in rows} == {"yali", "vllm-default"}
     assert all(r["rank"] == 0 for r in rows)  # rank from the file name; the CPU-only trace gives no rows
     gemm = [r for r in rows if r["config"] == "yali" and r["kernel_class"] == "gemm"][0]
     assert gemm["per_token_count"] == 1.0 and gemm["per_token_us"] == 10.0
-    md = dp.markdown({"host": "h", "date": "d", "command": "c", "records": rows})
+    md = profile_analysis.markdown({"host": "h", "date": "d", "command": "c", "records": rows})
     assert "| yali | yali | 0.5 | 2.5 | 5.0 | 2.0 | 3.0 |" in md
 
 
@@ -80,8 +79,8 @@ def test_markdown_sums_per_token_kernel_time_and_span(tmp_path):
     d.mkdir()
     with gzip.open(d / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz", "wt") as f:
         json.dump(TRACE, f)
-    rows = dp.rows_from_traces(tmp_path, tokens=2)
-    md = dp.markdown({"host": "h", "date": "d", "command": "c", "records": rows})
+    rows = profile_analysis.rows_from_traces(tmp_path, tokens=2)
+    md = profile_analysis.markdown({"host": "h", "date": "d", "command": "c", "records": rows})
     # kernels 10+5+10+4+6+1 = 36 us over 2 tokens; span 46 us / 2
     assert "| yali | 18.0 | 23.0 |" in md
 
@@ -102,12 +101,12 @@ def test_serving_bench_profiles_into_its_out_dir(tmp_path):
     d.mkdir(parents=True)
     with gzip.open(d / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz", "wt") as f:
         json.dump(TRACE, f)
-    path = sb.write_decode_profile(tmp_path, 2, "70b")
+    path = bench_run.write_decode_profile(tmp_path, 2, "70b")
     doc = json.loads(path.read_text())
     assert doc["kind"] == "decode-profile" and {r["config"] for r in doc["records"]} == {"nccl"}
     assert (tmp_path / "decode-profile.md").exists()
     (tmp_path / "empty" / "traces" / "yali").mkdir(parents=True)  # a server that wrote no trace
-    assert sb.write_decode_profile(tmp_path / "empty", 2, "70b") is None
+    assert bench_run.write_decode_profile(tmp_path / "empty", 2, "70b") is None
 
 
 def test_serving_bench_rejects_negative_profile_tokens():
@@ -123,11 +122,11 @@ def test_top_kernels_per_config(tmp_path):
         json.dump(TRACE, f)
     with gzip.open(d / "dp0_pp0_tp1_dcp0_ep0_rank1.1.pt.trace.json.gz", "wt") as f:
         json.dump({"traceEvents": [k("only_on_rank1", 0, 99)]}, f)
-    top = dp.top_kernels(tmp_path, tokens=2)["yali"]
+    top = profile_analysis.top_kernels(tmp_path, tokens=2)["yali"]
     assert top[0] == {"name": "nvjet_tst_128x256_gemm", "class": "gemm", "count": 2, "total_us": 20.0,
                       "per_token_count": 1.0, "per_token_us": 10.0}
     assert all(t["name"] != "only_on_rank1" for t in top)
-    md = dp.markdown({"host": "h", "date": "d", "command": "c", "records": dp.rows_from_traces(tmp_path, 2),
+    md = profile_analysis.markdown({"host": "h", "date": "d", "command": "c", "records": profile_analysis.rows_from_traces(tmp_path, 2),
                       "top_kernels": {"yali": top}})
     assert "Top kernels of yali" in md and "| `nvjet_tst_128x256_gemm` | gemm | 1.0 | 10.0 |" in md
 
@@ -141,7 +140,7 @@ def test_merge_keeps_every_record_and_lists_sources(tmp_path):
         d.mkdir(parents=True)
         with gzip.open(d / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz", "wt") as f:
             json.dump(TRACE, f)
-        paths.append(sb.write_decode_profile(run, 2, "70b"))
+        paths.append(bench_run.write_decode_profile(run, 2, "70b"))
     out = subprocess.run([sys.executable, "-m", "benchmarks.decode_profile", "--merge",
                           *map(str, paths), "--out", str(tmp_path / "merged")], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
@@ -165,8 +164,8 @@ def test_step_times_reads_decode_steps_from_vllm_key_averages(tmp_path):
     d.mkdir()
     (d / "profiler_out_0.txt").write_text(PROFILER_OUT)
     (d / "profiler_out_1.txt").write_text(PROFILER_OUT.replace("20.177ms", "850.000us"))
-    st = dp.step_times(tmp_path)
+    st = profile_analysis.step_times(tmp_path)
     assert st == {"yali": {"0": {"decode_steps": 31, "decode_step_us": 20177.0},
                            "1": {"decode_steps": 31, "decode_step_us": 850.0}}}
-    md = dp.markdown({"host": "h", "date": "d", "command": "c", "records": [], "step_times": st})
+    md = profile_analysis.markdown({"host": "h", "date": "d", "command": "c", "records": [], "step_times": st})
     assert "| yali | 0 | 31 | 20177.0 |" in md

@@ -50,7 +50,8 @@ def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
 def test_the_repositorys_imports_form_no_circle():
     known = modules()
     graph = {name: imports_of(name, path, known) for name, path in known.items()}
-    assert "benchmarks.serving_bench" in graph and "benchmarks.serving.server" in graph["benchmarks.serving_bench"]
+    assert "benchmarks.serving.bench_run" in graph["benchmarks.serving_bench"]
+    assert "benchmarks.serving.server" in graph["benchmarks.serving.bench_run"]
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(node: str, path: list[str]) -> None:

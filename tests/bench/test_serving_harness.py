@@ -28,7 +28,7 @@ from benchmarks import serving_bench as sb
 from benchmarks.common import gpu_env, results
 from benchmarks.common.gpu_env import MULTICAST_OFF_ENV as MULTICAST_OFF
 from benchmarks.common.processes import free_port
-from benchmarks.serving import budget, commands, configs, http, logs, model, report, runners, schema, server, stats
+from benchmarks.serving import bench_run, budget, commands, configs, http, locust, logs, model, report, runners, schema, server, stats
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks"
@@ -633,8 +633,8 @@ def _tiny_model(size, model_dir):
 
 def test_full_run_with_fake_vllm(tmp_path, fake_vllm, monkeypatch):
     """The whole serving_bench flow (servers, benches, JSON, markdown, plots) against a fake vllm."""
-    monkeypatch.setattr(sb, "prepare_model", _tiny_model)
-    monkeypatch.setattr(sb, "install_signal_handlers", lambda: None)
+    monkeypatch.setattr(bench_run, "prepare_model", _tiny_model)
+    monkeypatch.setattr(bench_run, "install_signal_handlers", lambda: None)
     out = tmp_path / "out"
     monkeypatch.setenv("PYTHONPATH", str(fake_vllm.parent))  # the bench worker imports fake_vllm as its module
     rc = sb.main([
@@ -672,8 +672,8 @@ def test_full_run_with_fake_vllm(tmp_path, fake_vllm, monkeypatch):
 
 
 def test_budget_exhausted_still_writes_results(tmp_path, fake_vllm, monkeypatch):
-    monkeypatch.setattr(sb, "prepare_model", _tiny_model)
-    monkeypatch.setattr(sb, "install_signal_handlers", lambda: None)
+    monkeypatch.setattr(bench_run, "prepare_model", _tiny_model)
+    monkeypatch.setattr(bench_run, "install_signal_handlers", lambda: None)
     out = tmp_path / "out"
     rc = sb.main(["--vllm-bin", f"{sys.executable} {fake_vllm}", "--bench-runner", "cli", "--model-dir", str(tmp_path / "m"), "--budget-s", "5",
                   "--out", str(out), "--port", str(free_port())])
@@ -758,8 +758,8 @@ def test_locust_csv_to_row(tmp_path):
         ["TTFT", "stream", 630, 0, 95, 101, 40, 400, 0, 10.5, 0.0, 95, 100, 110, 120, 150, 200, 260, 310, 400, 400, 400],
         ["", "Aggregated", 41260, 3, 7, 22, 5, 1200, 4, 687.6, 0.05, 7, 7, 8, 8, 9, 11, 95, 600, 990, 1200, 1200],
     ])
-    row = load_test.locust_csv_to_row(p, "yali", 64, 120)
-    assert {k: row[k] for k in load_test.ROW_KEYS} == {
+    row = locust.locust_csv_to_row(p, "yali", 64, 120)
+    assert {k: row[k] for k in locust.ROW_KEYS} == {
         "config": "yali", "users": 64, "duration_s": 120.0, "requests": 630, "failures": 3,
         "ttft_ms_p50": 95.0, "ttft_ms_p99": 310.0, "itl_ms_p50": 7.0, "itl_ms_p99": 13.0,
     }
@@ -769,17 +769,17 @@ def test_locust_csv_to_row(tmp_path):
 def test_locust_csv_to_row_no_requests(tmp_path):
     p = tmp_path / "s.csv"
     write_locust_stats(p, [["", "Aggregated", 0, 0, 0, 0, 0, 0, 0, 0, 0, *["N/A"] * 11]])
-    row = load_test.locust_csv_to_row(p, "yali", 1, 5)
+    row = locust.locust_csv_to_row(p, "yali", 1, 5)
     assert row["requests"] == 0 and row["ttft_ms_p50"] is None and row["itl_ms_p99"] is None
 
 
 def test_soak_verdict():
     ok = {"requests": 10, "failures": 0}
-    assert load_test.soak_verdict(ok, {"error_count": 0}, 0) == {"pass": True, "reasons": []}
-    v = load_test.soak_verdict({"requests": 10, "failures": 2}, {"error_count": 1}, None)
+    assert locust.soak_verdict(ok, {"error_count": 0}, 0) == {"pass": True, "reasons": []}
+    v = locust.soak_verdict({"requests": 10, "failures": 2}, {"error_count": 1}, None)
     assert not v["pass"] and len(v["reasons"]) == 3
-    assert not load_test.soak_verdict({"requests": 0, "failures": 0}, {"error_count": 0}, 0)["pass"]
-    v = load_test.soak_verdict(ok, {"error_count": 0}, 0, yali_on=False)
+    assert not locust.soak_verdict({"requests": 0, "failures": 0}, {"error_count": 0}, 0)["pass"]
+    v = locust.soak_verdict(ok, {"error_count": 0}, 0, yali_on=False)
     assert not v["pass"] and "YALI" in v["reasons"][0]
 
 
@@ -789,7 +789,7 @@ def test_load_test_merge(tmp_path):
     def run_doc(name, cfg, users=32, mode="comparison"):
         row = {"config": cfg, "users": users, "duration_s": 30.0, "requests": 400, "failures": 0, "req_s": 13.3,
                "ttft_ms_p50": 180.0, "ttft_ms_p99": 300.0, "itl_ms_p50": 22.0, "itl_ms_p99": 100.0}
-        doc = results.results_header(load_test.KIND, {
+        doc = results.results_header(locust.KIND, {
             "mode": mode, "model": {"size": "70b"},
             "locust": {"users": users, "spawn_rate": users / 4, "duration_s": 30, "max_tokens": 64},
             "records": [row], "errors": [{"config": cfg, "error": "x"}] if cfg == "nccl" else [],
@@ -912,7 +912,7 @@ def test_locust_end_to_end_against_fake_server(tmp_path):
     th.start()
     try:
         port = srv.server_address[1]
-        cmd = load_test.locust_command(f"{sys.executable} -m locust", users=4, spawn_rate=4, duration_s=4,
+        cmd = locust.locust_command(f"{sys.executable} -m locust", users=4, spawn_rate=4, duration_s=4,
                                        host=f"http://127.0.0.1:{port}", csv_prefix=tmp_path / "l", html=tmp_path / "l.html",
                                        stop_timeout_s=5)
         env = gpu_env.child_env({"YALI_LOAD_MAX_TOKENS": "6", "YALI_LOAD_PROMPT_WORDS": "16"})
@@ -922,12 +922,12 @@ def test_locust_end_to_end_against_fake_server(tmp_path):
         srv.shutdown()
     assert (tmp_path / "l_stats.csv").exists(), cp.stderr[-2000:]
     assert (tmp_path / "l.html").exists()
-    stats = {(r["Type"], r["Name"]): r for r in load_test.read_locust_stats(tmp_path / "l_stats.csv")}
+    stats = {(r["Type"], r["Name"]): r for r in locust.read_locust_stats(tmp_path / "l_stats.csv")}
     chat = stats[("POST", "/v1/chat/completions")]
     comp = stats[("POST", "/v1/completions")]
     assert int(chat["Request Count"]) > 0 and int(chat["Failure Count"]) == 0
     assert int(comp["Request Count"]) > 0 and int(comp["Failure Count"]) == int(comp["Request Count"])
-    row = load_test.locust_csv_to_row(tmp_path / "l_stats.csv", "fake", 4, 4)
+    row = locust.locust_csv_to_row(tmp_path / "l_stats.csv", "fake", 4, 4)
     assert row["failures"] == int(comp["Request Count"])
     n_chat = int(chat["Request Count"])
     assert row["requests"] == n_chat + int(comp["Request Count"])  # POST rows only (not GET /v1/models)
@@ -936,7 +936,7 @@ def test_locust_end_to_end_against_fake_server(tmp_path):
     assert 5 * n_chat <= row["itl_events"] <= 5 * row["ttft_events"]  # 6 tokens -> 5 gaps
     assert 10 <= row["itl_ms_p50"] <= 80  # the fake server's 20 ms token gap, measured per chunk
     assert 10 <= row["ttft_ms_p50"] <= 200
-    failures = load_test.locust_failures(tmp_path / "l_failures.csv")
+    failures = locust.locust_failures(tmp_path / "l_failures.csv")
     assert any("empty completion" in f["Error"] for f in failures)
 
 
@@ -960,7 +960,7 @@ def test_load_test_soak_with_fake_vllm(tmp_path, fake_vllm, monkeypatch):
         assert k in doc
     assert [r["config"] for r in doc["records"]] == ["yali"]
     row = doc["records"][0]
-    assert all(k in row for k in load_test.ROW_KEYS)
+    assert all(k in row for k in locust.ROW_KEYS)
     assert row["users"] == 4 and row["duration_s"] == 3 and row["requests"] > 0 and row["failures"] == 0
     assert row["itl_ms_p50"] is not None and row["ttft_ms_p50"] is not None
     assert doc["verdict"] == {"pass": True, "reasons": []}
@@ -971,8 +971,8 @@ def test_load_test_soak_with_fake_vllm(tmp_path, fake_vllm, monkeypatch):
 
 def test_cli_bench_runner_with_fake_vllm(tmp_path, fake_vllm, monkeypatch):
     """--bench-runner cli: one `vllm bench serve` process per point."""
-    monkeypatch.setattr(sb, "prepare_model", _tiny_model)
-    monkeypatch.setattr(sb, "install_signal_handlers", lambda: None)
+    monkeypatch.setattr(bench_run, "prepare_model", _tiny_model)
+    monkeypatch.setattr(bench_run, "install_signal_handlers", lambda: None)
     out = tmp_path / "out"
     rc = sb.main(["--vllm-bin", f"{sys.executable} {fake_vllm}", "--bench-runner", "cli", "--configs", "yali,nccl",
                   "--repeats", "1", "--concurrency", "4", "--model-dir", str(tmp_path / "m"), "--budget-s", "120",
@@ -1084,8 +1084,8 @@ def test_locust_and_soak_on_the_benchmark_servers(tmp_path, fake_vllm, monkeypat
     points (no extra server start): a load-test row per config, the yali soak with its verdict."""
     if importlib.util.find_spec("locust") is None:
         pytest.skip("locust not installed")
-    monkeypatch.setattr(sb, "prepare_model", _tiny_model)
-    monkeypatch.setattr(sb, "install_signal_handlers", lambda: None)
+    monkeypatch.setattr(bench_run, "prepare_model", _tiny_model)
+    monkeypatch.setattr(bench_run, "install_signal_handlers", lambda: None)
     out = tmp_path / "out"
     rc = sb.main([
         "--vllm-bin", f"{sys.executable} {fake_vllm}", "--bench-runner", "cli", "--configs", "yali,nccl",
