@@ -18,42 +18,33 @@ output is checked against a reference once per size before it is timed.
 Writes benchmarks/results/<name>.json (kind allreduce-microbench), a markdown
 table and PNG plots.
 
-  python benchmarks/allreduce_bench.py                 # full run
-  python benchmarks/allreduce_bench.py --quick         # a few sizes, bf16
+  python -m benchmarks.allreduce_bench                 # full run
+  python -m benchmarks.allreduce_bench --quick         # a few sizes, bf16
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
-import math
 import os
-import socket
 import statistics
-import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from _results import MULTICAST_OFF_ENV  # noqa: E402
-from cli_args import choice_list, positive_float, positive_int, sorted_unique  # noqa: E402
+from benchmarks.common.cli_args import choice_list, positive_float, positive_int, sorted_unique
+from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
+from benchmarks.common.processes import run_two_ranks
+from benchmarks.common.results import results_header, write_json_and_markdown
+from benchmarks.common.sizes import GiB, MiB, fmt_size, parse_size
+from benchmarks.common.timing import pct, sleep_cycles_per_us, time_graph
 
 os.environ.update(MULTICAST_OFF_ENV)
 
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 ALL_BACKENDS = ["yali", "yali-flash", "yali-stream", "yali-prev", "nccl", "vllm-custom", "vllm-pynccl", "symm-one-shot",
                 "symm-two-shot"]
 DTYPE_NAMES = ["bf16", "fp16", "fp32"]
 DEFAULT_SIZES = "2K,16K,64K,256K,1M,4M,16M,64M,256M,1G"
 QUICK_SIZES = "2K,64K,1M,4M,64M"
-
-
-def parse_size(s: str) -> int:
-    s = s.strip().upper()
-    mul = {"K": KiB, "M": MiB, "G": GiB}.get(s[-1], 1)
-    return int(float(s[:-1] if mul > 1 else s) * mul)
 
 
 def size_list(text: str) -> list[int]:
@@ -70,20 +61,6 @@ def size_list(text: str) -> list[int]:
         return n
 
     return sorted_unique(text, one, f"empty list of sizes: {text!r}")
-
-
-def fmt_size(n: int) -> str:
-    for unit, v in (("G", GiB), ("M", MiB), ("K", KiB)):
-        if n >= v and n % v == 0:
-            return f"{n // v}{unit}"
-    return str(n)
-
-
-def pct(xs, q):
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 # ----------------------------------------------------------------------------- backends
@@ -202,58 +179,6 @@ class Backends:
 
 
 # ----------------------------------------------------------------------------- timing
-def sleep_cycles_per_us(torch):
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(1_000_000)
-    s.record()
-    torch.cuda._sleep(20_000_000)
-    e.record()
-    e.synchronize()
-    return 20_000_000 / (s.elapsed_time(e) * 1000.0)
-
-
-def capture_graph(torch, op, x, n_ops, capture_ctx, warmups=3):
-    """A CUDA graph of op(x) n_ops times, captured after `warmups` eager calls on a side stream
-    (inside capture_ctx, e.g. vLLM's custom all-reduce registration)."""
-    import contextlib
-
-    cur = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
-    side.wait_stream(cur)
-    with torch.cuda.stream(side):
-        for _ in range(warmups):
-            op(x)
-    cur.wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with (capture_ctx or contextlib.nullcontext)(), torch.cuda.graph(g):
-        for _ in range(n_ops):
-            op(x)
-    torch.cuda.synchronize()
-    return g
-
-
-def replay_per_op(torch, g, n_ops, replays):
-    """Per-op µs of `replays` back-to-back replays of g (n_ops ops each), after one untimed replay;
-    the first timed replay is dropped."""
-    g.replay()
-    torch.cuda.synchronize()
-    evs = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 2)]
-    evs[0].record()
-    for i in range(replays + 1):  # back-to-back replays keep both GPUs in step
-        g.replay()
-        evs[i + 1].record()
-    evs[-1].synchronize()
-    return [evs[i].elapsed_time(evs[i + 1]) * 1000.0 / n_ops for i in range(1, replays + 1)]  # drop the first
-
-
-def time_graph(torch, op, x, n_ops, replays, capture_ctx):
-    g = capture_graph(torch, op, x, n_ops, capture_ctx)
-    per_op = replay_per_op(torch, g, n_ops, replays)
-    del g
-    return per_op
-
-
 # Smallest message whose eager per-call time is the GPU's time: below it every backend measured
 # the same 35-75 us host-pacing floor (benchmarks/results/allreduce-20261122-r3.md, eager table).
 EAGER_MIN_BYTES = 8 << 20
@@ -384,41 +309,7 @@ def worker(rank, port, args, q):
     dist.destroy_process_group()
 
 
-def run_two_ranks(worker, args, timeout: float, what: str):
-    """Runs worker(rank, port, args, queue) in two spawned processes (rank r on GPU r),
-    bounded by `timeout` seconds; returns what rank 0 put on the queue."""
-    import multiprocessing as mp
-    import queue
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=worker, args=(r, port, args, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = {}
-    deadline = time.time() + timeout
-    while len(results) < 2 and time.time() < deadline:
-        try:
-            r, v = q.get(timeout=5)
-            results[r] = v
-        except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-    if 0 not in results:
-        raise SystemExit(f"{what} failed or timed out (see worker output above)")
-    return results[0]
-
-
 def write_outputs(args, res):
-    from _results import results_header, write_json_and_markdown
-
     import torch
 
     hdr = results_header("allreduce-microbench", {

@@ -24,9 +24,9 @@ result file (marked incomplete).
 
 Writes <out>/<name>.json (kind fused-allreduce-rmsnorm), <name>.md and <name>.png.
 
-  python benchmarks/fused_bench.py                          # hidden 8192, bf16, 1..512 tokens
-  python benchmarks/fused_bench.py --hidden 4096,8192 --dtypes bf16,fp16 --budget-s 300
-  python benchmarks/fused_bench.py --report-only benchmarks/results/fused-20261122.json
+  python -m benchmarks.fused_bench                          # hidden 8192, bf16, 1..512 tokens
+  python -m benchmarks.fused_bench --hidden 4096,8192 --dtypes bf16,fp16 --budget-s 300
+  python -m benchmarks.fused_bench --report-only benchmarks/results/fused-20261122.json
 """
 from __future__ import annotations
 
@@ -40,13 +40,12 @@ import threading
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from _results import MULTICAST_OFF_ENV, results_header, write_json_and_markdown, write_results  # noqa: E402
-from allreduce_bench import pct, run_two_ranks, time_graph  # noqa: E402
-from cli_args import choice_list as parse_choice_list, positive_float, positive_int  # noqa: E402
-from cli_args import positive_int_list as parse_int_list  # noqa: E402
+from benchmarks.common.cli_args import choice_list as parse_choice_list, positive_float, positive_int
+from benchmarks.common.cli_args import positive_int_list as parse_int_list
+from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
+from benchmarks.common.processes import run_two_ranks
+from benchmarks.common.results import results_header, write_json_and_markdown, write_results
+from benchmarks.common.timing import pct, time_graph
 
 os.environ.update(MULTICAST_OFF_ENV)
 

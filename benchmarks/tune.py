@@ -3,20 +3,21 @@
 communicator per variant) to choose the size -> kernel table in
 csrc/core/yali/config.cpp. Per-op time inside CUDA graphs, median of replays.
 
-  python benchmarks/tune.py --out benchmarks/results --name tune-<date>
+  python -m benchmarks.tune --out benchmarks/results --name tune-<date>
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _results import MULTICAST_OFF_ENV, results_header, write_json_and_markdown  # noqa: E402
-from allreduce_bench import fmt_size, parse_size, run_two_ranks, time_graph  # noqa: E402
+
+from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
+from benchmarks.common.processes import run_two_ranks
+from benchmarks.common.results import results_header, write_json_and_markdown
+from benchmarks.common.sizes import fmt_size, parse_size
+from benchmarks.common.timing import time_graph
 
 os.environ.update(MULTICAST_OFF_ENV)
 

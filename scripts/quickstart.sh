@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets up yali-vllm in .venv and runs the main job (benchmarks/serve_demo.py):
+# Sets up yali-vllm in .venv and runs the main job (examples/serve_demo.py):
 #   vLLM 0.33.0 (with the torch 2.14.0 it pins) + this package, whose CUDA extension is
 #   built here with nvcc for sm_90a against that torch's stable ABI; then the embedded
 #   dummy model is served with `vllm serve --tensor-parallel-size 2` and the YALI plugin,
@@ -11,8 +11,9 @@
 #   that already has torch and vLLM).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# NVLink multicast stays off in everything started from here.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm
+# NVLink multicast stays off in everything started from here (benchmarks/common/gpu_env.py).
+MULTICAST_OFF="$("${PYTHON:-python3}" -m benchmarks.common.gpu_env)"
+eval "$MULTICAST_OFF"
 VLLM_VERSION="${YALI_VLLM_VERSION:-0.33.0}"
 if [ "${YALI_SKIP_INSTALL:-0}" != 1 ]; then
   [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
@@ -27,4 +28,4 @@ if [ "${YALI_SKIP_INSTALL:-0}" != 1 ]; then
   # Built against the installed torch; pip leaves vLLM's torch alone (yali-vllm accepts 2.11-2.14).
   python -m pip install -q --no-build-isolation -e ".[bench,test]"
 fi
-python benchmarks/serve_demo.py "$@"
+python -m examples.serve_demo "$@"

@@ -39,7 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._results import MULTICAST_OFF_ENV, results_header, write_json_and_markdown
+from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
+from benchmarks.common.results import results_header, write_json_and_markdown
 
 os.environ.update(MULTICAST_OFF_ENV)
 

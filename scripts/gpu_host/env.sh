@@ -1,10 +1,12 @@
-# Sourced by the GPU-host scripts: multicast off, unbuffered output, and the
-# offline vLLM stack plus this checkout (with its prebuilt extension) on the path.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm PYTHONUNBUFFERED=1
+# Sourced by the GPU-host scripts from the checkout's root: multicast off (the settings of
+# benchmarks/common/gpu_env.py, set again after the stack's own environment), unbuffered output,
+# and the offline vLLM stack plus this checkout (with its prebuilt extension) on the path.
+MULTICAST_OFF="$(python3 -m benchmarks.common.gpu_env)" || { echo "env.sh: no multicast-off settings" >&2; return 1; }
+eval "$MULTICAST_OFF"
+export PYTHONUNBUFFERED=1
 if [ -f /opt/gpu-stack/env.sh ]; then . /opt/gpu-stack/env.sh; fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+eval "$MULTICAST_OFF"
 OUT="${OUT:-${TMPDIR:-/tmp}/yali-out-$(id -u)}"; mkdir -p "$OUT"
 # The checkout is used in place (no pip install on the offline host): give vLLM's
 # processes the package metadata that carries the vllm.general_plugins entry point.

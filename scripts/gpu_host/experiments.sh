@@ -27,12 +27,12 @@ if [ -n "${EXPERIMENT_SETTINGS:-}" ]; then IFS=';' read -r -a SETTINGS <<< "$EXP
 case "${1:-all}" in tests|bench|all) ;; *) echo "usage: $0 [tests|bench|all]" >&2; exit 2 ;; esac
 case "${1:-all}" in
   tests|all)
-    YALI_TIMEOUT_S=30 timeout 300 python3 benchmarks/record_test_run.py --out "$OUT/gpu-tests-fused-launch-$day.json" -- \
+    YALI_TIMEOUT_S=30 timeout 300 python3 scripts/record_test_run.py --out "$OUT/gpu-tests-fused-launch-$day.json" -- \
       -q -p no:cacheprovider tests/gpu/test_fused.py tests/test_core_config.py 2>&1 \
       | tee "$OUT/gpu-tests-fused-launch-$day.log" | tail -15
     # the whole fused suite (sweep, interleaved with plain all-reduces, 1000 graph replays,
     # torch.compile) with rows split over up to 8 CTAs
-    YALI_DEV_FUSED_SPLIT=8 YALI_TIMEOUT_S=30 timeout 200 python3 benchmarks/record_test_run.py \
+    YALI_DEV_FUSED_SPLIT=8 YALI_TIMEOUT_S=30 timeout 200 python3 scripts/record_test_run.py \
       --out "$OUT/gpu-tests-fused-split8-$day.json" -- -q -p no:cacheprovider tests/gpu/test_fused.py \
       -k "not nondefault" 2>&1 | tee "$OUT/gpu-tests-fused-split8-$day.log" | tail -5 ;;&
   bench|all)
@@ -40,7 +40,7 @@ case "${1:-all}" in
     for v in "${SETTINGS[@]}"; do
       n=$((n + 1))
       name="fused-$day-launch-$n-$(echo "${v:-default}" | tr -c 'A-Za-z0-9\n' '-' | tr 'A-Z' 'a-z')"
-      env $(for kv in $v; do printf 'YALI_DEV_%s ' "$kv"; done) timeout 100 python3 benchmarks/fused_bench.py \
+      env $(for kv in $v; do printf 'YALI_DEV_%s ' "$kv"; done) timeout 100 python3 -m benchmarks.fused_bench \
         --backends yali-fused --tokens 1,2,4,8,16,32,64,128 --out "$OUT/exp" --name "$name" --budget-s 60 2>&1 \
         | grep -E "^\| [0-9]" | cut -d'|' -f2,4 | tr '\n' ' '; echo " <- ${v:-default}"
     done

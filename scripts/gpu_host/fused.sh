@@ -28,13 +28,13 @@ print(f"FlashInfer trtllm comm module ready in {time.time() - t:.0f}s")
 }
 
 run_tests() {
-  timeout -k 10 "$TEST_S" python3 benchmarks/record_test_run.py --out "$OUT/gpu-tests-fused-$STAMP.json" -- \
+  timeout -k 10 "$TEST_S" python3 scripts/record_test_run.py --out "$OUT/gpu-tests-fused-$STAMP.json" -- \
     -q -p no:cacheprovider -rA --durations=8 tests/gpu/test_fused.py 2>&1 \
     | tee "$OUT/gpu-tests-fused-$STAMP.log" | tail -40
 }
 
 run_bench() {
-  timeout -k 20 "$((BUDGET_S + 110))" python3 benchmarks/fused_bench.py --out "$OUT" --name "fused-$STAMP" \
+  timeout -k 20 "$((BUDGET_S + 110))" python3 -m benchmarks.fused_bench --out "$OUT" --name "fused-$STAMP" \
     --budget-s "$BUDGET_S" --timeout "$((BUDGET_S + 90))" "$@" 2>&1 \
     | tee "$OUT/fused-bench-$STAMP.log" | grep -v -i "warn" | tail -60
   if [ -f /tmp/fused-flashinfer-jit.log ]; then echo "--- FlashInfer JIT pre-build:"; tail -3 /tmp/fused-flashinfer-jit.log; fi

@@ -8,7 +8,7 @@ tail -2 /tmp/install.log
 . scripts/gpu_host/env.sh
 bash scripts/gpu_host/fused.sh prebuild   # FlashInfer's JIT build overlaps the all-reduce benchmark
 day=$(date +%Y%m%d)
-timeout 200 python3 benchmarks/allreduce_bench.py --out "$OUT" --name "allreduce-$day" \
+timeout 200 python3 -m benchmarks.allreduce_bench --out "$OUT" --name "allreduce-$day" \
   --sizes 2K,16K,64K,128K,256K,512K,1M,2M,4M,8M,16M,64M,256M,1G 2>&1 \
   | grep -v -i warn > "$OUT/allreduce-$day.log"
 tail -45 "$OUT/allreduce-$day.log"

@@ -5,6 +5,6 @@
 # YALI_TIMEOUT_S bounds a broken kernel's wait to 30 s instead of 300 s.
 . scripts/gpu_host/env.sh
 nvidia-smi topo -m | head -3
-YALI_TIMEOUT_S=30 timeout 580 python3 benchmarks/record_test_run.py --out "$OUT/gpu-tests-kernels.json" -- \
+YALI_TIMEOUT_S=30 timeout 580 python3 scripts/record_test_run.py --out "$OUT/gpu-tests-kernels.json" -- \
   -q -p no:cacheprovider --durations=15 tests/gpu/test_allreduce.py tests/gpu/test_fused.py tests/gpu/test_bench_timing.py \
   tests/test_core_config.py 2>&1 | tee "$OUT/gpu-tests-kernels.log" | tail -40

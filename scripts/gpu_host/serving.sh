@@ -17,7 +17,7 @@
 . scripts/gpu_host/env.sh
 name="serving-70b-$(date +%Y%m%d)-${2:-r1}"
 work=/tmp/$name
-timeout -k 20 "$(( ${SERVING_BUDGET_S:-555} + 20 ))" python3 benchmarks/serving_bench.py --model-size 70b --repeats "${1:-1}" --concurrency "${CONCURRENCY:-1,8,32}" \
+timeout -k 20 "$(( ${SERVING_BUDGET_S:-555} + 20 ))" python3 -m benchmarks.serving_bench --model-size 70b --repeats "${1:-1}" --concurrency "${CONCURRENCY:-1,8,32}" \
   --configs "${3:-yali,vllm-default,nccl}" --profile-tokens "${4:-0}" \
   --locust-users "${LOCUST_USERS:-0}" --locust-duration-s "${LOCUST_S:-60}" --soak-s "${SOAK_S:-0}" \
   --random-input-len 1024 --random-output-len 256 --max-num-seqs 64 --stop-grace-s "${STOP_GRACE_S:-30}" --budget-s "${SERVING_BUDGET_S:-555}" --out "$work" 2>&1 \

@@ -20,7 +20,7 @@ STAMP="$(date +%Y%m%d)"
 run_part() {  # run_part NAME SECONDS TEST_FILE [pytest args]
   local name="$1" bound="$2"
   shift 2
-  timeout -k 10 "$bound" python3 benchmarks/record_test_run.py --out "$OUT/gpu-tests-shared-$name-$STAMP.json" -- \
+  timeout -k 10 "$bound" python3 scripts/record_test_run.py --out "$OUT/gpu-tests-shared-$name-$STAMP.json" -- \
     -q -p no:cacheprovider -rA --durations=12 "$@" 2>&1 | tee "$OUT/gpu-tests-shared-$name-$STAMP.log" \
     | grep -v "shares cuda:0 with its peer\|Captured stderr" | tail -45
 }

@@ -10,7 +10,7 @@
 name="soak-70b-$(date +%Y%m%d)"
 work=/tmp/$name
 budget="${SOAK_BUDGET_S:-560}"
-timeout -k 20 "$((budget + 20))" python3 benchmarks/load_test.py --soak --model-size 70b --users 64 --duration-s "${SOAK_S:-3600}" \
+timeout -k 20 "$((budget + 20))" python3 -m benchmarks.load_test --soak --model-size 70b --users 64 --duration-s "${SOAK_S:-3600}" \
   --max-num-seqs 64 --stop-grace-s 15 --budget-s "$budget" --out "$work" 2>&1 | tee "$OUT/$name.log" | grep -v -i warn | tail -30
 cp "$work"/load-test.json "$OUT/$name.json" 2>/dev/null
 cp "$work"/load-test.md "$OUT/$name.md" 2>/dev/null && cat "$OUT/$name.md" | head -40

@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
+
+# NVLink multicast stays off in the GPU tests and in every process they start.
+os.environ.update(MULTICAST_OFF_ENV)
 
 
 def _skip_reason(gpus: int):

@@ -5,16 +5,11 @@ With YALI_ALLOW_SHARED_GPU=1 both processes use GPU 0 (a machine with one GPU):
 the same IPC exchange and kernels, with local memory where NVLink would be."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import socket
+import sys
 import traceback
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks.common.processes import launch_two_ranks
 
 
 def rank_device(rank: int) -> int:
@@ -33,11 +28,12 @@ def _entry(rank, port, fn, args, env, q):
         torch.cuda.set_device(rank_device(rank))
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         try:
-            q.put((rank, "ok", fn(rank, dist.group.WORLD, *args)))
+            q.put((rank, ("ok", fn(rank, dist.group.WORLD, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:
-        q.put((rank, "error", traceback.format_exc()))
+        q.put((rank, ("error", traceback.format_exc())))
+        sys.exit(1)  # the launcher stops waiting for the peer
 
 
 def run_pair(fn, *args, timeout: float = 300.0, env: dict | None = None, lost: tuple = ()):
@@ -47,33 +43,10 @@ def run_pair(fn, *args, timeout: float = 300.0, env: dict | None = None, lost: t
     kills both if they are not done within `timeout` seconds (a hang is a failure).
     Ranks in `lost` are expected to die (a scenario kills them): their result is None.
     """
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    env = dict(env or {})
-    procs = [ctx.Process(target=_entry, args=(r, port, fn, args, env, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results, errors = [None, None], []
-    try:
-        import queue
-
-        for _ in range(2 - len(lost)):
-            try:
-                rank, status, value = q.get(timeout=timeout)
-            except queue.Empty:
-                raise AssertionError(f"{fn.__name__}: no result within {timeout}s (hang?)")
-            if status == "ok":
-                results[rank] = value
-            else:
-                errors.append(f"rank {rank}:\n{value}")
-                break
-    finally:
-        for p in procs:
-            p.join(timeout=10 if not errors else 2)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    got, _ = launch_two_ranks(_entry, (fn, args, dict(env or {})), timeout, lost=lost)
+    errors = [f"rank {rank}:\n{value}" for rank, (status, value) in sorted(got.items()) if status == "error"]
     if errors:
         raise AssertionError("\n".join(errors))
-    return results
+    if len(got) < 2 - len(lost):
+        raise AssertionError(f"{fn.__name__}: no result within {timeout}s (hang?)")
+    return [got[r][1] if r in got else None for r in range(2)]

@@ -1,17 +1,11 @@
-"""The benchmarks' one graph capture and timed replay loop (allreduce_bench.capture_graph /
-replay_per_op, composed by time_graph; fused_bench and decode_gemm_bench use them too) on a real
+"""The benchmarks' one graph capture and timed replay loop (benchmarks/common/timing.py:
+capture_graph / replay_per_op, composed by time_graph; every graph-timing benchmark uses them) on a real
 GPU: the graph holds n_ops calls, time_graph replays it once untimed and replays + 1 times timed,
 and hands back one per-op time per kept replay. One GPU is enough; it runs with the GPU tests."""
-import os
-import sys
-
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-import allreduce_bench as ab  # noqa: E402
+from benchmarks.common import timing
 
 pytestmark = pytest.mark.gpu
 
@@ -29,7 +23,7 @@ def test_time_graph_replays_what_it_captured_and_times_each_replay():
         def __exit__(self, *exc):
             return False
 
-    per_op = ab.time_graph(torch, lambda t: t.add_(1.0), x, n_ops, replays, Ctx)
+    per_op = timing.time_graph(torch, lambda t: t.add_(1.0), x, n_ops, replays, Ctx)
     torch.cuda.synchronize()
     # warm-ups run eagerly, the capture itself runs nothing, then 1 untimed + replays + 1 timed replays
     assert x.eq(warmups + n_ops * (replays + 2)).all(), x[:4]

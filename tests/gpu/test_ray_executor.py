@@ -42,7 +42,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,14 +50,14 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
+from benchmarks.common.processes import free_port, signal_group
+
 pytestmark = [pytest.mark.gpu, pytest.mark.two_gpus]
 
 ENV = {
     # NVLink multicast stays off in every process, Ray's raylet and workers included.
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-    "VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm",
+    **MULTICAST_OFF_ENV,
     "YALI_ENABLE": "1",
     "RAY_DEDUP_LOGS": "0",  # keep both ranks' identical-looking lines
     # Ray replaces 127.0.0.1 (--node-ip-address, RAY_ADDRESS) with the host's routable IP
@@ -117,24 +116,11 @@ def _skip_reason() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(ENV)
     env.update(extra)
     return env
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _run(cmd: list[str], log: Path, timeout: float, env: dict[str, str],
@@ -149,12 +135,12 @@ def _run(cmd: list[str], log: Path, timeout: float, env: dict[str, str],
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(proc.pid)
+            signal_group(proc.pid, signal.SIGKILL)
             proc.wait()
             pytest.fail(f"{cmd[:4]} did not finish in {timeout}s; log: {log}\n"
                         + log.read_text(errors="replace")[-4000:])
         if kill_group:
-            _kill_group(proc.pid)  # leftovers of this run only
+            signal_group(proc.pid, signal.SIGKILL)  # leftovers of this run only
         return rc, proc.pid
 
 
@@ -263,7 +249,7 @@ def test_ray_executor_matches_mp_and_selects_yali(tmp_path):
 
     mp_result, mp_logs = _generate("mp", model, tmp_path, _env())
 
-    port = _free_port()
+    port = free_port()
     # Short temp dir: Ray's Unix socket paths under it must stay below ~107 bytes.
     ray_tmp = Path(tempfile.mkdtemp(prefix="yray", dir="/tmp"))
     ray_env = _env(RAY_ADDRESS=f"127.0.0.1:{port}")

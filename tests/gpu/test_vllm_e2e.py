@@ -40,8 +40,6 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -51,16 +49,13 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
+from benchmarks.common.processes import free_port, stop_process_group
+
 HERE = Path(__file__).resolve().parent
 RUNNER = HERE / "vllm_generate.py"
 REPO = HERE.parents[1]
 
-MULTICAST_OFF = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-    "VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm",
-}
 RUN_TIMEOUT_S = 900  # one vLLM start-up + generation (compile included)
 SERVE_TIMEOUT_S = 900
 
@@ -146,40 +141,13 @@ def _fresh_compile_cache(tmp_path_factory):
 
 def _env(plugin_path: str, yali: bool) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(MULTICAST_OFF)
+    env.update(MULTICAST_OFF_ENV)
     if _CACHE_ROOT:
         env["VLLM_CACHE_ROOT"] = _CACHE_ROOT
     env["YALI_ENABLE"] = "1" if yali else "0"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (plugin_path, env.get("PYTHONPATH", "")) if p)
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     return env
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Stop the process we started and everything it spawned (its own
-    session/process group): SIGTERM, a grace period, then SIGKILL."""
-    for sig, grace_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        proc.poll()  # reap the leader so an exited one does not linger
-        if not _group_alive(proc.pid):
-            return
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            proc.poll()
-            if not _group_alive(proc.pid):
-                return
-            time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +207,7 @@ def _generate(
         except subprocess.TimeoutExpired:
             rc = None
         finally:
-            _kill_group(proc)  # also reaps workers a clean exit left behind
+            stop_process_group(proc, grace_s=60)  # also reaps workers a clean exit left behind
     tail = log.read_text(errors="replace")[-6000:]
     assert rc == 0 and out.is_file(), f"{name} failed (rc={rc}); log tail:\n{tail}"
     result = json.loads(out.read_text())
@@ -385,12 +353,6 @@ def test_yali_fusion_tokens_match_flashinfer_and_unfused(model_dir, plugin_path,
 
 
 # ------------------------------------------------------------------ vllm serve
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _vllm_cmd() -> list[str]:
     exe = shutil.which("vllm")
     return [exe] if exe else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
@@ -407,7 +369,7 @@ def _post(url: str, body: dict, timeout: float = 120) -> dict:
 
 @_timeout(SERVE_TIMEOUT_S + 120)
 def test_vllm_serve_selects_yali_and_answers(model_dir, plugin_path, tmp_path):
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "serve.log"
     cmd = _vllm_cmd() + [
         "serve",
@@ -480,7 +442,7 @@ def test_vllm_serve_selects_yali_and_answers(model_dir, plugin_path, tmp_path):
             assert chat["choices"] and chat["choices"][0]["message"]["role"] == "assistant"
             assert chat["usage"]["completion_tokens"] > 0
         finally:
-            _kill_group(proc)
+            stop_process_group(proc, grace_s=60)
     text = log.read_text(errors="replace")
     on_lines = [ln for ln in text.splitlines() if "YALI all-reduce ON for group 'tp:0'" in ln]
     assert len(on_lines) == 2, "expected one YALI selection line per TP rank:\n" + text[-6000:]

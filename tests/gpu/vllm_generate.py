@@ -4,7 +4,7 @@ Used by tests/gpu/test_vllm_e2e.py, one configuration per fresh process
 (vLLM does not give GPUs back reliably in-process).  YALI is switched by the
 YALI_ENABLE environment variable, as in production.
 
-    python tests/gpu/vllm_generate.py --model-dir DIR --out result.json \\
+    PYTHONPATH=. python tests/gpu/vllm_generate.py --model-dir DIR --out result.json \\
         [--eager] [--nccl] [--fuse default|off] [--max-tokens 32]
 
 The JSON has: token_ids (one list per prompt), logprobs (per prompt and
@@ -22,14 +22,7 @@ import json
 import os
 import time
 
-# NVLink multicast stays off on the shared GPU hosts (also inherited by
-# vLLM's engine-core and worker processes).
-MULTICAST_OFF = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-    "VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm",
-}
+from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
 
 PROMPTS = [
     "The capital of France is",
@@ -57,7 +50,8 @@ def main() -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     args = p.parse_args()
 
-    os.environ.update(MULTICAST_OFF)
+    # NVLink multicast stays off (also inherited by vLLM's engine-core and worker processes).
+    os.environ.update(MULTICAST_OFF_ENV)
     # collective_rpc with a function (yali_tp_stats) is pickled to the workers.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 

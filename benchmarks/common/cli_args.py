@@ -1,0 +1,131 @@
+"""Argument types shared by the benchmark command lines.
+
+Each function is an argparse ``type=``: it returns the parsed value or raises
+``argparse.ArgumentTypeError`` naming the bad value and what is accepted, so a
+command refuses a bad argument (argparse prints ``argument --port: ...`` and
+exits 2) before it starts a server, a process or GPU work.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def _int_in(text: str, low: int, high: int | None = None) -> int:
+    accepted = f"an integer in {low}..{high}" if high is not None else f"an integer >= {low}"
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {accepted}") from None
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {accepted}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """A count, size or number of rounds: an integer >= 1."""
+    return _int_in(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (0 = off where a command says so)."""
+    return _int_in(text, 0)
+
+
+def tcp_port(text: str) -> int:
+    """A TCP port: 1..65535."""
+    return _int_in(text, 1, 65535)
+
+
+def int_range(low: int, high: int) -> Callable[[str], int]:
+    """The type of an integer in low..high."""
+    def parse(text: str) -> int:
+        return _int_in(text, low, high)
+
+    parse.__name__ = f"int_range({low}, {high})"
+    return parse
+
+
+def _number(text: str) -> float:
+    """`text` as a float, nan when it is not a number (every range check below refuses nan)."""
+    try:
+        return float(str(text).strip())
+    except ValueError:
+        return math.nan
+
+
+def sorted_unique(text: str, parse_one: Callable[[str], Any], empty: str) -> list:
+    """Comma-separated items, each parsed by `parse_one` (which raises ArgumentTypeError naming a
+    bad one), sorted, duplicates dropped; `empty` is the error when there is no item."""
+    out = {parse_one(part.strip()) for part in str(text).split(",") if part.strip()}
+    if not out:
+        raise argparse.ArgumentTypeError(empty)
+    return sorted(out)
+
+
+def float_range(low: float, high: float) -> Callable[[str], float]:
+    """The type of a number in [low, high] (nan and inf are refused)."""
+    def parse(text: str) -> float:
+        value = _number(text)
+        if not (low <= value <= high):  # false for nan
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number in [{low:g}, {high:g}]")
+        return value
+
+    parse.__name__ = f"float_range({low:g}, {high:g})"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """A duration, ratio or epsilon: a finite number > 0 (nan and inf are refused)."""
+    value = _number(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number > 0")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A share of something, e.g. of GPU memory: a number in (0, 1]."""
+    value = _number(text)
+    if not (0 < value <= 1):  # false for nan
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number in (0, 1]")
+    return value
+
+
+def positive_int_list(text: str, what: str = "value") -> list[int]:
+    """"1,2,4" -> [1, 2, 4]: positive integers, sorted, duplicates dropped."""
+    def one(part: str) -> int:
+        try:
+            v = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what}: {part!r} is not an integer") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"{what}: {v} is not positive")
+        return v
+
+    return sorted_unique(text, one, f"{what}: empty list")
+
+
+def choice_list(text: str, choices: Sequence[str], what: str) -> list[str]:
+    """"bf16,fp16" -> ["bf16", "fp16"] in the order of `choices`; unknown names are an error."""
+    names = [p.strip() for p in str(text).split(",") if p.strip()]
+    bad = [n for n in names if n not in choices]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{what}: unknown {', '.join(map(repr, bad))} (choose from {', '.join(choices)})")
+    if not names:
+        raise argparse.ArgumentTypeError(f"{what}: empty list")
+    return [c for c in choices if c in names]
+
+
+def parse_csv_list(text: str) -> list[str]:
+    """"a, b,,c" -> ["a", "b", "c"]: the non-empty comma-separated items, in order."""
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def parse_int_list(text: str) -> list[int]:
+    """"1,8,32" -> [1, 8, 32]: positive integers in the given order."""
+    vals = [positive_int(t) for t in parse_csv_list(text)]
+    if not vals:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals

@@ -1,0 +1,54 @@
+"""The server configurations compared: yali, vLLM's defaults, the FlashInfer-fusion control, NCCL only."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+NCCL_COMPILATION_CONFIG = {"pass_config": {"fuse_allreduce_rms": False}}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    name: str
+    env: dict[str, str]
+    args: tuple[str, ...]
+    description: str
+
+
+SERVER_CONFIGS: dict[str, ServerConfig] = {
+    "yali": ServerConfig(
+        "yali",
+        {"YALI_ENABLE": "1"},
+        (),
+        "yali plugin on (YALI_ENABLE=1); vLLM defaults otherwise",
+    ),
+    "vllm-default": ServerConfig(
+        "vllm-default",
+        {"YALI_ENABLE": "0"},
+        (),
+        "YALI_ENABLE=0: vLLM's custom all-reduce + FlashInfer all-reduce+RMSNorm "
+        "fusion as vLLM configures it (backend trtllm)",
+    ),
+    # The control for a yali vs vllm-default difference outside the all-reduce: YALI's plugin, its
+    # buffers and its all-reduce hook exactly as in "yali", but YALI_FUSION=0 makes vLLM build its
+    # FlashInfer fusion, so every decode all-reduce (all fused with an RMSNorm) runs FlashInfer's
+    # kernel, as in vllm-default.
+    "yali-flashinfer-fusion": ServerConfig(
+        "yali-flashinfer-fusion",
+        {"YALI_ENABLE": "1", "YALI_FUSION": "0"},
+        (),
+        "yali plugin on, YALI_FUSION=0: vLLM's FlashInfer all-reduce+RMSNorm fusion serves the "
+        "fused pairs (the control for effects of the plugin outside its fused kernel)",
+    ),
+    "nccl": ServerConfig(
+        "nccl",
+        {"YALI_ENABLE": "0"},
+        (
+            "--disable-custom-all-reduce",
+            "--compilation-config",
+            json.dumps(NCCL_COMPILATION_CONFIG),
+        ),
+        "YALI_ENABLE=0, --disable-custom-all-reduce, fuse_allreduce_rms off: NCCL only",
+    ),
+}

@@ -1,0 +1,99 @@
+"""What a server log says: the YALI lines, errors, and warnings about what was expected of a config."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.serving.configs import SERVER_CONFIGS
+
+
+_ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+KEY_LINE_PATTERNS = [
+    re.compile(r"YALI", re.IGNORECASE),
+    re.compile(r"all-reduce backends"),
+    re.compile(r"flashinfer allreduce backend", re.IGNORECASE),
+    re.compile(r"custom allreduce is disabled", re.IGNORECASE),
+    re.compile(r"AllReduceFusion|fuse_allreduce_rms|allreduce_rms", re.IGNORECASE),
+    re.compile(r"plugins for group|Loading plugin|Failed to load plugin"),
+]
+ERROR_PATTERNS = [re.compile(r"\bERROR\b"), re.compile(r"Traceback")]
+# What yali_vllm/vllm_plugin.py logs once it has hooked a TP group.
+YALI_ON_RE = re.compile(r"YALI all-reduce ON")
+YALI_OFF_RE = re.compile(r"YALI all-reduce OFF")
+YALI_FUSION_ON_RE = re.compile(r"YALI fusion pass ON")
+_OWN_HEADER_PREFIXES = ("$ ", "# env: ")  # lines start_server()/run_bounded() write themselves
+
+
+def yali_log_warnings(config: str, key_lines: Sequence[str]) -> list[str]:
+    """Sanity checks on one server's key log lines: YALI's all-reduce and fusion pass on exactly
+    where the configuration's environment (SERVER_CONFIGS) asks for them."""
+    env = SERVER_CONFIGS[config].env if config in SERVER_CONFIGS else {}
+    wants_yali = env.get("YALI_ENABLE") == "1"
+    wants_fusion = wants_yali and env.get("YALI_FUSION") != "0"
+    on = any(YALI_ON_RE.search(ln) for ln in key_lines)
+    off = [ln for ln in key_lines if YALI_OFF_RE.search(ln)]
+    fused = any(YALI_FUSION_ON_RE.search(ln) for ln in key_lines)
+    warnings: list[str] = []
+    if not wants_yali:
+        if on:
+            warnings.append(f"'YALI all-reduce ON' in the {config} server's log: YALI_ENABLE=0 did not keep it off")
+        return warnings
+    if not on:
+        warnings.append(f"no 'YALI all-reduce ON' line in the {config} server's log: is the plugin installed "
+                        "and active?")
+    if off:
+        warnings.append(f"the {config} server logged 'YALI all-reduce OFF': " + off[0][-200:])
+    if wants_fusion and on and not fused:
+        warnings.append(f"no 'YALI fusion pass ON' line in the {config} server's log: the all-reduce + RMSNorm "
+                        "pairs ran through vLLM's FlashInfer fusion or unfused")
+    if not wants_fusion and fused:
+        warnings.append(f"'YALI fusion pass ON' in the {config} server's log: YALI_FUSION=0 did "
+                        "not hand the fused pairs to FlashInfer")
+    return warnings
+
+
+def scan_server_log(
+    path: Path,
+    start: int = 0,
+    end: int | None = None,
+    *,
+    max_key_lines: int = 40,
+    max_error_lines: int = 20,
+) -> dict[str, Any]:
+    """Key lines (all-reduce backend / YALI / plugin lines) and ERROR/Traceback lines.
+
+    ``start``/``end`` are byte offsets, so the error check can stop at the moment
+    the server was asked to shut down (teardown noise is not a serving error).
+    """
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read() if end is None else f.read(max(0, end - start))
+    except OSError:
+        data = b""
+    key_lines: list[str] = []
+    seen: set[str] = set()
+    errors: list[str] = []
+    n_errors = 0
+    for raw in data.decode("utf-8", "replace").splitlines():
+        line = _ANSI_RE.sub("", raw).strip()
+        if not line or line.startswith(_OWN_HEADER_PREFIXES):
+            continue
+        if any(p.search(line) for p in ERROR_PATTERNS):
+            n_errors += 1
+            if len(errors) < max_error_lines:
+                errors.append(line[:400])
+        if any(p.search(line) for p in KEY_LINE_PATTERNS):
+            # de-duplicate across TP ranks: strip the "(Worker_TP1 pid=..)" and timestamp prefixes
+            norm = re.sub(r"^\(.*?\)\s*", "", line)
+            norm = re.sub(r"^(INFO|WARNING|DEBUG|ERROR)\s+\S+\s+\S+\s+", r"\1 ", norm)
+            if norm not in seen and len(key_lines) < max_key_lines:
+                seen.add(norm)
+                key_lines.append(line[:400])
+    return {"key_lines": key_lines, "error_count": n_errors, "error_lines": errors}
+
+
+# ============================================================ bench + parsing

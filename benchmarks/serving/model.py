@@ -1,0 +1,53 @@
+"""The embedded dummy model the servers load: where it is written and what it is."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+MODEL_SUMMARY_KEYS = (
+    "architectures",
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "torch_dtype",
+    "dtype",
+    "max_position_embeddings",
+)
+
+
+def default_model_dir(size: str) -> Path:
+    """The benchmarks' scratch model directory: per user, under the system temp dir (another user's
+    directory of the same name is never written into)."""
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"yali-serving-model-{size}-{os.getuid()}"
+
+
+def prepare_model(size: str, model_dir: Path) -> Path:
+    from yali_vllm.models import write_model_dir
+
+    # The benchmark's model directory is rewritten on every run: force replaces config.json and
+    # tekken.json there (never through a symbolic link) and keeps every other file.
+    return Path(write_model_dir(model_dir, size=size, force=True)).resolve()
+
+
+def model_summary(model_dir: Path, size: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"size": size, "dir": str(model_dir)}
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    for k in MODEL_SUMMARY_KEYS:
+        if k in cfg:
+            val = cfg[k]
+            out[k] = ",".join(map(str, val)) if isinstance(val, list) else val
+    return out

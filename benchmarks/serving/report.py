@@ -1,0 +1,244 @@
+"""The serving-benchmark report: markdown tables, plots, and merging several runs into one."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common.results import under
+from benchmarks.serving.schema import EXTRA_RESULT_KEYS, parse_bench_result
+from benchmarks.serving.stats import METRICS, Stat, aggregate, ordered_configs, verdict
+
+
+def _fmt_stat(stat: Stat | None, fmt: str) -> str:
+    if stat is None:
+        return "—"
+    if stat.n < 2:
+        return fmt.format(stat.mean)
+    return f"{fmt.format(stat.mean)} ± {fmt.format(stat.spread / 2.0)}"
+
+
+def render_markdown(doc: dict[str, Any], plot_files: Sequence[str] = ()) -> str:
+    records = doc.get("records") or []
+    agg = aggregate(records)
+    configs = ordered_configs(records)
+    concs = sorted({int(r["concurrency"]) for r in records})
+    others = [c for c in configs if c != "yali"]
+    L: list[str] = []
+    L.append("# Serving benchmark: yali vs vLLM all-reduce paths")
+    L.append("")
+    L.append(f"- date: {doc.get('date')}")
+    L.append(f"- host: {doc.get('host')}")
+    v = doc.get("versions") or {}
+    L.append("- versions: " + ", ".join(f"{k} {v.get(k)}" for k in ("torch", "cuda", "nccl", "vllm", "yali_vllm", "git")))
+    model = doc.get("model") or {}
+    if model:
+        L.append("- model: " + ", ".join(f"{k}={model[k]}" for k in model if not isinstance(model[k], (dict, list))))
+    wl = doc.get("workload") or {}
+    if wl:
+        L.append("- workload: " + ", ".join(f"{k}={wl[k]}" for k in wl if not isinstance(wl[k], (dict, list))))
+    L.append(f"- command: `{doc.get('command')}`")
+    L.append("")
+    for s in doc.get("server_logs") or []:
+        for w in s.get("warnings") or []:
+            L.append(f"> **WARNING** ({s.get('config')} r{s.get('repeat')}): {w}")
+            L.append("")
+    L.append(
+        "Values are mean ± half the spread over repeats (so the ± interval spans the "
+        "min..max of the repeats). Verdict: a difference of the means that is not larger "
+        "than the spread between repeats (max − min, the larger of the two configs') is "
+        "reported as **no difference**; otherwise the relative difference of yali's mean "
+        "(negative = lower) and whether that is better or worse for yali."
+    )
+    L.append("")
+    if not records:
+        L.append("**No benchmark point completed.**")
+        L.append("")
+    head_metric = METRICS[0]
+    for c in concs:
+        L.append(f"## Concurrency {c}")
+        L.append("")
+        cols = ["config", "runs", *[m.label for m in METRICS], "failed", f"yali vs this ({head_metric.label})"]
+        L.append("| " + " | ".join(cols) + " |")
+        L.append("|" + "|".join(["---"] * len(cols)) + "|")
+        y = agg.get((c, "yali"))
+        for cfg in configs:
+            a = agg.get((c, cfg))
+            if a is None:
+                continue
+            cells = [cfg, str(a["repeats"])]
+            cells += [_fmt_stat(a[m.key], m.fmt) for m in METRICS]
+            cells.append(str(a["failed"]))
+            if cfg == "yali":
+                cells.append("—")
+            else:
+                cells.append(verdict(y[head_metric.key] if y else None, a[head_metric.key], True)[1])
+            L.append("| " + " | ".join(cells) + " |")
+        L.append("")
+        if y and others:
+            present = [o for o in others if (c, o) in agg]
+            if present:
+                L.append(f"Verdicts at concurrency {c}, yali vs each config:")
+                L.append("")
+                L.append("| metric | " + " | ".join(f"vs {o}" for o in present) + " |")
+                L.append("|---|" + "|".join(["---"] * len(present)) + "|")
+                for m in METRICS:
+                    cells = [verdict(y[m.key], agg[(c, o)][m.key], m.lower_is_better)[1] for o in present]
+                    L.append(f"| {m.label} | " + " | ".join(cells) + " |")
+                L.append("")
+    logs = doc.get("server_logs") or []
+    if logs:
+        L.append("## All-reduce backends the servers logged")
+        L.append("")
+        for s in logs:
+            L.append(
+                f"**{s.get('config')} r{s.get('repeat')}** (`{s.get('log_file')}`, YALI on: {s.get('yali_on')}, "
+                f"ERROR/Traceback lines: {s.get('error_count', 0)})"
+            )
+            L.append("")
+            lines = s.get("key_lines") or []
+            if lines:
+                L.append("```")
+                L.extend(lines)
+                L.append("```")
+            else:
+                L.append("_no all-reduce backend / YALI line found_")
+            L.append("")
+    errs = doc.get("errors") or []
+    skipped = doc.get("skipped") or []
+    if errs or skipped:
+        L.append("## Errors and skipped points")
+        L.append("")
+        for e in errs:
+            src = f" (`{e['source']}`)" if e.get("source") else ""
+            L.append(f"- error: {e.get('config')} r{e.get('repeat')} c={e.get('concurrency')}{src}: {str(e.get('error'))[:300]}")
+        for s in skipped:
+            src = f" (`{s['source']}`)" if s.get("source") else ""
+            L.append(f"- skipped: {s.get('config')} r{s.get('repeat')} c={s.get('concurrency')}{src}: {s.get('reason')}")
+        L.append("")
+    if plot_files:
+        L.append("## Plots")
+        L.append("")
+        for p in plot_files:
+            L.append(f"![{Path(p).stem}]({Path(p).name})")
+        L.append("")
+    return "\n".join(L)
+
+
+PLOTS = (
+    ("tpot_ms_p50", "TPOT p50 (ms)", "tpot_p50.png"),
+    ("itl_ms_p99", "ITL p99 (ms)", "itl_p99.png"),
+)
+
+
+def write_plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
+    """TPOT p50 and ITL p99 by concurrency, one line per config, error bars = repeat min..max."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plots", file=sys.stderr)
+        return []
+    records = doc.get("records") or []
+    if not records:
+        return []
+    agg = aggregate(records)
+    configs = ordered_configs(records)
+    concs = sorted({int(r["concurrency"]) for r in records})
+    title_bits = [str((doc.get("model") or {}).get("size", "")), str(doc.get("host", ""))]
+    written: list[Path] = []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for key, label, fname in PLOTS:
+        fig, ax = plt.subplots(figsize=(7.0, 4.4))
+        for cfg in configs:
+            xs, ys, lo, hi = [], [], [], []
+            for c in concs:
+                st = (agg.get((c, cfg)) or {}).get(key)
+                if st is None:
+                    continue
+                xs.append(c)
+                ys.append(st.mean)
+                lo.append(st.mean - st.lo)
+                hi.append(st.hi - st.mean)
+            if xs:
+                ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=4, label=cfg)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(concs)
+        ax.set_xticklabels([str(c) for c in concs])
+        ax.set_xlabel("concurrency (max in-flight requests)")
+        ax.set_ylabel(label)
+        ax.set_title(f"{label} by concurrency — " + " · ".join(b for b in title_bits if b), fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = out_dir / fname
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_report(doc: dict[str, Any], json_path: Path, out_dir: Path | None = None) -> tuple[Path, list[Path]]:
+    out_dir = out_dir or json_path.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(doc, out_dir)
+    md_path = out_dir / (json_path.stem + ".md")
+    md_path.write_text(render_markdown(doc, [p.name for p in plots]), encoding="utf-8")
+    return md_path, plots
+
+
+def merge_results(docs: Sequence[dict[str, Any]], sources: Sequence[str],
+                  prefixes: Sequence[str] | None = None) -> dict[str, Any]:
+    """Merge several serving-benchmark results (same workload) into one.
+
+    Header, model and workload come from the first; records, server logs, errors
+    and skipped points are concatenated, with each config's repeats renumbered
+    1, 2, ... in file order so that the verdict sees them as repeats. prefixes[i]
+    (the directory of source i relative to the merged result's) is put in front of
+    the files source i names, so that result files and server logs stay findable;
+    errors and skipped points say which source they came from.
+    """
+    if not docs:
+        raise ValueError("nothing to merge")
+    merged = dict(docs[0])
+    merged["merged_from"] = list(sources)
+    merged["commands"] = [d.get("command") for d in docs]
+    for key in ("records", "server_logs", "errors", "skipped"):
+        merged[key] = []
+    next_rep: dict[str, int] = {}
+    for i, d in enumerate(docs):
+        prefix = prefixes[i] if prefixes else ""
+        renum: dict[tuple[str, int], int] = {}
+        for cfg, rep in sorted({(r["config"], int(r["repeat"])) for r in d.get("records") or []} |
+                               {(s["config"], int(s["repeat"])) for s in d.get("server_logs") or [] if s.get("repeat") is not None}):
+            next_rep[cfg] = next_rep.get(cfg, 0) + 1
+            renum[(cfg, rep)] = next_rep[cfg]
+        def repeat_of(e: dict[str, Any]) -> Any:
+            rep = e.get("repeat")
+            return renum.get((e.get("config"), int(rep)), rep) if rep is not None else rep
+
+        for r in d.get("records") or []:
+            merged["records"].append({**r, "repeat": repeat_of(r), "result_file": under(prefix, r.get("result_file"))})
+        for e in d.get("server_logs") or []:
+            merged["server_logs"].append({**e, "repeat": repeat_of(e), "log_file": under(prefix, e.get("log_file"))})
+        for key in ("errors", "skipped"):
+            merged[key] += [{**e, "repeat": repeat_of(e), "source": sources[i]} for e in d.get(key) or []]
+    return merged
+
+
+def backfill_extra_keys(doc: dict[str, Any], base: Path) -> None:
+    """Fills the EXTRA_RESULT_KEYS a record lacks (written before they existed) from its
+    ``result_file`` (relative to ``base``, the result's directory) where that file is kept."""
+    for r in doc.get("records") or []:
+        missing = [k for k in EXTRA_RESULT_KEYS if r.get(k) is None]
+        path = base / r["result_file"] if missing and r.get("result_file") else None
+        if path is None or not path.is_file():
+            continue
+        parsed = parse_bench_result(path)
+        for k in missing:
+            if parsed.get(k) is not None:
+                r[k] = parsed[k]

@@ -1,0 +1,171 @@
+"""CPU tests of benchmarks/decode_profile.py: kernel classification, the per-stream
+gap analysis on a synthetic torch-profiler trace, rows per config/rank, and the
+server command it would run."""
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+from benchmarks.serving import bench_run, profile_analysis
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def k(name, ts, dur, tid=7):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
+
+
+TRACE = {"traceEvents": [
+    k("nvjet_tst_128x256_gemm", 0, 10),
+    k("void yali::fused_allreduce_rmsnorm_kernel<__nv_bfloat16, 2>(yali::FusedArgs)", 12, 5),   # gap 2 before
+    k("nvjet_tst_128x256_gemm", 20, 10),                                                        # gap 3 after yali
+    k("void allreduce_fusion_kernel_oneshot_lamport<...>", 31, 4),
+    k("flash_fwd_splitkv_kernel", 40, 6),
+    k("elementwise_kernel", 0, 1, tid=9),                                                       # other stream
+    {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 50},                      # not a kernel
+]}
+
+
+def test_kernel_classes():
+    assert profile_analysis.kernel_class("void yali::flash_push_kernel<float>(yali::FlashArgs)") == "yali"
+    assert profile_analysis.kernel_class("allreduce_fusion_kernel_twoshot") == "flashinfer-allreduce"
+    assert profile_analysis.kernel_class("void vllm::cross_device_reduce_1stage<...>") == "vllm-custom-allreduce"
+    assert profile_analysis.kernel_class("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "nccl"
+    assert profile_analysis.kernel_class("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert profile_analysis.kernel_class("flash_fwd_splitkv_kernel") == "attention"
+    assert profile_analysis.kernel_class("triton_poi_fused_add_0") == "other"
+
+
+def test_analyze_counts_durations_and_gaps_per_stream():
+    res = profile_analysis.analyze(TRACE)
+    assert res["kernels"] == 6 and res["span_us"] == 46.0
+    c = res["classes"]
+    assert c["yali"] == {"count": 1, "total_us": 5.0, "mean_us": 5.0, "gap_before_us": 2.0, "gap_after_us": 3.0}
+    assert c["gemm"]["count"] == 2 and c["gemm"]["gap_before_us"] == 3.0  # the first GEMM has no predecessor
+    assert c["flashinfer-allreduce"]["gap_before_us"] == 1.0 and c["flashinfer-allreduce"]["gap_after_us"] == 5.0
+    assert c["other"] == {"count": 1, "total_us": 1.0, "mean_us": 1.0, "gap_before_us": None, "gap_after_us": None}
+
+
+def test_rows_from_traces_per_config_and_rank(tmp_path):
+    for cfg in ("yali", "vllm-default"):
+        d = tmp_path / cfg
+        d.mkdir()
+        with gzip.open(d / "rank0.1234.pt.trace.json.gz", "wt") as f:
+            json.dump(TRACE, f)
+        (d / "frontend.json").write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "x",
+                                                                      "ts": 0, "dur": 1}]}))
+    rows = profile_analysis.rows_from_traces(tmp_path, tokens=2)
+    assert {r["config"] for r in rows} == {"yali", "vllm-default"}
+    assert all(r["rank"] == 0 for r in rows)  # rank from the file name; the CPU-only trace gives no rows
+    gemm = [r for r in rows if r["config"] == "yali" and r["kernel_class"] == "gemm"][0]
+    assert gemm["per_token_count"] == 1.0 and gemm["per_token_us"] == 10.0
+    md = profile_analysis.markdown({"host": "h", "date": "d", "command": "c", "records": rows})
+    assert "| yali | yali | 0.5 | 2.5 | 5.0 | 2.0 | 3.0 |" in md
+
+
+def test_dry_run_adds_the_torch_profiler(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "benchmarks.decode_profile", "--dry-run",
+                          "--model-size", "8b", "--model-dir", str(tmp_path / "m"), "--out", str(tmp_path / "o"),
+                          "--configs", "yali"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("$ ")][0]
+    assert "--tensor-parallel-size 2" in line and '"profiler": "torch"' in line
+    assert str((tmp_path / "o" / "traces" / "yali").resolve()) in line
+
+
+def test_markdown_sums_per_token_kernel_time_and_span(tmp_path):
+    d = tmp_path / "yali"
+    d.mkdir()
+    with gzip.open(d / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz", "wt") as f:
+        json.dump(TRACE, f)
+    rows = profile_analysis.rows_from_traces(tmp_path, tokens=2)
+    md = profile_analysis.markdown({"host": "h", "date": "d", "command": "c", "records": rows})
+    # kernels 10+5+10+4+6+1 = 36 us over 2 tokens; span 46 us / 2
+    assert "| yali | 18.0 | 23.0 |" in md
+
+
+def test_serving_bench_profiles_into_its_out_dir(tmp_path):
+    """--profile-tokens: every server gets vLLM's torch profiler (traces under OUT/traces/<config>),
+    and the analysis of such traces lands in OUT/decode-profile.json (kind decode-profile)."""
+
+    out = subprocess.run([sys.executable, "-m", "benchmarks.serving_bench", "--dry-run",
+                          "--profile-tokens", "16", "--repeats", "1", "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    serve_lines = [ln for ln in out.stdout.splitlines() if "--tensor-parallel-size 2" in ln]
+    assert len(serve_lines) == 3
+    for cfg, line in zip(("yali", "vllm-default", "nccl"), serve_lines):
+        assert '"profiler": "torch"' in line and str(tmp_path / "traces" / cfg) in line
+    d = tmp_path / "traces" / "nccl"
+    d.mkdir(parents=True)
+    with gzip.open(d / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz", "wt") as f:
+        json.dump(TRACE, f)
+    path = bench_run.write_decode_profile(tmp_path, 2, "70b")
+    doc = json.loads(path.read_text())
+    assert doc["kind"] == "decode-profile" and {r["config"] for r in doc["records"]} == {"nccl"}
+    assert (tmp_path / "decode-profile.md").exists()
+    (tmp_path / "empty" / "traces" / "yali").mkdir(parents=True)  # a server that wrote no trace
+    assert bench_run.write_decode_profile(tmp_path / "empty", 2, "70b") is None
+
+
+def test_serving_bench_rejects_negative_profile_tokens():
+    out = subprocess.run([sys.executable, "-m", "benchmarks.serving_bench", "--dry-run",
+                          "--profile-tokens", "-1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "--profile-tokens" in out.stderr
+
+
+def test_top_kernels_per_config(tmp_path):
+    d = tmp_path / "yali"
+    d.mkdir()
+    with gzip.open(d / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz", "wt") as f:
+        json.dump(TRACE, f)
+    with gzip.open(d / "dp0_pp0_tp1_dcp0_ep0_rank1.1.pt.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": [k("only_on_rank1", 0, 99)]}, f)
+    top = profile_analysis.top_kernels(tmp_path, tokens=2)["yali"]
+    assert top[0] == {"name": "nvjet_tst_128x256_gemm", "class": "gemm", "count": 2, "total_us": 20.0,
+                      "per_token_count": 1.0, "per_token_us": 10.0}
+    assert all(t["name"] != "only_on_rank1" for t in top)
+    md = profile_analysis.markdown({"host": "h", "date": "d", "command": "c", "records": profile_analysis.rows_from_traces(tmp_path, 2),
+                      "top_kernels": {"yali": top}})
+    assert "Top kernels of yali" in md and "| `nvjet_tst_128x256_gemm` | gemm | 1.0 | 10.0 |" in md
+
+
+def test_merge_keeps_every_record_and_lists_sources(tmp_path):
+
+    paths = []
+    for cfg in ("yali", "vllm-default"):
+        run = tmp_path / f"run-{cfg}"
+        d = run / "traces" / cfg
+        d.mkdir(parents=True)
+        with gzip.open(d / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz", "wt") as f:
+            json.dump(TRACE, f)
+        paths.append(bench_run.write_decode_profile(run, 2, "70b"))
+    out = subprocess.run([sys.executable, "-m", "benchmarks.decode_profile", "--merge",
+                          *map(str, paths), "--out", str(tmp_path / "merged")], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads((tmp_path / "merged" / "decode-profile.json").read_text())
+    assert {r["config"] for r in doc["records"]} == {"yali", "vllm-default"}
+    assert set(doc["top_kernels"]) == {"yali", "vllm-default"} and len(doc["merged_from"]) == 2
+    assert "| vllm-default | 18.0 | 23.0 |" in (tmp_path / "merged" / "decode-profile.md").read_text()
+
+
+PROFILER_OUT = """\
+-------------------------------------------------------  ------------  ------------
+                                                   Name    Self CPU %      Self CPU   CPU total %     CPU total  CPU time avg     Self CUDA   Self CUDA %    CUDA total  CUDA time avg    # of Calls
+                   execute_context_0(0)_generation_1(1)         0.00%       0.000us         0.00%       0.000us       0.000us     625.482ms        97.56%     625.482ms      20.177ms            31
+                  execute_context_1(66)_generation_0(0)         0.00%       0.000us         0.00%       0.000us       0.000us      36.628ms         5.71%      36.628ms      36.628ms             1
+"""
+
+
+def test_step_times_reads_decode_steps_from_vllm_key_averages(tmp_path):
+    d = tmp_path / "yali"
+    d.mkdir()
+    (d / "profiler_out_0.txt").write_text(PROFILER_OUT)
+    (d / "profiler_out_1.txt").write_text(PROFILER_OUT.replace("20.177ms", "850.000us"))
+    st = profile_analysis.step_times(tmp_path)
+    assert st == {"yali": {"0": {"decode_steps": 31, "decode_step_us": 20177.0},
+                           "1": {"decode_steps": 31, "decode_step_us": 850.0}}}
+    md = profile_analysis.markdown({"host": "h", "date": "d", "command": "c", "records": [], "step_times": st})
+    assert "| yali | 0 | 31 | 20177.0 |" in md

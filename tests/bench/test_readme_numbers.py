@@ -1,0 +1,90 @@
+"""README's result tables, rebuilt from the result files they cite: a number in README that does
+not come from its file fails here. Each table is found by its header; the file is the last
+benchmarks/results/*.md link before it, read as the .json beside it (the results schema)."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+README = (REPO / "README.md").read_text()
+LINK = re.compile(r"\(((?:benchmarks/)?results/[\w./-]+)\.md\)")
+
+# README column / row label -> backend key of the result file.
+ALLREDUCE_COLUMNS = {
+    "YALI": "yali", "YALI first kernels": "yali-prev", "vLLM custom AR": "vllm-custom",
+    "vLLM pynccl": "vllm-pynccl", "NCCL (torch)": "nccl", "symm-mem one-shot": "symm-one-shot",
+    "symm-mem two-shot": "symm-two-shot",
+}
+FUSED_ROWS = {
+    "YALI fused": "yali-fused", "vLLM FlashInfer fusion (trtllm)": "flashinfer-trtllm",
+    "unfused (custom AR + `fused_add_rms_norm`)": "unfused",
+}
+UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def _table(header_start: str) -> tuple[list[str], list[list[str]], dict]:
+    """(header cells, body rows, the cited result file's JSON) of the README table starting so."""
+    start = README.index(header_start)
+    links = LINK.findall(README[:start])
+    assert links, f"no result file is cited before the table {header_start!r}"
+    path = links[-1] if links[-1].startswith("benchmarks/") else "benchmarks/" + links[-1]
+    data = json.loads((REPO / f"{path}.json").read_text())
+    lines = README[start:].split("\n\n", 1)[0].splitlines()
+    cells = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in lines]
+    return cells[0], [row for row in cells[2:]], data
+
+
+def _number(cell: str) -> float | None:
+    cell = cell.replace("*", "").strip()
+    return None if cell in ("–", "-", "") else float(cell)
+
+
+def _bytes(label: str) -> int:
+    n, unit = label.split()
+    return int(n) * UNITS[unit]
+
+
+def test_allreduce_table_matches_its_result_file():
+    header, rows, data = _table("| size | YALI |")
+    p50 = {(r["backend"], r["bytes"]): r["us_p50"] for r in data["records"]
+           if r["dtype"] == "bf16" and r["timing"] == "graph"}
+    checked = 0
+    for row in rows:
+        nbytes = _bytes(row[0])
+        for name, cell in zip(header[1:], row[1:]):
+            if name == "YALI busBW":
+                assert cell == f"{nbytes / p50[('yali', nbytes)] / 1e3:.0f} GB/s", (row[0], name, cell)
+                continue
+            want = p50.get((ALLREDUCE_COLUMNS[name], nbytes))
+            got = _number(cell)
+            assert (got is None) == (want is None), (row[0], name, cell, want)
+            if want is not None:
+                assert got == pytest.approx(round(want, 2), abs=0.006), (row[0], name, cell, want)
+                checked += 1
+        # The bold cell is the fastest backend of the row ("YALI first kernels" is YALI's own older
+        # table, shown beside it, not a competitor).
+        others = [_number(c) for c, n in zip(row[1:], header[1:])
+                  if n in ALLREDUCE_COLUMNS and n != "YALI first kernels" and _number(c) is not None]
+        bold = [_number(c) for c in row[1:] if c.startswith("**")]
+        assert bold == [min(others)], (row[0], bold, others)
+    assert checked >= 50
+
+
+def test_fused_table_matches_its_result_file():
+    header, rows, data = _table("| tokens |")
+    tokens = [int(t) for t in header[1:]]
+    p50 = {(r["backend"], r["tokens"]): r["us_p50"] for r in data["records"]
+           if r["dtype"] == "bf16" and r["hidden"] == 8192}
+    for row in rows:
+        if row[0] == "YALI / FlashInfer":
+            for t, cell in zip(tokens, row[1:]):
+                ratio = p50[("yali-fused", t)] / p50[("flashinfer-trtllm", t)]
+                assert float(cell) == pytest.approx(round(ratio, 2), abs=0.006), (t, cell, ratio)
+            continue
+        backend = FUSED_ROWS[row[0]]
+        for t, cell in zip(tokens, row[1:]):
+            assert _number(cell) == pytest.approx(round(p50[(backend, t)], 2), abs=0.006), (row[0], t, cell)

@@ -1,0 +1,47 @@
+"""Every committed result file follows the project's results schema (common keys,
+and the row fields of its kind), so scripts can check every quoted figure."""
+import glob
+import json
+import os
+
+import pytest
+
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks", "results")
+COMMON = ["kind", "date", "command", "host", "versions", "records"]
+ROW_KEYS = {
+    "allreduce-microbench": ["backend", "dtype", "bytes", "timing", "us_p50", "us_p99", "busbw_gbps"],
+    "serving-benchmark": ["config", "concurrency", "repeat", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
+                          "tpot_ms_p99", "itl_ms_p50", "itl_ms_p99", "output_tok_s", "req_s", "failed"],
+    "load-test": ["config", "users", "duration_s", "requests", "failures", "ttft_ms_p50", "ttft_ms_p99",
+                  "itl_ms_p50", "itl_ms_p99"],
+    "fused-allreduce-rmsnorm": ["backend", "dtype", "hidden", "tokens", "us_p50"],
+    "gpu-test-run": ["test", "outcome", "duration_s"],
+    "allreduce-tuning": ["variant", "bytes"],  # the project's own kinds: benchmarks/tune.py,
+    "decode-profile": ["config", "rank", "kernel_class", "count", "mean_us"],  # benchmarks/decode_profile.py
+    "decode-gemm": ["setup", "graph", "name", "tokens", "us_per_call"],  # research/decode_gemm_bench.py
+}
+FILES = sorted(f for f in glob.glob(os.path.join(RESULTS, "**", "*.json"), recursive=True)
+               if os.sep + "raw" + os.sep not in f)  # raw/: vllm bench serve's own output
+
+
+def test_there_are_result_files():
+    assert len(FILES) >= 10
+
+
+@pytest.mark.parametrize("path", FILES, ids=[os.path.relpath(f, RESULTS) for f in FILES])
+def test_result_file_follows_schema(path):
+    with open(path) as f:
+        doc = json.load(f)
+    assert [k for k in COMMON if k not in doc] == [], "missing common keys"
+    assert doc["kind"] in ROW_KEYS, f"unknown kind {doc['kind']!r}"
+    assert set(doc["versions"]) >= {"torch", "cuda", "nccl", "vllm", "yali_vllm", "git"}
+    # a run that measured nothing is kept only as the record of why (its errors)
+    assert doc["records"] or doc.get("errors"), "no rows and no errors"
+    need = ROW_KEYS[doc["kind"]]
+    bad = [i for i, r in enumerate(doc["records"]) if any(k not in r for k in need)]
+    assert bad == [], f"rows without {need}: {bad[:5]}"
+    if doc["kind"] == "allreduce-microbench":
+        assert doc["link_gbps"] > 0
+    if doc["kind"] == "gpu-test-run":
+        counts = {o: sum(r["outcome"] == o for r in doc["records"]) for o in ("passed", "failed", "skipped")}
+        assert counts == {o: doc[o] for o in counts}

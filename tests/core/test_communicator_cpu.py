@@ -1,0 +1,83 @@
+"""YaliCommunicator start-up on two real gloo ranks without GPUs: whatever fails
+on one rank must make both ranks raise YaliUnavailable, never leave one waiting
+in a collective (that would hang a server at start-up)."""
+import os
+
+import pytest
+import torch
+
+from benchmarks.common.processes import launch_two_ranks
+
+
+def _rank(rank, port, env, devices, q):
+    import torch.distributed as dist
+
+    os.environ.update(env.get(rank, {}))
+    device = (devices or {}).get(rank, torch.device("cuda", rank))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from yali_vllm.communicator import YaliCommunicator, YaliUnavailable
+
+    try:
+        YaliCommunicator(dist.group.WORLD, device)
+        q.put((rank, "created"))
+    except YaliUnavailable as e:
+        q.put((rank, f"unavailable: {e}"))
+    except Exception as e:  # anything else is a bug
+        q.put((rank, f"{type(e).__name__}: {e}"))
+    dist.destroy_process_group()
+
+
+def _run(env, devices=None):
+    got, _ = launch_two_ranks(_rank, (env, devices), 120)
+    assert len(got) == 2, f"a rank hung in YaliCommunicator start-up (reported: {got})"
+    return got
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+@pytest.mark.timeout(180)
+def test_both_ranks_refuse_together_without_gpu():
+    got = _run({})
+    for r in (0, 1):
+        assert got[r].startswith("unavailable:"), got
+        assert "rank 0:" in got[r] and "rank 1:" in got[r]  # each rank names both ranks' reasons
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+@pytest.mark.timeout(180)
+def test_bad_setting_on_one_rank_fails_both():
+    got = _run({1: {"YALI_DEV_LANES": "999"}})
+    for r in (0, 1):
+        assert got[r].startswith("unavailable:"), got
+
+
+@pytest.mark.timeout(180)
+def test_bad_device_argument_on_one_rank_fails_both():
+    # torch.device("no-such-device") raises on rank 1 before the first exchange: recorded and
+    # exchanged, so rank 0 is not left waiting in the collective.
+    got = _run({}, devices={1: "no-such-device"})
+    for r in (0, 1):
+        assert got[r].startswith("unavailable:"), got
+        assert "no-such-device" in got[r], got
+
+
+@pytest.mark.parametrize("value, allowed", [(None, False), ("", False), ("0", False), ("1", True)])
+def test_shared_gpu_switch(monkeypatch, value, allowed):
+    from tests.gpu.pair import rank_device
+    from yali_vllm.communicator import SHARED_GPU_VAR, shared_gpu_allowed
+
+    if value is None:
+        monkeypatch.delenv(SHARED_GPU_VAR, raising=False)
+    else:
+        monkeypatch.setenv(SHARED_GPU_VAR, value)
+    assert shared_gpu_allowed() is allowed
+    # the pair tests put rank 1 on GPU 0 only when both ranks may share it
+    assert [rank_device(r) for r in (0, 1)] == ([0, 0] if allowed else [0, 1])
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "2", " 1"])
+def test_shared_gpu_switch_refuses_other_values(monkeypatch, value):
+    from yali_vllm.communicator import SHARED_GPU_VAR, shared_gpu_allowed
+
+    monkeypatch.setenv(SHARED_GPU_VAR, value)
+    with pytest.raises(ValueError, match=SHARED_GPU_VAR):
+        shared_gpu_allowed()

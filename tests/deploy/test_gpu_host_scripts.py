@@ -1,0 +1,83 @@
+"""The GPU-host scripts (scripts/gpu_host/) run only on the GPU host, where a mistake costs device
+time: check here that they parse, keep NVLink multicast off, and name only kernel knobs that exist."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted((REPO / "scripts" / "gpu_host").glob("*.sh"))
+
+
+def known_dev_knobs() -> set[str]:
+    """The YALI_DEV_* names the C++ core accepts: those Config::from_env() reads (through
+    dev_bytes / dev_int, which also make them the list any other name is refused against)."""
+    src = (REPO / "csrc" / "core" / "yali" / "config.cpp").read_text()
+    names = set(re.findall(r'dev_(?:bytes|int)\("(YALI_DEV_\w+)"', src))
+    assert len(names) >= 10, f"found only {sorted(names)} in config.cpp"
+    return names
+
+
+def test_there_are_scripts():
+    assert len(SCRIPTS) >= 5 and (REPO / "scripts" / "gpu_host" / "env.sh") in SCRIPTS
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_script_parses(script):
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_env_sh_turns_multicast_off(tmp_path):
+    """Sourced from the checkout's root with a stack environment that turns multicast on
+    (as a stand-in for /opt/gpu-stack/env.sh), env.sh still exports gpu_env's settings."""
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OUT": str(tmp_path / "out"), "NCCL_NVLS_ENABLE": "1"}
+    r = subprocess.run(["bash", "-c", ". scripts/gpu_host/env.sh && env"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    exported = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
+    for name, value in MULTICAST_OFF_ENV.items():
+        assert exported.get(name) == value, (name, exported.get(name))
+    assert str(REPO) in exported["PYTHONPATH"].split(":")
+
+
+def test_quickstart_turns_multicast_off_from_gpu_env():
+    text = (REPO / "scripts" / "quickstart.sh").read_text()
+    lines = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    takes = next(i for i, line in enumerate(lines) if "-m benchmarks.common.gpu_env" in line)
+    evals = next(i for i, line in enumerate(lines) if line.startswith('eval "$MULTICAST_OFF"'))
+    first_python = next(i for i, line in enumerate(lines) if "python -m" in line and "pip" not in line
+                        and "gpu_env" not in line)
+    assert takes < evals < first_python
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if s.name != "env.sh"], ids=lambda p: p.name)
+def test_script_sources_env_before_running_python(script):
+    text = script.read_text()
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+    first_python = next((i for i, line in enumerate(lines) if "python3 " in line), None)
+    if first_python is None:
+        pytest.skip("runs no python")
+    sources = [i for i, line in enumerate(lines) if re.search(r"(^|;|\s)(\.|source) scripts/gpu_host/env\.sh", line)]
+    # install_and_bench.sh installs the stack first and sources env.sh after; the others at the top
+    assert sources and sources[0] < first_python, f"{script.name} runs python before sourcing env.sh"
+
+
+def test_only_existing_kernel_knobs_are_named():
+    known = known_dev_knobs()
+    assert "YALI_DEV_FUSED_BATCH_POLL_MIN" in known and "YALI_DEV_BATCH_POLL" not in known
+    files = [*SCRIPTS, REPO / "benchmarks" / "tune.py", *sorted((REPO / "tests" / "gpu").glob("*.py"))]
+    for f in files:
+        # names in settings, not in comments that record what was removed
+        code = "\n".join(line.split("#", 1)[0] for line in f.read_text().splitlines())
+        unknown = set(re.findall(r"YALI_DEV_\w+", code)) - known
+        assert not unknown, f"{f.relative_to(REPO)} names knobs the core refuses: {sorted(unknown)}"
