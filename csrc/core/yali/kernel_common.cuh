@@ -12,7 +12,7 @@ namespace yali {
 
 // Records why this kernel gives up (in host-mapped memory, so the host can read
 // it after the context is lost) and traps.
-__device__ __noinline__ void abort_kernel(AbortInfo* abort, Kernel kernel, int what, uint64_t expected,
+__device__ __noinline__ static void abort_kernel(AbortInfo* abort, Kernel kernel, int what, uint64_t expected,
                                           uint64_t seen) {
   volatile AbortInfo* a = abort;
   a->kernel = int(kernel);
