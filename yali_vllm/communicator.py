@@ -366,7 +366,10 @@ class YaliCommunicator:
         outs = [o if o is not None else torch.empty(shape, dtype=x.dtype, device=x.device) for o in outs]
         ops.gemm_allreduce_rmsnorm(self._overlap.handle, x, weight, residual, norm_weight, float(eps), int(chunks),
                                    outs[0], outs[1])
-        return tuple(o if g is None or g is o else g.copy_(o) for g, o in zip(given, outs))
+        for i in range(2):  # outputs given at an unaligned address receive the result
+            if given[i] is not None and given[i] is not outs[i]:
+                outs[i] = given[i].copy_(outs[i])
+        return outs[0], outs[1]
 
     def synchronize(self) -> None:
         """Waits until every kernel on this rank's GPU has finished (YALI's included). Raises
