@@ -14,7 +14,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from . import _ext, config, ops
+from . import _ext, config, ops, overlap
 
 logger = logging.getLogger("yali_vllm")
 
@@ -97,8 +97,9 @@ class _AbortWatcher:
     """Logs a kernel's abort reason the moment the watchdog records it, before anything in the
     process trips over the lost CUDA context (which only says "unspecified launch failure")."""
 
-    def __init__(self, handle: int, rank: int):
+    def __init__(self, handle: int, rank: int, overlap_handle: int | None = None):
         self._handle = handle  # not the communicator: the thread must not keep it alive
+        self._overlap = overlap_handle
         self._stop = threading.Event()
         self.reported = ""
         self._thread = threading.Thread(target=self._run, name=f"yali-abort-watch-r{rank}", daemon=True)
@@ -106,7 +107,7 @@ class _AbortWatcher:
 
     def _run(self) -> None:
         while not self._stop.wait(ABORT_POLL_S):
-            msg = _ext.ops().abort_message(self._handle)
+            msg = _abort_message(self._handle, self._overlap)
             if msg:
                 self.reported = msg
                 logger.error("YALI error: %s", msg)
@@ -116,6 +117,13 @@ class _AbortWatcher:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5 * ABORT_POLL_S + 1)
+
+
+def _abort_message(handle: int, overlap_handle: int | None) -> str:
+    """Why a kernel of this rank gave up ("" if none did): the all-reduce kernels' record, then the
+    overlap's (host-mapped records: no CUDA call)."""
+    y = _ext.ops()
+    return y.abort_message(handle) or (y.overlap_abort_message(overlap_handle) if overlap_handle is not None else "")
 
 
 def _boot_id() -> str:
@@ -141,6 +149,7 @@ class YaliCommunicator:
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device | int | str, max_bytes: int | None = None):
         self._handle: int | None = None
+        self._overlap: overlap.OverlapEngine | None = None
         self._watcher: _AbortWatcher | None = None
         # Set once a CUDA graph captured one of this communicator's kernels: the graph holds its
         # buffers' addresses, so the buffers must outlive it (see the plugin's checkpoint hook).
@@ -189,6 +198,9 @@ class YaliCommunicator:
             self._check_p2p(other["uuid"])
             self._handle = y.create(self.device.index, self.rank)
             step["ipc"] = bytes(y.ipc_handle(self._handle))
+            # The overlapped GEMM + all-reduce + RMSNorm's receive slots, exchanged alike.
+            self._overlap_handle = y.overlap_create(self.device.index, self.rank, overlap.SLOT_BYTES)
+            step["overlap_ipc"] = bytes(y.overlap_ipc_handle(self._overlap_handle))
         except Exception as e:
             step["error"] = f"{type(e).__name__}: {e}"
         try:
@@ -196,6 +208,7 @@ class YaliCommunicator:
             opened: dict = {"error": None}
             try:
                 y.open_peer(self._handle, list(peer["ipc"]))
+                y.overlap_open_peer(self._overlap_handle, list(peer["overlap_ipc"]))
             except Exception as e:
                 opened["error"] = f"cannot map the peer's buffer: {e}"
             self._exchange(opened)  # both sides zeroed their flags and mapped the peer
@@ -204,7 +217,9 @@ class YaliCommunicator:
             self.close()
             raise
         self.buffer_bytes = int(y.buffer_bytes(self._handle))
-        self._watcher = _AbortWatcher(self._handle, self.rank)
+        self._overlap = overlap.OverlapEngine(self._overlap_handle, self.device)
+        overlap.register(self._overlap)
+        self._watcher = _AbortWatcher(self._handle, self.rank, self._overlap_handle)
         logger.info("yali: rank %d %s", self.rank, self.describe())
 
     def _exchange(self, mine: dict) -> list:
@@ -274,22 +289,7 @@ class YaliCommunicator:
         most MAX_FUSED_HIDDEN_BYTES per row (any address: unaligned tensors go through copies); weight: [hidden], same dtype; residual: like x or None.
         Messages above the one-launch limit are still served (all-reduce, then add + norm).
         """
-        if not self.should_use(x) or x.dim() < 1 or not isinstance(weight, torch.Tensor):
-            return False
-        hidden = x.shape[-1]
-        row_bytes = hidden * x.element_size()
-        if row_bytes % 16 != 0 or row_bytes > MAX_FUSED_HIDDEN_BYTES:
-            return False
-        if weight.shape != (hidden,) or weight.dtype != x.dtype or weight.device != x.device:
-            return False
-        if not weight.is_contiguous():
-            return False
-        if residual is not None and not (
-            residual.shape == x.shape and residual.dtype == x.dtype and residual.device == x.device
-            and residual.is_contiguous()
-        ):
-            return False
-        return True
+        return self.should_use(x) and x.dim() >= 1 and self._fusable_rows(x, residual, weight)
 
     def fused_allreduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                                 eps: float, norm_out: torch.Tensor | None = None,
@@ -306,6 +306,70 @@ class YaliCommunicator:
             n, r = ops.fused_allreduce_rmsnorm(self._handle, aligned(x), aligned(residual), aligned(weight), eps)
             return tuple(r_ if o is None else o.copy_(r_) for o, r_ in zip(outs, (n, r)))
         return ops.fused_allreduce_rmsnorm(self._handle, x, residual, weight, eps, norm_out, residual_out)
+
+    def can_overlap(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
+                    norm_weight: torch.Tensor) -> bool:
+        """True when gemm_allreduce_rmsnorm(x, weight, residual, norm_weight, eps) is served: x a
+        contiguous [tokens, k] tensor, weight [hidden, k] of x's dtype and device, and the
+        [tokens, hidden] result what can_fuse() serves (hidden a multiple of 16 bytes, at most
+        MAX_FUSED_HIDDEN_BYTES per row; any token count: larger ones run in windows)."""
+        if self._overlap is None or not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+            return False
+        if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or x.shape[0] == 0:
+            return False
+        if weight.dtype != x.dtype or weight.device != x.device or weight.requires_grad:
+            return False
+        out_like = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device="meta")
+        return servable(x, self.device, 1 << 62) and self._fusable_rows(out_like, residual, norm_weight)
+
+    def _fusable_rows(self, out: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
+        """The row size, the norm weight and the residual fit a fused epilogue writing `out` (of any
+        device: a meta tensor describes the result of a GEMM still to run)."""
+        hidden = out.shape[-1]
+        row_bytes = hidden * out.element_size()
+        if row_bytes % 16 != 0 or row_bytes > MAX_FUSED_HIDDEN_BYTES:
+            return False
+        if not isinstance(weight, torch.Tensor) or weight.shape != (hidden,) or weight.dtype != out.dtype:
+            return False
+        if weight.device != self.device or not weight.is_contiguous():
+            return False
+        if residual is not None and not (
+            residual.shape == out.shape and residual.dtype == out.dtype and residual.device == self.device
+            and residual.is_contiguous()
+        ):
+            return False
+        return True
+
+    def gemm_allreduce_rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
+                               norm_weight: torch.Tensor, eps: float, chunks: int = overlap.DEFAULT_CHUNKS,
+                               norm_out: torch.Tensor | None = None,
+                               residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm_out, residual_out) of RMSNorm(all_reduce(x @ weight.T) [+ residual]), the all-reduce
+        hidden under the GEMM: the GEMM runs in `chunks` row chunks and the copy engine sends each
+        chunk's partial sums to the peer while the next one computes (overlap.py). The result is
+        bitwise what all_reduce + fused_allreduce_rmsnorm's epilogue give for the same partial sums
+        (fp32 sum rounded once to the dtype, then the fused op's arithmetic), on both ranks.
+        x: [tokens, k], this rank's slice; weight: [hidden, k], the row-parallel linear layer's
+        weight on this rank. Both ranks call it alike (same shapes and chunks). Raises ValueError /
+        TypeError / RuntimeError naming the problem for inputs can_overlap() refuses."""
+        if self._handle is None or self._overlap is None:
+            raise RuntimeError("yali: gemm_allreduce_rmsnorm on a closed YaliCommunicator")
+        if not 1 <= int(chunks) <= overlap.MAX_CHUNKS:
+            raise ValueError(f"yali: chunks must be in [1, {overlap.MAX_CHUNKS}], got {chunks}")
+        self._note_capture()
+        shape = (x.shape[0], weight.shape[0])
+        outs = [norm_out, residual_out]
+        given = list(outs)
+        if _unaligned(residual, norm_weight, *outs):  # the consumer kernel moves 16-byte vectors
+            residual, norm_weight = aligned(residual), aligned(norm_weight)
+            outs = [None, None]
+        outs = [o if o is not None else torch.empty(shape, dtype=x.dtype, device=x.device) for o in outs]
+        ops.gemm_allreduce_rmsnorm(self._overlap.handle, x, weight, residual, norm_weight, float(eps), int(chunks),
+                                   outs[0], outs[1])
+        for i in range(2):  # outputs given at an unaligned address receive the result
+            if given[i] is not None and given[i] is not outs[i]:
+                outs[i] = given[i].copy_(outs[i])
+        return outs[0], outs[1]
 
     def synchronize(self) -> None:
         """Waits until every kernel on this rank's GPU has finished (YALI's included). Raises
@@ -342,7 +406,7 @@ class YaliCommunicator:
     def abort_message(self) -> str:
         """Why a kernel gave up waiting for the peer ("" if none did)."""
         h = self._handle if self._handle is not None else self._kept
-        return _ext.ops().abort_message(h) if h is not None else ""
+        return _abort_message(h, self._overlap_handle) if h is not None else ""
 
     def describe(self) -> str:
         c = self.config
@@ -351,10 +415,14 @@ class YaliCommunicator:
             f"YALI all-reduce on {self.device} (world 2): "
             f"flash up to {_mib(flash_max) if flash_max >= 2**20 else str(flash_max) + ' B'}, "
             f"stream above that up to {_mib(self._serve_limit)}, mode={c['mode']}, "
-            f"buffers {_mib(int(_ext.ops().buffer_bytes(self._handle)))} per GPU"
+            f"buffers {_mib(int(_ext.ops().buffer_bytes(self._handle)))} per GPU, "
+            f"overlapped GEMM + all-reduce + RMSNorm from {overlap.MIN_TOKENS} tokens with receive slots "
+            f"2 x {_mib(overlap.SLOT_BYTES)} per GPU"
         )
 
     _kept: int | None = None  # a closed communicator's handle whose buffers stay (see close())
+    _overlap: overlap.OverlapEngine | None = None
+    _overlap_handle: int | None = None  # the overlap buffer (overlap.py), closed and kept with the Rank's
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Releases the buffers, coordinated with the peer: both ranks call it, like a collective.
@@ -374,6 +442,8 @@ class YaliCommunicator:
         h, self._handle = self._handle, None
         if self._watcher is not None:
             self._watcher.stop()
+        if self._overlap is not None:
+            overlap.unregister(self._overlap.handle)
         y = _ext.ops()
         try:
             torch.cuda.synchronize(self.device)
@@ -381,7 +451,7 @@ class YaliCommunicator:
             pass
         captured = self._agree(bool(self.captured), timeout_s)
         if captured is None:
-            y.close_peer(h)
+            self._close_peers(h)
             self._keep(h, "the peer did not reach close() within %.0f s; this rank's buffer stays "
                           "allocated until the process exits, since the peer may still map it" % timeout_s)
             return
@@ -389,12 +459,21 @@ class YaliCommunicator:
             self._keep(h, "a CUDA graph captured YALI's kernels: the buffers and the peer mapping stay for "
                           "the life of the process, so that its replays never touch freed memory")
             return
-        y.close_peer(h)
+        self._close_peers(h)
         if self._agree(False, timeout_s) is None:
             self._keep(h, "the peer did not confirm it unmapped this rank's buffer; it stays allocated "
                           "until the process exits")
             return
         y.destroy(h)
+        if self._overlap_handle is not None:
+            y.overlap_destroy(self._overlap_handle)
+
+    def _close_peers(self, handle: int) -> None:
+        """Unmaps the peer's buffers: the all-reduce's and the overlap's."""
+        y = _ext.ops()
+        y.close_peer(handle)
+        if self._overlap_handle is not None:
+            y.overlap_close_peer(self._overlap_handle)
 
     def _keep(self, handle: int, why: str) -> None:
         self._kept = handle
@@ -424,7 +503,7 @@ class YaliCommunicator:
             if self._handle is not None:
                 h, self._handle = self._handle, None
                 if not self.captured:
-                    _ext.ops().close_peer(h)
+                    self._close_peers(h)
                 _kept_for_graphs.append(h)
         except Exception:
             pass

@@ -39,6 +39,7 @@ def env_flag(name: str, default: bool, environ=None) -> bool:
 SETTINGS = {
     "YALI_ENABLE": "the vLLM plugin on (1) or off (0)",
     "YALI_FUSION": "YALI's all-reduce + RMSNorm fusion pass instead of vLLM's FlashInfer one",
+    "YALI_OVERLAP": "prefill GEMM + all-reduce + RMSNorm overlapped on the copy engine (opt-in)",
     "YALI_MAX_BYTES": "largest message YALI serves",
     "YALI_KERNEL_MODE": "auto, flash or stream",
     "YALI_TIMEOUT_S": "the kernels' watchdog",

@@ -41,11 +41,17 @@ def fusion_pass_factory(original: Any) -> Any:
 
     def AllReduceFusionPass(config: Any) -> Any:
         from yali_vllm import vllm_fusion
+        from yali_vllm.config import env_flag
 
         use, why = vllm_fusion.fusion_decision()
         if use:
             try:
                 pass_ = vllm_fusion.YaliAllReduceFusionPass(config)
+                if env_flag("YALI_OVERLAP", False):  # opt-in until measured on two GPUs
+                    from yali_vllm import vllm_overlap
+
+                    pass_ = vllm_overlap.with_overlap(pass_, config)
+                    why += "; prefill GEMM + all-reduce + RMSNorm overlapped (YALI_OVERLAP=1)"
             except Exception as e:  # deterministic, so every rank falls back alike
                 logger.warning(
                     "YALI fusion pass OFF: building it failed (%s: %s); using vLLM's FlashInfer fusion",

@@ -49,11 +49,14 @@ def _local_info(comm: Any) -> dict[str, Any]:
 
 
 def _fusion_setting() -> str:
-    """This rank's YALI_FUSION as it is understood ("on", "off", or the error), for comparison."""
+    """This rank's YALI_FUSION and YALI_OVERLAP as they are understood ("on"/"off", or the error),
+    for comparison: the ranks must build the same compile passes."""
     try:
+        from yali_vllm.config import env_flag
         from yali_vllm.vllm_fusion import fusion_enabled
 
-        return "on" if fusion_enabled() else "off"
+        overlap = "on" if env_flag("YALI_OVERLAP", False) else "off"
+        return ("on" if fusion_enabled() else "off") + f", overlap {overlap}"
     except Exception as e:
         return f"invalid ({e})"
 

@@ -14,7 +14,7 @@ namespace yali {
 // it after the context is lost) and traps.
 // `theirs` (what = 9, a call mismatch): the peer's descriptor; otherwise the record takes this
 // rank's current call from LocalState and the peer's unread descriptor, if any, from its slots.
-__device__ __noinline__ void abort_kernel(AbortInfo* abort, Kernel kernel, int what, uint64_t expected,
+__device__ __noinline__ static void abort_kernel(AbortInfo* abort, Kernel kernel, int what, uint64_t expected,
                                           uint64_t seen, const CallDesc* theirs = nullptr) {
   volatile AbortInfo* a = abort;
   const volatile LocalState* st = abort->state;
