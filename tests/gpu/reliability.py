@@ -54,9 +54,29 @@ def _failure(comm: YaliCommunicator, t0: float) -> dict:
     return {"error": error, "abort": comm.abort_message(), "elapsed_s": time.time() - t0}
 
 
+def _record_then_error(comm: YaliCommunicator, t0: float, wait_s: float = 30.0) -> dict:
+    """Waits (host only) until the abort record appears, then for the CUDA error, each bounded.
+
+    With both ranks' processes on one GPU, the two kernels trap at the same moment, and the
+    driver was seen to leave one of the two contexts' synchronize waiting after both records were
+    written; on two GPUs each trap is its own GPU's. So the record is awaited first, and the
+    synchronize runs in a thread that may be left behind (the launcher ends the process)."""
+    import threading
+
+    while not comm.abort_message() and time.time() - t0 < wait_s:
+        time.sleep(0.01)
+    recorded_s = time.time() - t0
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(_failure(comm, t0)), daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    return {"abort": comm.abort_message(), "recorded_s": recorded_s, "error": box.get("error"),
+            "elapsed_s": box.get("elapsed_s")}
+
+
 def mismatched_calls(rank, group, case):
-    """Each rank issues its side of MISMATCH_CASES[case] after one good call: both must raise a
-    YaliError naming both calls, at once (not after the watchdog's YALI_TIMEOUT_S)."""
+    """Each rank issues its side of MISMATCH_CASES[case] after one good call: both must record a
+    YALI abort naming both calls at once (not after the watchdog's YALI_TIMEOUT_S), and raise it."""
     dev = _device()
     comm = YaliCommunicator(group, dev)
     a, b = inputs(5, 4099, torch.bfloat16, dev)
@@ -66,7 +86,7 @@ def mismatched_calls(rank, group, case):
     dist.barrier(group)
     t0 = time.time()
     _call(comm, MISMATCH_CASES[case][rank], dev)
-    return {"good_call_mismatches": good, **_failure(comm, t0)}
+    return {"good_call_mismatches": good, **_record_then_error(comm, t0)}
 
 
 def peer_never_calls(rank, group, kind, wait_s):

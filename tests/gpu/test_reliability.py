@@ -5,6 +5,8 @@ within YALI_TIMEOUT_S plus a margin; close() is safe with and without captured g
 import pytest
 
 from . import reliability
+from yali_vllm.communicator import shared_gpu_allowed
+
 from .pair import run_pair
 
 TIMEOUT_S = 4.0  # YALI_TIMEOUT_S of the watchdog cases
@@ -14,14 +16,18 @@ MARGIN_S = 20.0  # trap, error propagation and (shared GPU) the other process's 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("case", sorted(reliability.MISMATCH_CASES))
 def test_mismatched_calls_fail_both_ranks_at_once(case):
-    # YALI_TIMEOUT_S is long: a failure that waited for the watchdog would show in elapsed_s.
+    # YALI_TIMEOUT_S is long: a failure that waited for the watchdog would show in recorded_s.
     res = run_pair(reliability.mismatched_calls, case, timeout=120, env={"YALI_TIMEOUT_S": "60"})
     for rank, r in enumerate(res):
         assert r["good_call_mismatches"] == 0, r
-        assert r["error"] and r["error"].startswith("YaliError"), (rank, r)
         assert "different calls" in r["abort"], (rank, r)
-        assert "this rank:" in r["abort"] and "peer:" in r["abort"], (rank, r)
-        assert r["elapsed_s"] < 30, (rank, r)
+        assert "this rank: " in r["abort"] and "peer: " in r["abort"] and "not seen" not in r["abort"], (rank, r)
+        assert r["recorded_s"] < 10, (rank, r)
+    raised = [r["error"] for r in res if r["error"]]
+    assert all(e.startswith("YaliError") for e in raised), raised
+    # Both contexts trap at once: on one shared GPU one synchronize may be left waiting (see
+    # reliability._record_then_error); on two GPUs both ranks raise.
+    assert len(raised) >= (1 if shared_gpu_allowed() else 2), res
 
 
 @pytest.mark.timeout(150)
@@ -31,7 +37,7 @@ def test_peer_that_never_calls_ends_in_a_named_error(kind, kernel):
                      env={"YALI_TIMEOUT_S": str(TIMEOUT_S)})
     assert r0["error"] and r0["error"].startswith("YaliError"), r0
     assert "gave up" in r0["abort"] and kernel in r0["abort"], r0
-    assert "peer: not seen" in r0["abort"] or "peer:" in r0["abort"], r0
+    assert "peer: not seen (it has not issued this call)" in r0["abort"], r0
     assert TIMEOUT_S * 0.9 <= r0["elapsed_s"] < TIMEOUT_S + MARGIN_S, r0
 
 

@@ -603,7 +603,7 @@ def test_two_ranks_agree_on_yali_enable(two_ranks):
         reason, warn = res["cuda_unknown_var"]
         assert "unknown YALI_* variable(s) YALI_MAX_BYTE='1M'" in reason and warn
         reason, warn = res["cuda_fusion_differs"]
-        assert "YALI_FUSION settings differ: ['on', 'off']" in reason and warn
+        assert "YALI_FUSION / YALI_OVERLAP settings differ: ['on, overlap off', 'off, overlap off']" in reason and warn
         reason, warn = res["cuda_no_custom_ar"]
         assert "custom all-reduce is disabled" in reason and not warn
 
