@@ -51,6 +51,7 @@ TOOL_VARIABLES = (
     "YALI_LOAD_MODEL", "YALI_LOAD_MAX_TOKENS", "YALI_LOAD_PROMPT_WORDS", "YALI_LOAD_CHAT_WEIGHT",
     "YALI_LOAD_COMPLETIONS_WEIGHT", "YALI_LOAD_TIMEOUT_S", "YALI_LOAD_WAIT_S", "YALI_LOAD_IGNORE_EOS",  # locustfile
     "YALI_BENCH_DEBUG", "YALI_RAY_TEST_TIMEOUT", "YALI_EXPECT_OTHER_BUILD_TORCH",  # benchmarks, tests
+    "YALI_GIT_COMMIT",  # result files: the source commit of a copied work tree
 )
 # Tuning knobs: validated, with the list of known names, by the C++ core (csrc/core/yali/config.cpp).
 DEV_PREFIX = "YALI_DEV_"

@@ -173,13 +173,16 @@ def _yali_source_version() -> str | None:
 
 
 def git_commit() -> str | None:
+    """The source commit: YALI_GIT_COMMIT when the caller names it (a copied work tree whose .git
+    is absent or not the source's), else git's HEAD (+dirty)."""
+    if os.environ.get("YALI_GIT_COMMIT"):
+        return os.environ["YALI_GIT_COMMIT"]
     out = run_probe(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT)
     if out and out.strip():
         sha = out.strip()
         dirty = run_probe(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT)
         return sha + ("+dirty" if dirty and dirty.strip() else "")
-    # A copied work tree without .git: let the caller tell us.
-    return os.environ.get("YALI_GIT_COMMIT") or None
+    return None
 
 
 def versions() -> dict[str, str | None]:

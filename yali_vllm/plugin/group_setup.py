@@ -172,7 +172,7 @@ def setup_yali(comm: Any, *, platform_is_cuda: bool, stateless: bool = False) ->
     # in FlashInfer's.
     fusion = [i["fusion"] for i in infos]
     if len(set(fusion)) > 1:
-        return Decision(None, f"the ranks' YALI_FUSION settings differ: {fusion}", True)
+        return Decision(None, f"the ranks' YALI_FUSION / YALI_OVERLAP settings differ: {fusion}", True)
 
     yc, why = _create_communicator(comm)
     # Agree: YALI is used only if every rank has it, otherwise a rank would
