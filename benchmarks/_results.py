@@ -160,7 +160,7 @@ def parse_gpu_ids(csv_text: str) -> list[dict[str, str]]:
 def gpu_ids() -> list[dict[str, str]]:
     """Which physical GPUs ran this (UUID, serial, PCI bus, VBIOS); [] without nvidia-smi. Hosts
     of the same type differ in some effects (the GEMM after the fused op,
-    benchmarks/results/decode-gemm-20261122-s9), so a result names its GPUs."""
+    benchmarks/results/current/decode-gemm/20261122-gate-up), so a result names its GPUs."""
     text = _run(["nvidia-smi", "--query-gpu=" + ",".join(GPU_ID_FIELDS), "--format=csv,noheader"])
     return parse_gpu_ids(text) if text else []
 

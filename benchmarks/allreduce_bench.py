@@ -255,7 +255,7 @@ def time_graph(torch, op, x, n_ops, replays, capture_ctx):
 
 
 # Smallest message whose eager per-call time is the GPU's time: below it every backend measured
-# the same 35-75 us host-pacing floor (benchmarks/results/allreduce-20261122-r3.md, eager table).
+# the same 35-75 us host-pacing floor (benchmarks/results/current/allreduce/20261122-pdl/allreduce.md, eager table).
 EAGER_MIN_BYTES = 8 << 20
 
 

@@ -2,7 +2,7 @@
 """The decode GEMMs of the 70B-class model at TP=2 with every layer's weights resident, in fresh
 process pairs with and without YALI's buffers mapped before the weights.
 
-Why: in the concurrency-1 serving profiles (benchmarks/results/serving-70b-20261122-s7, -s8) the
+Why: in the concurrency-1 serving profiles (benchmarks/results/current/serving/20261122-70b-c1, current/serving/20261122-70b-c1-size-table) the
 gate_up GEMM (the same cuBLAS kernel in both servers) takes ~118 us per call in the yali server
 and ~108 us in vllm-default's, which is the whole end-to-end loss, while the same GEMM on one
 weight in a microbenchmark runs at ~107 us with or without YALI's fused op before it. The serving

@@ -26,7 +26,7 @@ Writes <out>/<name>.json (kind fused-allreduce-rmsnorm), <name>.md and <name>.pn
 
   python benchmarks/fused_bench.py                          # hidden 8192, bf16, 1..512 tokens
   python benchmarks/fused_bench.py --hidden 4096,8192 --dtypes bf16,fp16 --budget-s 300
-  python benchmarks/fused_bench.py --report-only benchmarks/results/fused-20261122.json
+  python benchmarks/fused_bench.py --report-only benchmarks/results/archive/fused/20261122-first-kernel/fused.json
 """
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ VARIANTS = {
                            "stream", MID),
     # Round 4: flash-push CTA size. (Round 4 also compared a sentinel-in-data stream,
     # YALI_DEV_STREAM_FLAGS=0, with the ready-flag one: 219 vs 199 us at 64 MiB, so it
-    # was removed; tune-20261122-r4.md has those rows.)
+    # was removed; current/tune/20261122-push-cta-bytes/tune.md has those rows.)
     "push-cta512": ({"YALI_DEV_PUSH_CTA_BYTES": "512"}, "flash", SMALL + ",1M,4M,8M"),
     "push-cta1K": ({"YALI_DEV_PUSH_CTA_BYTES": "1K"}, "flash", SMALL + ",1M,4M,8M"),
     "push-cta4K": ({"YALI_DEV_PUSH_CTA_BYTES": "4K"}, "flash", SMALL + ",1M,4M,8M"),
@@ -59,7 +59,7 @@ VARIANTS = {
     "push-pdl": ({"YALI_DEV_PDL": "1"}, "flash", SMALL + ",1M,4M,8M"),
     "stream-nopdl": ({"YALI_DEV_PDL": "0"}, "stream", "16M,64M"),
     "stream-pdl": ({"YALI_DEV_PDL": "1"}, "stream", "16M,64M"),
-    # Round 6 (tune-20261122-r6) measured flash-push receivers polling all their vectors
+    # Round 6 (current/tune/20261122-batch-poll) measured flash-push receivers polling all their vectors
     # each round against one after the other: batched was slower at 2K-1M and 8M, so
     # flash-push kept the one-at-a-time wait and the knob (YALI_DEV_BATCH_POLL) was removed.
     # Only the fused op polls batched, from YALI_DEV_FUSED_BATCH_POLL_MIN on.
