@@ -20,12 +20,14 @@ ROW_KEYS = {
     "decode-profile": ["config", "rank", "kernel_class", "count", "mean_us"],  # benchmarks/decode_profile.py
     "decode-gemm": ["setup", "graph", "name", "tokens", "us_per_call"],  # benchmarks/decode_gemm_bench.py
 }
-FILES = sorted(f for f in glob.glob(os.path.join(RESULTS, "**", "*.json"), recursive=True)
-               if os.sep + "raw" + os.sep not in f)  # raw/: vllm bench serve's own output
+# Every run's JSON: current/ (the quoted runs) and archive/ (the rest), each <kind>/<date>-<topic>/.
+FILES = sorted(glob.glob(os.path.join(RESULTS, "current", "**", "*.json"), recursive=True)
+               + glob.glob(os.path.join(RESULTS, "archive", "**", "*.json"), recursive=True))
+CURRENT = [f for f in FILES if f.startswith(os.path.join(RESULTS, "current", ""))]
 
 
 def test_there_are_result_files():
-    assert len(FILES) >= 10
+    assert len(CURRENT) >= 10
 
 
 @pytest.mark.parametrize("path", FILES, ids=[os.path.relpath(f, RESULTS) for f in FILES])
