@@ -1,4 +1,4 @@
-"""Shared helpers for yali-vllm benchmark result files (``benchmarks/results/*.json``).
+"""Shared helpers for yali-vllm benchmark result files (kept under ``benchmarks/results/``).
 
 Every result file is one JSON object with the common keys returned by
 :func:`results_header` (``kind``, ``date``, ``command``, ``host``, ``versions``)
@@ -36,6 +36,14 @@ VERSION_KEYS = ("torch", "cuda", "nccl", "vllm", "yali_vllm", "git")
 HEADER_KEYS = ("kind", "date", "command", "host", "versions", "yali_env", "gpus")
 
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def output_dir() -> Path:
+    """Where a benchmark writes when no --out is given: per user under the system temp dir, outside
+    the repository (the JSON and markdown worth keeping go to benchmarks/results/, see its README)."""
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"yali-results-{os.getuid()}"
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:

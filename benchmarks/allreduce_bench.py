@@ -15,7 +15,7 @@ and busBW in NCCL's convention (bytes / time for 2 ranks), with the peer-copy
 bandwidth GPU0->GPU1 measured in the same run as the link ceiling. Every backend's
 output is checked against a reference once per size before it is timed.
 
-Writes benchmarks/results/<name>.json (kind allreduce-microbench), a markdown
+Writes <out>/<name>.json (kind allreduce-microbench), a markdown
 table and PNG plots.
 
   python benchmarks/allreduce_bench.py                 # full run
@@ -37,7 +37,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _results import MULTICAST_OFF_ENV  # noqa: E402
+from _results import MULTICAST_OFF_ENV, output_dir  # noqa: E402
 from cli_args import choice_list, positive_float, positive_int, sorted_unique  # noqa: E402
 
 os.environ.update(MULTICAST_OFF_ENV)
@@ -576,7 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--graph-ops", type=positive_int, default=50, help="ops per CUDA graph (fewer for large sizes)")
     ap.add_argument("--replays", type=positive_int, default=20, help="timed graph replays")
     ap.add_argument("--samples", type=positive_int, default=1000, help="eager samples per size")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=str(output_dir()))
     ap.add_argument("--name", default=None, help="result file stem (default allreduce-<date>)")
     ap.add_argument("--timeout", type=positive_float, default=1500, help="give up after this many seconds")
     ap.add_argument("--quick", action="store_true", help="bf16, 5 sizes, fewer samples")

@@ -38,7 +38,7 @@ Writes <out>/<name>.json (kind decode-gemm), <name>.md.
   python benchmarks/decode_gemm_bench.py --setups vllm           # every norm in one vLLM-like process
   python benchmarks/decode_gemm_bench.py                         # 70B TP=2 shapes, all setups
   python benchmarks/decode_gemm_bench.py --layers 8 --fill-gib 0  # a quick look
-  python benchmarks/decode_gemm_bench.py --report-only benchmarks/results/decode-gemm-20261122.json
+  python benchmarks/decode_gemm_bench.py --report-only benchmarks/results/current/decode-gemm/20261122-gate-up/decode-gemm-20261122-s9.json
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _results import MULTICAST_OFF_ENV, _run, results_header, write_json_and_markdown  # noqa: E402
+from _results import MULTICAST_OFF_ENV, _run, output_dir, results_header, write_json_and_markdown  # noqa: E402
 from allreduce_bench import capture_graph, pct, replay_per_op, run_two_ranks  # noqa: E402
 
 os.environ.update(MULTICAST_OFF_ENV)
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sample both GPUs' SM clock, power, temperatures and throttle reasons with nvidia-smi "
                          "this often while measuring (0 = off; default %(default)s)")
     ap.add_argument("--setup-timeout", type=float, default=240.0, help="kill a setup's pair after this")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=str(output_dir()))
     ap.add_argument("--name", default=None, help="result file stem (default decode-gemm-<date>)")
     ap.add_argument("--report-only", metavar="JSON", help="rebuild the table from a result file")
     return ap

@@ -43,7 +43,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _results import MULTICAST_OFF_ENV, results_header, write_json_and_markdown, write_results  # noqa: E402
+from _results import MULTICAST_OFF_ENV, output_dir, results_header, write_json_and_markdown, write_results  # noqa: E402
 from allreduce_bench import pct, run_two_ranks, time_graph  # noqa: E402
 from cli_args import choice_list as parse_choice_list, positive_float, positive_int  # noqa: E402
 from cli_args import positive_int_list as parse_int_list  # noqa: E402
@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target-ratio", type=positive_float, default=0.8, help="YALI / FlashInfer target (default %(default)s)")
     ap.add_argument("--target-tokens", type=positive_int, default=32,
                     help="the target ratio applies up to this many tokens; above, YALI must not be slower")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=str(output_dir()))
     ap.add_argument("--name", default=None, help="result file stem (default fused-<date>)")
     ap.add_argument("--quick", action="store_true", help="tokens 1,8,32,128, 50 replays")
     ap.add_argument("--report-only", metavar="JSON", help="rebuild the table and plot from a result file")

@@ -46,7 +46,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _results import MULTICAST_OFF_ENV, results_header, write_json_and_markdown  # noqa: E402
+from _results import MULTICAST_OFF_ENV, output_dir, results_header, write_json_and_markdown  # noqa: E402
 from allreduce_bench import capture_graph, pct, replay_per_op  # noqa: E402
 from decode_gemm_bench import _kernel_rows, add_shape_args, shapes_of  # noqa: E402
 
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--replays", type=int, default=20, help="timed graph replays per graph and round")
     add_shape_args(ap)
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no new round after this many seconds")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=str(output_dir()))
     ap.add_argument("--name", default=None, help="result file stem (default gemm-after-<date>)")
     return ap
 

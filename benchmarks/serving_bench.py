@@ -50,6 +50,7 @@ from _results import (  # noqa: E402
     child_env,
     load_results_of_kind,
     merge_sources,
+    output_dir,
     results_header,
     under,
     write_json_and_markdown,
@@ -1221,7 +1222,7 @@ def resolve_command(cmd: str, module: str) -> str:
 
 def default_out(prefix: str) -> Path:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return REPO_ROOT / "benchmarks" / "results" / f"{prefix}-{stamp}"
+    return output_dir() / f"{prefix}-{stamp}"
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -1286,7 +1287,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--soak-users", type=positive_int, default=64)
     p.add_argument("--locust-bin", default="locust", help="locust command, shell-split (default: locust on PATH, else this python -m locust)")
     add_server_args(p)
-    p.add_argument("--out", type=Path, default=None, help="output dir (default benchmarks/results/serving-DATE)")
+    p.add_argument("--out", type=Path, default=None, help="output dir (default <temp dir>/yali-results-<uid>/serving-DATE)")
     p.add_argument(
         "--report-only",
         type=Path,

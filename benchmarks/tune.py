@@ -3,7 +3,7 @@
 communicator per variant) to choose the size -> kernel table in
 csrc/core/yali/config.cpp. Per-op time inside CUDA graphs, median of replays.
 
-  python benchmarks/tune.py --out benchmarks/results --name tune-<date>
+  python benchmarks/tune.py --out /tmp/yali-results --name tune-<date>
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _results import MULTICAST_OFF_ENV, results_header, write_json_and_markdown  # noqa: E402
+from _results import MULTICAST_OFF_ENV, output_dir, results_header, write_json_and_markdown  # noqa: E402
 from allreduce_bench import fmt_size, parse_size, run_two_ranks, time_graph  # noqa: E402
 
 os.environ.update(MULTICAST_OFF_ENV)
@@ -137,7 +137,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--variants", default="", help="comma list of variant labels, or round4 / round5 (default: all)")
     ap.add_argument("--replays", type=int, default=15)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=str(output_dir()))
     ap.add_argument("--name", default="tune-" + time.strftime("%Y%m%d-%H%M%S"))
     args = ap.parse_args()
     rows = run_two_ranks(worker, args, 900, "tuning")
