@@ -15,7 +15,7 @@ and busBW in NCCL's convention (bytes / time for 2 ranks), with the peer-copy
 bandwidth GPU0->GPU1 measured in the same run as the link ceiling. Every backend's
 output is checked against a reference once per size before it is timed.
 
-Writes benchmarks/results/<name>.json (kind allreduce-microbench), a markdown
+Writes <out>/<name>.json (kind allreduce-microbench), a markdown
 table and PNG plots.
 
   python -m benchmarks.allreduce_bench                 # full run
@@ -34,7 +34,7 @@ import traceback
 from benchmarks.common.cli_args import choice_list, positive_float, positive_int, sorted_unique
 from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
 from benchmarks.common.processes import run_two_ranks
-from benchmarks.common.results import results_header, write_json_and_markdown
+from benchmarks.common.results import output_dir, results_header, write_json_and_markdown
 from benchmarks.common.sizes import GiB, MiB, fmt_size, parse_size
 from benchmarks.common.timing import pct, sleep_cycles_per_us, time_graph
 
@@ -180,7 +180,7 @@ class Backends:
 
 # ----------------------------------------------------------------------------- timing
 # Smallest message whose eager per-call time is the GPU's time: below it every backend measured
-# the same 35-75 us host-pacing floor (benchmarks/results/allreduce-20261122-r3.md, eager table).
+# the same 35-75 us host-pacing floor (benchmarks/results/current/allreduce/20261122-pdl/allreduce.md, eager table).
 EAGER_MIN_BYTES = 8 << 20
 
 
@@ -467,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--graph-ops", type=positive_int, default=50, help="ops per CUDA graph (fewer for large sizes)")
     ap.add_argument("--replays", type=positive_int, default=20, help="timed graph replays")
     ap.add_argument("--samples", type=positive_int, default=1000, help="eager samples per size")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=str(output_dir()))
     ap.add_argument("--name", default=None, help="result file stem (default allreduce-<date>)")
     ap.add_argument("--timeout", type=positive_float, default=1500, help="give up after this many seconds")
     ap.add_argument("--quick", action="store_true", help="bf16, 5 sizes, fewer samples")

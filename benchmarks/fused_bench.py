@@ -26,7 +26,7 @@ Writes <out>/<name>.json (kind fused-allreduce-rmsnorm), <name>.md and <name>.pn
 
   python -m benchmarks.fused_bench                          # hidden 8192, bf16, 1..512 tokens
   python -m benchmarks.fused_bench --hidden 4096,8192 --dtypes bf16,fp16 --budget-s 300
-  python -m benchmarks.fused_bench --report-only benchmarks/results/fused-20261122.json
+  python -m benchmarks.fused_bench --report-only benchmarks/results/archive/fused/20261122-first-kernel/fused.json
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from benchmarks.common.cli_args import choice_list as parse_choice_list, positiv
 from benchmarks.common.cli_args import positive_int_list as parse_int_list
 from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
 from benchmarks.common.processes import run_two_ranks
-from benchmarks.common.results import results_header, write_json_and_markdown, write_results
+from benchmarks.common.results import output_dir, results_header, write_json_and_markdown, write_results
 from benchmarks.common.timing import pct, time_graph
 
 os.environ.update(MULTICAST_OFF_ENV)
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target-ratio", type=positive_float, default=0.8, help="YALI / FlashInfer target (default %(default)s)")
     ap.add_argument("--target-tokens", type=positive_int, default=32,
                     help="the target ratio applies up to this many tokens; above, YALI must not be slower")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=str(output_dir()))
     ap.add_argument("--name", default=None, help="result file stem (default fused-<date>)")
     ap.add_argument("--quick", action="store_true", help="tokens 1,8,32,128, 50 replays")
     ap.add_argument("--report-only", metavar="JSON", help="rebuild the table and plot from a result file")

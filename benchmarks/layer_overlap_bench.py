@@ -36,7 +36,7 @@ import traceback
 from benchmarks.common.cli_args import choice_list, positive_int, positive_int_list
 from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
 from benchmarks.common.processes import run_two_ranks
-from benchmarks.common.results import results_header, write_json_and_markdown
+from benchmarks.common.results import output_dir, results_header, write_json_and_markdown
 from benchmarks.common.timing import replay_per_op
 
 os.environ.update(MULTICAST_OFF_ENV)
@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replays", type=positive_int, default=20, help="timed replays per round")
     p.add_argument("--rounds", type=positive_int, default=4, help="rounds, order alternating")
     p.add_argument("--quick", action="store_true", help="512 and 4096 tokens, 2 rounds")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--out", default=str(output_dir()))
     p.add_argument("--name", default=time.strftime("layer-overlap-%Y%m%d-%H%M%S"))
     p.add_argument("--timeout", type=positive_int, default=1800, help="seconds for the whole run")
     return p

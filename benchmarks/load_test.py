@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout-s", type=REQUEST_TIMEOUT_S, default=120.0)
     p.add_argument("--locust-bin", default="locust", help="locust command, shell-split (default: locust on PATH, else this python -m locust)")
     add_server_args(p)
-    p.add_argument("--out", type=Path, default=None, help="output dir (default benchmarks/results/load-DATE or soak-DATE)")
+    p.add_argument("--out", type=Path, default=None, help="output dir (default <temp dir>/yali-results-<uid>/load-DATE or soak-DATE)")
     p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="LOAD_TEST.json",
                    help="merge these load-test results (same mode and locust settings) into --out and exit")
     return p

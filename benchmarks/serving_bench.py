@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--soak-users", type=positive_int, default=64)
     p.add_argument("--locust-bin", default="locust", help="locust command, shell-split (default: locust on PATH, else this python -m locust)")
     add_server_args(p)
-    p.add_argument("--out", type=Path, default=None, help="output dir (default benchmarks/results/serving-DATE)")
+    p.add_argument("--out", type=Path, default=None, help="output dir (default <temp dir>/yali-results-<uid>/serving-DATE)")
     p.add_argument(
         "--report-only",
         type=Path,

@@ -3,7 +3,7 @@
 communicator per variant) to choose the size -> kernel table in
 csrc/core/yali/config.cpp. Per-op time inside CUDA graphs, median of replays.
 
-  python -m benchmarks.tune --out benchmarks/results --name tune-<date>
+  python -m benchmarks.tune --out /tmp/yali-results --name tune-<date>
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 
 from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
 from benchmarks.common.processes import run_two_ranks
-from benchmarks.common.results import results_header, write_json_and_markdown
+from benchmarks.common.results import output_dir, results_header, write_json_and_markdown
 from benchmarks.common.sizes import fmt_size, parse_size
 from benchmarks.common.timing import time_graph
 
@@ -49,7 +49,7 @@ VARIANTS = {
                            "stream", MID),
     # Round 4: flash-push CTA size. (Round 4 also compared a sentinel-in-data stream,
     # YALI_DEV_STREAM_FLAGS=0, with the ready-flag one: 219 vs 199 us at 64 MiB, so it
-    # was removed; tune-20261122-r4.md has those rows.)
+    # was removed; current/tune/20261122-push-cta-bytes/tune.md has those rows.)
     "push-cta512": ({"YALI_DEV_PUSH_CTA_BYTES": "512"}, "flash", SMALL + ",1M,4M,8M"),
     "push-cta1K": ({"YALI_DEV_PUSH_CTA_BYTES": "1K"}, "flash", SMALL + ",1M,4M,8M"),
     "push-cta4K": ({"YALI_DEV_PUSH_CTA_BYTES": "4K"}, "flash", SMALL + ",1M,4M,8M"),
@@ -60,7 +60,7 @@ VARIANTS = {
     "push-pdl": ({"YALI_DEV_PDL": "1"}, "flash", SMALL + ",1M,4M,8M"),
     "stream-nopdl": ({"YALI_DEV_PDL": "0"}, "stream", "16M,64M"),
     "stream-pdl": ({"YALI_DEV_PDL": "1"}, "stream", "16M,64M"),
-    # Round 6 (tune-20261122-r6) measured flash-push receivers polling all their vectors
+    # Round 6 (current/tune/20261122-batch-poll) measured flash-push receivers polling all their vectors
     # each round against one after the other: batched was slower at 2K-1M and 8M, so
     # flash-push kept the one-at-a-time wait and the knob (YALI_DEV_BATCH_POLL) was removed.
     # Only the fused op polls batched, from YALI_DEV_FUSED_BATCH_POLL_MIN on.
@@ -138,7 +138,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--variants", default="", help="comma list of variant labels, or round4 / round5 (default: all)")
     ap.add_argument("--replays", type=int, default=15)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=str(output_dir()))
     ap.add_argument("--name", default="tune-" + time.strftime("%Y%m%d-%H%M%S"))
     args = ap.parse_args()
     rows = run_two_ranks(worker, args, 900, "tuning")

@@ -2,7 +2,7 @@
 """The decode GEMMs of the 70B-class model at TP=2 with every layer's weights resident, in fresh
 process pairs with and without YALI's buffers mapped before the weights.
 
-Why: in the concurrency-1 serving profiles (benchmarks/results/serving-70b-20261122-s7, -s8) the
+Why: in the concurrency-1 serving profiles (benchmarks/results/current/serving/20261122-70b-c1, current/serving/20261122-70b-c1-size-table) the
 gate_up GEMM (the same cuBLAS kernel in both servers) takes ~118 us per call in the yali server
 and ~108 us in vllm-default's, which is the whole end-to-end loss, while the same GEMM on one
 weight in a microbenchmark runs at ~107 us with or without YALI's fused op before it. The serving
@@ -38,7 +38,7 @@ Writes <out>/<name>.json (kind decode-gemm), <name>.md.
   python -m research.decode_gemm_bench --setups vllm           # every norm in one vLLM-like process
   python -m research.decode_gemm_bench                         # 70B TP=2 shapes, all setups
   python -m research.decode_gemm_bench --layers 8 --fill-gib 0  # a quick look
-  python -m research.decode_gemm_bench --report-only benchmarks/results/decode-gemm-20261122.json
+  python -m research.decode_gemm_bench --report-only benchmarks/results/current/decode-gemm/20261122-gate-up/decode-gemm-20261122-s9.json
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ import time
 
 from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
 from benchmarks.common.processes import run_two_ranks
-from benchmarks.common.results import REPO_ROOT, results_header, run_probe, write_json_and_markdown
+from benchmarks.common.results import output_dir, REPO_ROOT, results_header, run_probe, write_json_and_markdown
 from benchmarks.common.timing import capture_graph, pct, replay_per_op
 
 os.environ.update(MULTICAST_OFF_ENV)
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sample both GPUs' SM clock, power, temperatures and throttle reasons with nvidia-smi "
                          "this often while measuring (0 = off; default %(default)s)")
     ap.add_argument("--setup-timeout", type=float, default=240.0, help="kill a setup's pair after this")
-    ap.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(output_dir()))
     ap.add_argument("--name", default=None, help="result file stem (default decode-gemm-<date>)")
     ap.add_argument("--report-only", metavar="JSON", help="rebuild the table from a result file")
     return ap

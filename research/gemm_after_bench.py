@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The decode gate_up GEMM after the kernel in front of it, on ONE GPU.
 
-decode_gemm_bench.py (benchmarks/results/decode-gemm-20261122-s9) finds the cuBLAS gate_up GEMM
+decode_gemm_bench.py (benchmarks/results/current/decode-gemm/20261122-gate-up) finds the cuBLAS gate_up GEMM
 of the 70B model at TP=2 about 10 % slower after a plain launch of a small kernel (YALI's fused
 op, torch's norm, vLLM's custom all-reduce) than after a thread block cluster launch (FlashInfer's
 fused kernel, YALI's op launched as one cluster of 4 CTAs) or another GEMM, on most 2xH200
@@ -17,7 +17,7 @@ Each predecessor P gets two CUDA graphs (--graphs), each over `--layers` layers 
 weights:
   pair     P -> gate_up                                  (decode_gemm_bench's gate_up-after/<norm>)
   layers   P -> qkv -> o -> P -> gate_up -> down          (a decoder layer: decode_gemm_bench's layers/<norm>)
-The 2-GPU host of decode-gemm-20261122-s9 ran gate_up fast in the pair graph even after torch's
+The 2-GPU host of current/decode-gemm/20261122-gate-up ran gate_up fast in the pair graph even after torch's
 plain norm (109.5 us) and slow only in the decoder layer (118.4 us), so the layer graph is the one
 to compare with it.
 Per-layer time = replay time / layers (CUDA events, p50 over --replays); the torch profiler gives
@@ -45,7 +45,7 @@ import tempfile
 import time
 
 from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
-from benchmarks.common.results import REPO_ROOT, results_header, write_json_and_markdown
+from benchmarks.common.results import output_dir, REPO_ROOT, results_header, write_json_and_markdown
 from benchmarks.common.timing import capture_graph, pct, replay_per_op
 from research.decode_gemm_bench import _kernel_rows, add_shape_args, shapes_of
 
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--replays", type=int, default=20, help="timed graph replays per graph and round")
     add_shape_args(ap)
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no new round after this many seconds")
-    ap.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(output_dir()))
     ap.add_argument("--name", default=None, help="result file stem (default gemm-after-<date>)")
     return ap
 

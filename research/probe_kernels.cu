@@ -3,7 +3,7 @@
 // b, b + grid, ...) with no communication, launched with a chosen grid, thread block cluster size
 // and programmatic dependent launch. The cuBLAS gate_up GEMM runs ~10 % slower after a
 // plain launch of YALI's op than after a cluster launch of it or FlashInfer's kernel
-// (benchmarks/results/decode-gemm-20261122-s9); these launch
+// (benchmarks/results/current/decode-gemm/20261122-gate-up); these launch
 // the same work in every shape so that one GPU can tell which part of the launch matters.
 //
 // Plain C ABI (ctypes), no torch: nvcc -O3 -shared -Xcompiler -fPIC -arch=sm_90a -o probe.so probe_kernels.cu

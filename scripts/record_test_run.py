@@ -3,7 +3,7 @@
 test: node id, outcome, duration), with the usual header (command, date, host,
 versions). Exits with pytest's exit code.
 
-  PYTHONPATH=. python scripts/record_test_run.py --out benchmarks/results/gpu-tests-<date>.json -- tests/gpu -q
+  python -m benchmarks.record_test_run --out /tmp/yali-results/gpu-tests-<date>.json -- tests/gpu -q
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shared helpers for yali-vllm benchmark result files (``benchmarks/results/*.json``).
+"""Shared helpers for yali-vllm benchmark result files (kept under ``benchmarks/results/``).
 
 Every result file is one JSON object with the common keys returned by
 :func:`results_header` (``kind``, ``date``, ``command``, ``host``, ``versions``)
@@ -29,6 +29,14 @@ VERSION_KEYS = ("torch", "cuda", "nccl", "vllm", "yali_vllm", "git")
 HEADER_KEYS = ("kind", "date", "command", "host", "versions", "yali_env", "gpus")
 
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def output_dir() -> Path:
+    """Where a benchmark writes when no --out is given: per user under the system temp dir, outside
+    the repository (the JSON and markdown worth keeping go to benchmarks/results/, see its README)."""
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"yali-results-{os.getuid()}"
 
 
 def run_probe(cmd: list[str], timeout: float = 20.0, cwd: Path | None = None) -> str | None:
@@ -135,7 +143,7 @@ def parse_gpu_ids(csv_text: str) -> list[dict[str, str]]:
 def gpu_ids() -> list[dict[str, str]]:
     """Which physical GPUs ran this (UUID, serial, PCI bus, VBIOS); [] without nvidia-smi. Hosts
     of the same type differ in some effects (the GEMM after the fused op,
-    benchmarks/results/decode-gemm-20261122-s9), so a result names its GPUs."""
+    benchmarks/results/current/decode-gemm/20261122-gate-up), so a result names its GPUs."""
     text = run_probe(["nvidia-smi", "--query-gpu=" + ",".join(GPU_ID_FIELDS), "--format=csv,noheader"])
     return parse_gpu_ids(text) if text else []
 
@@ -288,6 +296,6 @@ def under(prefix: str, path: Any) -> Any:
 
 
 def default_out(prefix: str) -> Path:
-    """benchmarks/results/<prefix>-<date>-<time>: where a run writes unless told otherwise."""
+    """<output_dir()>/<prefix>-<date>-<time>: where a run writes unless told otherwise."""
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return REPO_ROOT / "benchmarks" / "results" / f"{prefix}-{stamp}"
+    return output_dir() / f"{prefix}-{stamp}"

@@ -6,7 +6,7 @@
 #   experiments.sh bench   the fused op (yali-fused only, 1-128 tokens) once per setting of
 #                          SETTINGS below, the default first and last (drift check)              ~5 min
 # Compare the rows with the fused benchmark's yali-fused / flashinfer-trtllm rows of the same machine.
-# (flash-push has no batched poll: tune-20261122-r6 measured it slower.)
+# (flash-push has no batched poll: current/tune/20261122-batch-poll measured it slower.)
 . scripts/gpu_host/env.sh
 day=$(date +%Y%m%d)
 SETTINGS=(

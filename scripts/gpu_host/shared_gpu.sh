@@ -8,7 +8,7 @@
 #   shared_gpu.sh [all|fused|allreduce|reliability]   all (default): fused first, then all-reduce
 #   (< 9.5 min); reliability: mismatched calls, watchdog paths, a killed peer, close() (~5 min)
 # Taking turns costs about 3.3 ms per call pair (the 10k-replay graph test, 70k pairs, takes
-# 232 s: gpu-tests-shared-20261123-s10), so the all-reduce part leaves out the 100k-call stress
+# 232 s: archive/gpu-tests/20261123-shared-h200), so the all-reduce part leaves out the 100k-call stress
 # test, whose 300 s bound assumes concurrent ranks; it stays with the 2-GPU host (kernels.sh).
 # Writes to $OUT: gpu-tests-shared-<part>-<date>.{json,log} (gpu-test-run results).
 # SHARED_FUSED_S / SHARED_ALLREDUCE_S override the bounds of the two parts.

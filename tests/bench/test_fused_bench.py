@@ -406,12 +406,12 @@ def test_gpu_fused_sweep_cluster_rule():
 
 def test_gpu_fused_sweep_launch_model_matches_measured_launches():
     # The split / grid rules the sweep checks under launch knobs, against the launches the device
-    # reported in the split runs of fused-launch-20261122-s8 (fused_bench records the launch of every
+    # reported in the split runs of current/fused/20261122-launch-sweep (fused_bench records the launch of every
     # row; that tree still sent 1 KiB per CTA with the loads first by default, and its config says
     # so). The split runs are the ones whose config has the split knob (`fused_split`).
     from tests.gpu import test_fused as tf
 
-    run = REPO / "benchmarks" / "results" / "fused-launch-20261122-s8"
+    run = REPO / "benchmarks/results/current/fused/20261122-launch-sweep"
     docs = {f: json.loads(f.read_text()) for f in sorted(run.glob("*/fused-*.json"))}
     files = [f for f, doc in docs.items() if "fused_split" in doc["yali_config"]]
     splits = set()

@@ -32,6 +32,7 @@ def _table(header_start: str) -> tuple[list[str], list[list[str]], dict]:
     links = LINK.findall(README[:start])
     assert links, f"no result file is cited before the table {header_start!r}"
     path = links[-1] if links[-1].startswith("benchmarks/") else "benchmarks/" + links[-1]
+    assert path.startswith("benchmarks/results/current/"), f"README quotes {path}, outside results/current/"
     data = json.loads((REPO / f"{path}.json").read_text())
     lines = README[start:].split("\n\n", 1)[0].splitlines()
     cells = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in lines]

@@ -1,8 +1,10 @@
 """Every committed result file follows the project's results schema (common keys,
 and the row fields of its kind), so scripts can check every quoted figure."""
+import fnmatch
 import glob
 import json
 import os
+import re
 
 import pytest
 
@@ -20,12 +22,14 @@ ROW_KEYS = {
     "decode-profile": ["config", "rank", "kernel_class", "count", "mean_us"],  # benchmarks/decode_profile.py
     "decode-gemm": ["setup", "graph", "name", "tokens", "us_per_call"],  # research/decode_gemm_bench.py
 }
-FILES = sorted(f for f in glob.glob(os.path.join(RESULTS, "**", "*.json"), recursive=True)
-               if os.sep + "raw" + os.sep not in f)  # raw/: vllm bench serve's own output
+# Every run's JSON: current/ (the quoted runs) and archive/ (the rest), each <kind>/<date>-<topic>/.
+FILES = sorted(glob.glob(os.path.join(RESULTS, "current", "**", "*.json"), recursive=True)
+               + glob.glob(os.path.join(RESULTS, "archive", "**", "*.json"), recursive=True))
+CURRENT = [f for f in FILES if f.startswith(os.path.join(RESULTS, "current", ""))]
 
 
 def test_there_are_result_files():
-    assert len(FILES) >= 10
+    assert len(CURRENT) >= 10
 
 
 @pytest.mark.parametrize("path", FILES, ids=[os.path.relpath(f, RESULTS) for f in FILES])
@@ -45,3 +49,25 @@ def test_result_file_follows_schema(path):
     if doc["kind"] == "gpu-test-run":
         counts = {o: sum(r["outcome"] == o for r in doc["records"]) for o in ("passed", "failed", "skipped")}
         assert counts == {o: doc[o] for o in counts}
+
+
+def test_current_holds_exactly_the_runs_readme_and_docs_quote():
+    # README.md and docs/ (DESIGN_LOG.md, the history, aside) quote runs under current/ only, every
+    # run they name is there, and every run there is quoted (a glob such as current/tune/* counts).
+    repo = os.path.dirname(os.path.dirname(RESULTS))
+    docs = [os.path.join(repo, "README.md")] + sorted(
+        f for f in glob.glob(os.path.join(repo, "docs", "*.md")) if not f.endswith("DESIGN_LOG.md"))
+    cited = set()
+    for doc in docs:
+        with open(doc) as f:
+            text = f.read()
+        cited |= {(os.path.basename(doc), m) for m in re.findall(
+            r"(?:benchmarks/results/|(?<![\w/.-]))((?:current|archive)/[\w-]+/[\w./*-]+)", text)}
+    assert len(cited) >= 20, "the result citations of README.md and docs/ were not found"
+    bad = sorted((doc, path) for doc, path in cited
+                 if not path.startswith("current/") or not glob.glob(os.path.join(RESULTS, path.rstrip("."))))
+    assert bad == []
+    quoted = {"/".join(path.split("/")[:3]).rstrip(".") for _, path in cited}
+    runs = [os.path.relpath(d, RESULTS).replace(os.sep, "/")
+            for d in glob.glob(os.path.join(RESULTS, "current", "*", "*"))]
+    assert [r for r in runs if not any(fnmatch.fnmatch(r, q) for q in quoted)] == []
