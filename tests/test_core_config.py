@@ -56,15 +56,33 @@ def test_default_table_pushes_up_to_flash_size():
 
 
 def test_push_boundary_follows_env(monkeypatch):
-    monkeypatch.setenv("YALI_DEV_PUSH_MAX", "64K")
+    monkeypatch.setenv("YALI_DEV_FLASH_BYTES", "64K")  # YALI_DEV_PUSH_MAX follows it when unset
     monkeypatch.setenv("YALI_DEV_PUSH_CTA_BYTES", "4K")
     assert config.plan(64 * KiB) == ("flash-push", 16, 0)
-    assert config.plan(64 * KiB + 16)[0] == "flash-ll"
+    assert config.plan(64 * KiB + 16)[0] == "stream"
+    monkeypatch.setenv("YALI_DEV_FLASH_BYTES", "16M")
+    monkeypatch.setenv("YALI_KERNEL_MODE", "flash")
+    assert config.plan(16 * MiB)[0] == "flash-push"
+    monkeypatch.delenv("YALI_KERNEL_MODE")
+    monkeypatch.delenv("YALI_DEV_FLASH_BYTES")
     monkeypatch.setenv("YALI_DEV_PUSH_MAX", "16M")  # above YALI_DEV_FLASH_BYTES (8M)
     with pytest.raises(ValueError, match="YALI_DEV_PUSH_MAX"):
         config.plan(1)
 
 
+needs_legacy = pytest.mark.skipif(_ext.library_error() is not None or not config.legacy_kernels(),
+                                  reason="selects the legacy flash kernels: the library was built without "
+                                         "YALI_BUILD_LEGACY=1")
+
+
+@needs_legacy
+def test_legacy_table_boundaries_follow_env(monkeypatch):
+    monkeypatch.setenv("YALI_DEV_PUSH_MAX", "64K")
+    assert config.plan(64 * KiB)[0] == "flash-push"
+    assert config.plan(64 * KiB + 16)[0] == "flash-ll"
+
+
+@needs_legacy
 def test_table_boundaries_follow_env(monkeypatch):
     monkeypatch.setenv("YALI_DEV_PUSH_MAX", "0")
     monkeypatch.setenv("YALI_DEV_LL_MAX", "4K")
@@ -73,6 +91,27 @@ def test_table_boundaries_follow_env(monkeypatch):
     assert config.plan(4 * KiB + 16)[0] == "flash-oneshot"
     assert config.plan(1 * MiB)[0] == "flash-oneshot"
     assert config.plan(1 * MiB + 16)[0] == "stream"
+
+
+@pytest.mark.parametrize("var,value", [("YALI_DEV_PUSH_MAX", "0"), ("YALI_DEV_PUSH_MAX", "64K"),
+                                       ("YALI_DEV_LL_MAX", "4K"), ("YALI_DEV_LL_CTA_BYTES", "2K"),
+                                       ("YALI_DEV_ONESHOT_MAX", "0"), ("YALI_DEV_FLASH_CTA_BYTES", "4K")])
+def test_legacy_settings_refused_without_legacy_build(monkeypatch, var, value):
+    if config.legacy_kernels():
+        pytest.skip("the library was built with YALI_BUILD_LEGACY=1: the legacy settings apply")
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError) as e:
+        config.kernel_config()
+    assert f"{var}=" in str(e.value) and "YALI_BUILD_LEGACY=1" in str(e.value) and "legacy" in str(e.value)
+
+
+def test_buffer_holds_only_what_the_config_selects(monkeypatch):
+    # stream ready + credit flags (2 x 128 lanes x 16 slots x 8 B), the push area (2 parities x 8 MiB),
+    # the stream ring (128 lanes x 8 slots x 64 KiB): no area of the legacy kernels.
+    assert torch.ops.yali.shared_bytes_for_env() == 32 * KiB + 16 * MiB + 64 * MiB
+    if config.legacy_kernels():  # their arrive / gather flags, LL words (2 x 2 x 128 KiB), stage, reduced
+        monkeypatch.setenv("YALI_DEV_PUSH_MAX", "0")
+        assert torch.ops.yali.shared_bytes_for_env() == 34 * KiB + 512 * KiB + 48 * MiB + 64 * MiB
 
 
 def test_kernel_mode_forces_family(monkeypatch):

@@ -33,8 +33,13 @@
 #include "yali/config.h"
 #include "yali/rank.h"
 
+#ifdef YALI_LEGACY_KERNELS
+#define YALI_BUILD_KERNELS ", with the legacy flash kernels"  // yali_vllm.config.LEGACY_BUILD_MARK
+#else
+#define YALI_BUILD_KERNELS ""
+#endif
 extern "C" __attribute__((used, visibility("default"))) const char yali_build_info[] =
-    "yali-vllm build: torch " YALI_BUILD_TORCH " headers, stable ABI target " YALI_TORCH_TARGET;
+    "yali-vllm build: torch " YALI_BUILD_TORCH " headers, stable ABI target " YALI_TORCH_TARGET YALI_BUILD_KERNELS;
 
 namespace {
 

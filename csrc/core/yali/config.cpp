@@ -81,6 +81,10 @@ void check_int(const char* var, int v, int lo, int hi) {
 
 size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
 
+// The largest message plan_for gives a flash kernel in some mode (a call may
+// override Config::mode: Rank::all_reduce).
+size_t largest_flash_message(const Config& c) { return std::min(c.flash_bytes, c.max_bytes); }
+
 // Refuses every YALI_DEV_* variable of the environment that is not in `known` (the
 // names from_env() read), so a misspelt or removed knob (YALI_DEV_BATCH_POLL) cannot
 // be silently ignored.
@@ -148,6 +152,12 @@ Config Config::from_env() {
   };
   fit_flash("YALI_DEV_LL_MAX", &c.ll_max);
   fit_flash("YALI_DEV_PUSH_MAX", &c.push_max);
+  // Unset, YALI_DEV_PUSH_MAX follows the flash buffer: flash-push takes every flash message.
+  if (const char* s = std::getenv("YALI_DEV_PUSH_MAX"); !s || !*s) c.push_max = c.flash_bytes;
+  // The legacy kernels' own knobs do nothing on a default build: refused, not ignored.
+  if (!kLegacyKernels)
+    for (const char* var : {"YALI_DEV_LL_MAX", "YALI_DEV_LL_CTA_BYTES", "YALI_DEV_ONESHOT_MAX", "YALI_DEV_FLASH_CTA_BYTES"})
+      if (const char* s = std::getenv(var); s && *s) bad(var, s, std::string("it unset: a knob of ") + kLegacyBuildHint);
   if (const char* t = std::getenv("YALI_TIMEOUT_S"); t && *t) {
     char* end = nullptr;
     double v = std::strtod(t, &end);
@@ -180,6 +190,11 @@ void Config::validate() const {
   check_int("YALI_DEV_FUSED_CLUSTER", fused_cluster, -1, 8);
   if (!(timeout_s == 0.0 || (timeout_s >= kMinTimeoutS && timeout_s <= 86400.0)))
     bad("YALI_TIMEOUT_S", std::to_string(timeout_s), "0 (no watchdog) or seconds in [0.001, 86400]");
+  if (!kLegacyKernels && selects_legacy_kernels(*this))
+    bad("YALI_DEV_PUSH_MAX", std::to_string(push_max),
+        "at least the largest message a flash kernel takes (" + std::to_string(largest_flash_message(*this)) +
+            " bytes: YALI_DEV_FLASH_BYTES or YALI_MAX_BYTES if smaller): the "
+            "messages above it would run " + kLegacyBuildHint);
 }
 
 std::string Config::to_string() const {
@@ -219,8 +234,9 @@ Plan plan_for(const Config& c, size_t nbytes) {
     return p;
   }
   // flash-push first: one one-way NVLink trip with no flag words and no staging
-  // copy (sentinel-in-data, see push.cuh). flash-ll / one-shot / two-shot stay
-  // selectable (YALI_DEV_PUSH_MAX=0) for comparison and for tuning.
+  // copy (sentinel-in-data, see exchange.cuh). The legacy flash-ll / one-shot /
+  // two-shot take what is above YALI_DEV_PUSH_MAX, on a build that has them
+  // (YALI_BUILD_LEGACY=1; validate() refuses such a Config on any other).
   if (nbytes <= c.push_max) {
     p.kernel = Kernel::FlashPush;
     p.blocks = int(std::min<size_t>(c.flash_ctas, ceil_div(nbytes, c.push_cta_bytes)));
@@ -264,6 +280,8 @@ FusedShape fused_shape_for(const Config& c, size_t nbytes) {
   if (c.fused_cluster >= 0) s.cluster = std::max(c.fused_cluster, 1);
   return s;
 }
+
+bool selects_legacy_kernels(const Config& c) { return c.push_max < largest_flash_message(c); }
 
 size_t shared_buffer_bytes(const Config& c) { return SharedLayout(c).total; }
 

@@ -30,6 +30,17 @@ constexpr int kStreamThreads = 512;  // half senders, half receivers
 constexpr size_t kFusedMaxRowBytes = size_t(kFlashThreads) * 8 * 16;
 // A split row's parts are added by one warp (fused.cuh: row_sum).
 constexpr int kFusedMaxSplit = 32;
+// Whether the build has the legacy flash kernels (flash-ll, one-shot, two-shot:
+// legacy/flash.cuh), compiled only with -DYALI_LEGACY_KERNELS (YALI_BUILD_LEGACY=1).
+#ifdef YALI_LEGACY_KERNELS
+constexpr bool kLegacyKernels = true;
+#else
+constexpr bool kLegacyKernels = false;
+#endif
+// Names the build flag in the errors that refuse a legacy setting on a default build.
+constexpr char kLegacyBuildHint[] =
+    "the legacy flash kernels (flash-ll, one-shot, two-shot), which this build does not include "
+    "(build with YALI_BUILD_LEGACY=1, which compiles with -DYALI_LEGACY_KERNELS)";
 // Shortest watchdog YALI_TIMEOUT_S accepts (0 = none): below it a slow peer looks like a missing one.
 constexpr double kMinTimeoutS = 1e-3;
 
@@ -37,14 +48,15 @@ struct Config {
   KernelMode mode = KernelMode::Auto;  // YALI_KERNEL_MODE
   size_t max_bytes = size_t(2) << 30;  // YALI_MAX_BYTES: largest message served
   size_t flash_bytes = 8u << 20;       // YALI_DEV_FLASH_BYTES: largest message flash can take
-  size_t ll_max = 128u << 10;          // YALI_DEV_LL_MAX: flash-ll (flag-in-data) up to here
-  size_t ll_cta_bytes = 1u << 10;      // YALI_DEV_LL_CTA_BYTES: bytes per active flash-ll CTA
+  size_t ll_max = 128u << 10;          // YALI_DEV_LL_MAX (legacy): flash-ll (flag-in-data) up to here
+  size_t ll_cta_bytes = 1u << 10;      // YALI_DEV_LL_CTA_BYTES (legacy): bytes per active flash-ll CTA
   size_t push_max = 8u << 20;          // YALI_DEV_PUSH_MAX: flash-push (sentinel-in-data) up to here
+                                       // (from_env: YALI_DEV_FLASH_BYTES unless set); above it the legacy kernels
   size_t push_cta_bytes = 1u << 10;    // YALI_DEV_PUSH_CTA_BYTES: bytes per active flash-push CTA
-  size_t oneshot_max = 8u << 20;       // YALI_DEV_ONESHOT_MAX: one-shot up to here, then two-shot
+  size_t oneshot_max = 8u << 20;       // YALI_DEV_ONESHOT_MAX (legacy): one-shot up to here, then two-shot
   size_t stream_min = 8u << 20;        // YALI_DEV_STREAM_MIN: auto picks stream above this
   int flash_ctas = 128;                // YALI_DEV_FLASH_CTAS: most CTAs of a flash launch
-  size_t flash_cta_bytes = 16u << 10;  // YALI_DEV_FLASH_CTA_BYTES: bytes per active flash CTA
+  size_t flash_cta_bytes = 16u << 10;  // YALI_DEV_FLASH_CTA_BYTES (legacy): bytes per active one-/two-shot CTA
   int lanes = 128;                     // YALI_DEV_LANES: stream lanes (one CTA each)
   int slots = 8;                       // YALI_DEV_SLOTS: ring slots per lane
   size_t slot_bytes = 64u << 10;       // YALI_DEV_SLOT_BYTES
@@ -94,6 +106,10 @@ struct FusedShape {
   int cluster;           // most CTAs per thread block cluster (1 = no clusters)
 };
 FusedShape fused_shape_for(const Config& c, size_t nbytes);
+
+// Whether the table can pick a legacy flash kernel for some message and mode:
+// flash messages above push_max exist. A default build refuses such a Config.
+bool selects_legacy_kernels(const Config& c);
 
 // Bytes of the IPC-shared buffer one rank allocates for this config.
 size_t shared_buffer_bytes(const Config& c);

@@ -29,7 +29,7 @@
 namespace yali {
 
 struct FusedArgs {
-  FlashArgs f;            // exchange: f.in is the input, f.nbytes = rows * row bytes
+  ExchangeArgs x;         // exchange: x.in is the input, x.nbytes = rows * row bytes
   const void* sum;        // add_rmsnorm_kernel: the all-reduced input (may be norm_out)
   const void* residual;   // nullptr: no residual
   const void* weight;     // [hidden]
@@ -86,7 +86,7 @@ __device__ __forceinline__ float block_sum(float v) {
 // is overwritten before every CTA of its row read it.
 __device__ __forceinline__ float row_sum(const FusedArgs& a, const RowPart& p, uint64_t e, float mine) {
   __shared__ float s_total;
-  uint64_t* words = a.f.state->row_partial + p.row * a.split;
+  uint64_t* words = a.x.state->row_partial + p.row * a.split;
   const uint64_t tag = uint64_t(uint32_t(e)) << 32;
   if (threadIdx.x == 0) store_relaxed_gpu(words + p.part, tag | __float_as_uint(mine));
   if (threadIdx.x < 32) {
@@ -101,8 +101,8 @@ __device__ __forceinline__ float row_sum(const FusedArgs& a, const RowPart& p, u
         for (uint32_t spins = 1;; ++spins) {
           w = load_relaxed_gpu(words + q);
           if ((w & ~0xffffffffull) == tag) break;
-          if (a.f.timeout_ns != 0 && (spins & 1023u) == 0 && global_timer_ns() - start > a.f.timeout_ns)
-            abort_kernel(a.f.abort, Kernel::FlashPush, 7, tag >> 32, w >> 32);
+          if (a.x.timeout_ns != 0 && (spins & 1023u) == 0 && global_timer_ns() - start > a.x.timeout_ns)
+            abort_kernel(a.x.abort, Kernel::FlashPush, 7, tag >> 32, w >> 32);
         }
       }
       v = __uint_as_float(uint32_t(w));
@@ -183,22 +183,22 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kern
   const int t = threadIdx.x;
   const int items = a.rows * a.split;  // (row, part) pairs; CTA b owns items b, b + grid, ...
   const RowPart first = row_part(a, blockIdx.x);
-  const Range chunk = split_range(0, a.f.nbytes / 16, gridDim.x, blockIdx.x);  // what this CTA sends
-  const Vec16* in = static_cast<const Vec16*>(a.f.in);
+  const Range chunk = split_range(0, a.x.nbytes / 16, gridDim.x, blockIdx.x);  // what this CTA sends
+  const Vec16* in = static_cast<const Vec16*>(a.x.in);
   const auto input = [&](size_t k) { return load_local_input(in + k); };  // rows are whole vectors: no tail
   Vec16 p[kU], w[kV], x[kV], r[kV];
   const auto load_first_part = [&] {
     load_part(w, a.weight, 0, first, a);
-    load_part(x, a.f.in, first.row, first, a);
+    load_part(x, a.x.in, first.row, first, a);
     load_part(r, a.residual, first.row, first, a);
   };
   load_batch(p, chunk.begin + t, chunk.end, input);
   if constexpr (kRowLoadsEarly) load_first_part();
-  const uint64_t e = flash_begin(a.f);
-  if (blockIdx.x == 0 && t == 0) atomicAdd(reinterpret_cast<unsigned long long*>(&a.f.state->fused_calls), 1ull);
-  const size_t par = (e & 1) * a.f.parity_bytes;
-  Vec16* to_peer = reinterpret_cast<Vec16*>(a.f.peer_push + par);
-  Vec16* from_peer = reinterpret_cast<Vec16*>(a.f.my_push + par);
+  const uint64_t e = exchange_begin(a.x);
+  if (blockIdx.x == 0 && t == 0) atomicAdd(reinterpret_cast<unsigned long long*>(&a.x.state->fused_calls), 1ull);
+  const size_t par = (e & 1) * a.x.parity_bytes;
+  Vec16* to_peer = reinterpret_cast<Vec16*>(a.x.peer_push + par);
+  Vec16* from_peer = reinterpret_cast<Vec16*>(a.x.my_push + par);
 
   // 1. send my chunk
   push_send<T>(to_peer, p, chunk, input);
@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kern
     const RowPart part = item == int(blockIdx.x) ? first : row_part(a, item);
     const size_t base = size_t(part.row) * a.row_vecs;
     if (item != int(blockIdx.x)) {
-      load_part(x, a.f.in, part.row, part, a);
+      load_part(x, a.x.in, part.row, part, a);
       load_part(r, a.residual, part.row, part, a);
     }
     Vec16 theirs[kV];
@@ -223,13 +223,13 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kern
         const int j = part.begin + t + u * kFlashThreads;
         return j < part.end ? from_peer + base + j : nullptr;
       };
-      wait_push_batch(theirs, at, a.f.timeout_ns, a.f.abort, Kernel::FlashPush);
+      wait_push_batch(theirs, at, a.x.timeout_ns, a.x.abort, Kernel::FlashPush);
     }
 #pragma unroll
     for (int u = 0; u < kV; ++u) {
       const int j = part.begin + t + u * kFlashThreads;
       if (j < part.end) {
-        if constexpr (!kBatchPoll) wait_push(from_peer + base + j, theirs[u], a.f.timeout_ns, a.f.abort, Kernel::FlashPush);
+        if constexpr (!kBatchPoll) wait_push(from_peer + base + j, theirs[u], a.x.timeout_ns, a.x.abort, Kernel::FlashPush);
         x[u] = add_vec<T>(canonical<T>(x[u]), theirs[u]);
         clear_push(from_peer + base + j);
       }
@@ -245,7 +245,7 @@ template <typename T, int kV>
 __global__ void __launch_bounds__(kFlashThreads, 1) add_rmsnorm_kernel(FusedArgs a) {
   wait_prior_grids();
   if (blockIdx.x == 0 && threadIdx.x == 0)
-    atomicAdd(reinterpret_cast<unsigned long long*>(&a.f.state->fused_calls), 1ull);
+    atomicAdd(reinterpret_cast<unsigned long long*>(&a.x.state->fused_calls), 1ull);
   Vec16 w[kV], s[kV], r[kV];
   const RowPart whole = {int(blockIdx.x), 0, a.row_vecs, 0};
   load_part(w, a.weight, 0, whole, a);

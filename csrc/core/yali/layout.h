@@ -1,6 +1,8 @@
 // Byte layout of the buffer each rank allocates once and shares with its peer
-// by CUDA IPC. The peer writes the flag words and the stream slots (remote
-// stores over NVLink) and reads the flash stage/gather areas (remote loads).
+// by CUDA IPC. The peer writes the push area, the stream flag words and the
+// stream slots (remote stores over NVLink). The areas of the legacy flash
+// kernels (legacy/flash.cuh: arrive / gather flags, LL words, stage, reduced)
+// have size 0 unless the build has them and the Config selects them.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -11,35 +13,36 @@ namespace yali {
 
 struct SharedLayout {
   // Flag words, 8 bytes each, written only by the peer, polled only locally.
-  size_t flash_arrive;   // [kMaxFlashCtas]  "my flash CTA b staged its data for epoch e"
-  size_t flash_gather;   // [kMaxFlashCtas]  "my two-shot CTA b published its reduced half"
+  size_t flash_arrive;   // legacy: [kMaxFlashCtas]  "my flash CTA b staged its data for epoch e"
+  size_t flash_gather;   // legacy: [kMaxFlashCtas]  "my two-shot CTA b published its reduced half"
   size_t stream_ready;   // [kMaxLanes * kMaxSlots]  "slot holds my chunk with sequence g"
   size_t stream_credit;  // [kMaxLanes * kMaxSlots]  "I consumed your chunk with sequence g"
   // Data areas.
-  size_t flash_stage;    // 2 parities x flash_bytes: my input, staged for the peer to read
-  size_t flash_reduced;  // 2 parities x flash_bytes: two-shot, my reduced half for the peer
-  size_t flash_ll;       // 2 parities x 2*ll_max: flash-ll words {data, flag}, written by the peer
+  size_t flash_stage;    // legacy: 2 parities x flash_bytes: my input, staged for the peer to read
+  size_t flash_reduced;  // legacy: 2 parities x flash_bytes: two-shot, my reduced half for the peer
+  size_t flash_ll;       // legacy: 2 parities x 2*ll_max: flash-ll words {data, flag}, written by the peer
   size_t flash_push;     // 2 parities x flash_bytes: flash-push / fused data, written by the peer;
-                         // holds kPushEmpty words wherever no unread data is (see push.cuh)
+                         // holds kPushEmpty words wherever no unread data is (see exchange.cuh)
   size_t stream_slots;   // lanes x slots x slot_bytes: the peer's chunks land here
   size_t total;
 
   explicit SharedLayout(const Config& c) {
+    const size_t legacy = selects_legacy_kernels(c) ? 1 : 0;  // 0: the legacy areas take no bytes
     size_t off = 0;
     auto take = [&off](size_t bytes) {
       size_t at = off;
       off = (off + bytes + 255) / 256 * 256;  // keep every area 256-byte aligned
       return at;
     };
-    flash_arrive = take(sizeof(uint64_t) * kMaxFlashCtas);
-    flash_gather = take(sizeof(uint64_t) * kMaxFlashCtas);
+    flash_arrive = take(legacy * sizeof(uint64_t) * kMaxFlashCtas);
+    flash_gather = take(legacy * sizeof(uint64_t) * kMaxFlashCtas);
     stream_ready = take(sizeof(uint64_t) * kMaxLanes * kMaxSlots);
     stream_credit = take(sizeof(uint64_t) * kMaxLanes * kMaxSlots);
-    flash_ll = take(2 * 2 * c.ll_max);
+    flash_ll = take(legacy * 2 * 2 * c.ll_max);
     flags_end = off;  // the LL words are flags too: they must start zeroed
     flash_push = take(2 * c.flash_bytes);
-    flash_stage = take(2 * c.flash_bytes);
-    flash_reduced = take(2 * c.flash_bytes);
+    flash_stage = take(legacy * 2 * c.flash_bytes);
+    flash_reduced = take(legacy * 2 * c.flash_bytes);
     stream_slots = take(size_t(c.lanes) * c.slots * c.slot_bytes);
     total = off;
   }

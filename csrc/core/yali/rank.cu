@@ -4,10 +4,12 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "flash.cuh"
 #include "fused.cuh"
 #include "push.cuh"
 #include "stream.cuh"
+#ifdef YALI_LEGACY_KERNELS
+#include "legacy/flash.cuh"
+#endif
 
 namespace yali {
 
@@ -79,18 +81,6 @@ cudaError_t with_element_type(DType dtype, F&& f) {
   return cudaErrorInvalidValue;
 }
 
-template <typename T>
-cudaError_t launch_typed(const Plan& p, const FlashArgs& f, const StreamArgs& s, bool pdl, cudaStream_t stream) {
-  switch (p.kernel) {
-    case Kernel::FlashLL: return launch(flash_ll_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
-    case Kernel::FlashPush: return launch(flash_push_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
-    case Kernel::FlashOneShot: return launch(flash_oneshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
-    case Kernel::FlashTwoShot: return launch(flash_twoshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
-    case Kernel::Stream: return launch(stream_kernel<T>, p.blocks, kStreamThreads, stream, pdl, s);
-    default: return cudaErrorInvalidValue;
-  }
-}
-
 }  // namespace
 
 Rank::Rank(int device, int rank, const Config& config)
@@ -103,7 +93,7 @@ Rank::Rank(int device, int rank, const Config& config)
   if (major < 7) throw std::runtime_error("yali: needs compute capability 7.0+ (system-scope acquire/release)");
   check(cudaMalloc(&shared_, layout_.total), "cudaMalloc(shared buffer)");
   check(cudaMemset(shared_, 0, layout_.flags_end), "cudaMemset(flags)");
-  // The flash-push area starts empty (push.cuh).
+  // The flash-push area starts empty (exchange.cuh).
   fill_words<<<256, 256>>>(reinterpret_cast<uint32_t*>(shared_ + layout_.flash_push), 2 * config_.flash_bytes / 4,
                            kPushEmpty);
   check(cudaGetLastError(), "fill(push area)");
@@ -179,29 +169,54 @@ cudaError_t Rank::all_reduce(const void* in, void* out, size_t nbytes, DType dty
   if (p.kernel == Kernel::None || !peer_shared_ || nbytes % dtype_size(dtype) != 0 ||
       (reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(out)) % 16 != 0)
     return cudaErrorInvalidValue;
-  const uint64_t timeout_ns = uint64_t(config_.timeout_s * 1e9);
-  FlashArgs f{};
-  StreamArgs s{};
-  if (p.kernel == Kernel::Stream) {
-    s = StreamArgs{in, out, nbytes, p.chunk_bytes, p.blocks, config_.slots, config_.slot_bytes,
-                   shared_ + layout_.stream_slots, peer_shared_ + layout_.stream_slots,
-                   flag_words(shared_, layout_.stream_ready), flag_words(peer_shared_, layout_.stream_ready),
-                   flag_words(shared_, layout_.stream_credit), flag_words(peer_shared_, layout_.stream_credit),
-                   state_, timeout_ns, abort_dev_};
-  } else {
-    f = flash_args(in, out, nbytes);
-  }
+  const bool pdl = config_.pdl != 0;
   return with_element_type(dtype, [&](auto zero) {
-    return launch_typed<decltype(zero)>(p, f, s, config_.pdl != 0, stream);
+    using T = decltype(zero);
+    switch (p.kernel) {
+      case Kernel::FlashPush:
+        return launch(flash_push_kernel<T>, p.blocks, kFlashThreads, stream, pdl, exchange_args(in, out, nbytes));
+      case Kernel::Stream:
+        return launch(stream_kernel<T>, p.blocks, kStreamThreads, stream, pdl, stream_args(in, out, nbytes, p));
+#ifdef YALI_LEGACY_KERNELS
+      case Kernel::FlashLL:
+        return launch(flash_ll_kernel<T>, p.blocks, kFlashThreads, stream, pdl, legacy_args(in, out, nbytes));
+      case Kernel::FlashOneShot:
+        return launch(flash_oneshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, legacy_args(in, out, nbytes));
+      case Kernel::FlashTwoShot:
+        return launch(flash_twoshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, legacy_args(in, out, nbytes));
+#endif
+      default: return cudaErrorInvalidValue;
+    }
   });
 }
 
-FlashArgs Rank::flash_args(const void* in, void* out, size_t nbytes) const {
-  FlashArgs f{};
-  f.in = in;
-  f.out = out;
-  f.nbytes = nbytes;
-  f.total_ctas = config_.flash_ctas;
+ExchangeArgs Rank::exchange_args(const void* in, void* out, size_t nbytes) const {
+  ExchangeArgs x{};
+  x.in = in;
+  x.out = out;
+  x.nbytes = nbytes;
+  x.total_ctas = config_.flash_ctas;
+  x.parity_bytes = config_.flash_bytes;
+  x.my_push = shared_ + layout_.flash_push;
+  x.peer_push = peer_shared_ + layout_.flash_push;
+  x.state = state_;
+  x.timeout_ns = uint64_t(config_.timeout_s * 1e9);
+  x.abort = abort_dev_;
+  return x;
+}
+
+StreamArgs Rank::stream_args(const void* in, void* out, size_t nbytes, const Plan& p) const {
+  return StreamArgs{in, out, nbytes, p.chunk_bytes, p.blocks, config_.slots, config_.slot_bytes,
+                    shared_ + layout_.stream_slots, peer_shared_ + layout_.stream_slots,
+                    flag_words(shared_, layout_.stream_ready), flag_words(peer_shared_, layout_.stream_ready),
+                    flag_words(shared_, layout_.stream_credit), flag_words(peer_shared_, layout_.stream_credit),
+                    state_, uint64_t(config_.timeout_s * 1e9), abort_dev_};
+}
+
+#ifdef YALI_LEGACY_KERNELS
+LegacyArgs Rank::legacy_args(const void* in, void* out, size_t nbytes) const {
+  LegacyArgs f{};
+  f.x = exchange_args(in, out, nbytes);
   f.rank = rank_;
   f.my_arrive = flag_words(shared_, layout_.flash_arrive);
   f.peer_arrive = flag_words(peer_shared_, layout_.flash_arrive);
@@ -211,17 +226,12 @@ FlashArgs Rank::flash_args(const void* in, void* out, size_t nbytes) const {
   f.peer_stage = peer_shared_ + layout_.flash_stage;
   f.my_reduced = shared_ + layout_.flash_reduced;
   f.peer_reduced = peer_shared_ + layout_.flash_reduced;
-  f.parity_bytes = config_.flash_bytes;
   f.my_ll = shared_ + layout_.flash_ll;
   f.peer_ll = peer_shared_ + layout_.flash_ll;
   f.ll_parity_bytes = 2 * config_.ll_max;
-  f.my_push = shared_ + layout_.flash_push;
-  f.peer_push = peer_shared_ + layout_.flash_push;
-  f.state = state_;
-  f.timeout_ns = uint64_t(config_.timeout_s * 1e9);
-  f.abort = abort_dev_;
   return f;
 }
+#endif
 
 namespace {
 
@@ -266,7 +276,7 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
     return cudaErrorInvalidValue;
   const size_t nbytes = rows * row_bytes;
   FusedArgs a{};
-  a.f = flash_args(in, nullptr, nbytes);
+  a.x = exchange_args(in, nullptr, nbytes);
   a.residual = residual;
   a.weight = weight;
   a.norm_out = norm_out;

@@ -13,7 +13,9 @@
 
 namespace yali {
 
-struct FlashArgs;
+struct ExchangeArgs;
+struct StreamArgs;
+struct LegacyArgs;
 
 // How the fused op runs for one shape (Rank::fused_launch decides, the launch follows it).
 struct FusedLaunch {
@@ -74,7 +76,11 @@ class Rank {
   bool connected() const { return peer_shared_ != nullptr; }
 
  private:
-  FlashArgs flash_args(const void* in, void* out, size_t nbytes) const;
+  ExchangeArgs exchange_args(const void* in, void* out, size_t nbytes) const;
+  StreamArgs stream_args(const void* in, void* out, size_t nbytes, const Plan& p) const;
+#ifdef YALI_LEGACY_KERNELS
+  LegacyArgs legacy_args(const void* in, void* out, size_t nbytes) const;
+#endif
 
   int device_;
   int rank_;
