@@ -147,6 +147,7 @@ def test_stream_chunks_fit_slots(monkeypatch):
     ("YALI_DEV_PDL", "2", "integer in [0, 1]"),
     ("YALI_DEV_FUSED_BATCH_POLL_MIN", "-1", "byte count"),
     ("YALI_DEV_BATCH_POLL", "1", "no such YALI_DEV_* knob"),  # a removed knob: refused, not ignored
+    ("YALI_DEV_FUSED_SPLIT", "1", "no such YALI_DEV_* knob"),  # the removed fused row split
     ("YALI_DEV_PUSH_CTA_BYTE", "1K", "YALI_DEV_PUSH_CTA_BYTES"),  # a typo names the known knobs
     ("YALI_TIMEOUT_S", "-1", "seconds"),
 ])
@@ -297,19 +298,18 @@ def test_sm90a_code_is_in_the_library():
 
 
 def test_fused_launch_knobs(monkeypatch):
-    # defaults: chunk and row-load order by message size (fused_shape_for), whole rows
+    # defaults: chunk, row-load order and clusters by message size (Rank::fused_launch)
     c = config.kernel_config()
-    assert (c["fused_cta_bytes"], c["fused_split"], c["fused_row_loads_early"], c["fused_cluster"]) == (0, 1, -1, -1)
+    assert (c["fused_cta_bytes"], c["fused_row_loads_early"], c["fused_cluster"]) == (0, -1, -1)
+    assert "fused_split" not in c
     monkeypatch.setenv("YALI_DEV_FUSED_CLUSTER", "8")
     monkeypatch.setenv("YALI_DEV_FUSED_CTA_BYTES", "4k")
-    monkeypatch.setenv("YALI_DEV_FUSED_SPLIT", "32")
     monkeypatch.setenv("YALI_DEV_FUSED_ROW_LOADS_EARLY", "0")
     c = config.kernel_config()
-    assert (c["fused_cta_bytes"], c["fused_split"], c["fused_row_loads_early"], c["fused_cluster"]) == (4 * KiB, 32, 0, 8)
+    assert (c["fused_cta_bytes"], c["fused_row_loads_early"], c["fused_cluster"]) == (4 * KiB, 0, 8)
 
 
-@pytest.mark.parametrize("var,value", [("YALI_DEV_FUSED_SPLIT", "33"), ("YALI_DEV_FUSED_SPLIT", "0"),
-                                       ("YALI_DEV_FUSED_ROW_LOADS_EARLY", "2"), ("YALI_DEV_FUSED_ROW_LOADS_EARLY", "-2"),
+@pytest.mark.parametrize("var,value", [("YALI_DEV_FUSED_ROW_LOADS_EARLY", "2"), ("YALI_DEV_FUSED_ROW_LOADS_EARLY", "-2"),
                                        ("YALI_DEV_FUSED_CTA_BYTES", "100"), ("YALI_DEV_FUSED_CLUSTER", "9"),
                                        ("YALI_DEV_FUSED_CLUSTER", "-2")])
 def test_fused_launch_knobs_refused(monkeypatch, var, value):

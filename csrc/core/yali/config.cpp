@@ -138,7 +138,6 @@ Config Config::from_env() {
   dev_int("YALI_DEV_PDL", 0, 1, &c.pdl);
   dev_bytes("YALI_DEV_FUSED_BATCH_POLL_MIN", 0, size_t(1) << 40, 1, &c.fused_batch_poll_min);
   dev_bytes("YALI_DEV_FUSED_CTA_BYTES", 0, size_t(16) << 20, 16, &c.fused_cta_bytes);
-  dev_int("YALI_DEV_FUSED_SPLIT", 1, kFusedMaxSplit, &c.fused_split);
   dev_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", -1, 1, &c.fused_row_loads_early);
   dev_int("YALI_DEV_FUSED_CLUSTER", -1, 8, &c.fused_cluster);
   refuse_unknown_dev_knobs(dev_knobs);
@@ -185,7 +184,6 @@ void Config::validate() const {
   check_int("YALI_DEV_PDL", pdl, 0, 1);
   check_range("YALI_DEV_FUSED_BATCH_POLL_MIN", fused_batch_poll_min, 0, size_t(1) << 40, 1);
   if (fused_cta_bytes != 0) check_range("YALI_DEV_FUSED_CTA_BYTES", fused_cta_bytes, 256, size_t(16) << 20, 16);
-  check_int("YALI_DEV_FUSED_SPLIT", fused_split, 1, kFusedMaxSplit);
   check_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", fused_row_loads_early, -1, 1);
   check_int("YALI_DEV_FUSED_CLUSTER", fused_cluster, -1, 8);
   if (!(timeout_s == 0.0 || (timeout_s >= kMinTimeoutS && timeout_s <= 86400.0)))
@@ -205,7 +203,7 @@ std::string Config::to_string() const {
     << " oneshot_max=" << oneshot_max
     << " stream_min=" << stream_min << " flash_ctas=" << flash_ctas << " flash_cta_bytes=" << flash_cta_bytes
     << " lanes=" << lanes << " slots=" << slots << " slot_bytes=" << slot_bytes << " pdl=" << pdl << " fused_batch_poll_min=" << fused_batch_poll_min
-    << " fused_cta_bytes=" << fused_cta_bytes << " fused_split=" << fused_split
+    << " fused_cta_bytes=" << fused_cta_bytes
     << " fused_row_loads_early=" << fused_row_loads_early << " fused_cluster=" << fused_cluster
     << " timeout_s=" << timeout_s;
   return o.str();

@@ -28,8 +28,6 @@ constexpr int kStreamThreads = 512;  // half senders, half receivers
 // The fused all-reduce + RMSNorm kernel keeps one row in registers: at most
 // kFlashThreads threads x 8 vectors x 16 bytes (hidden 32768 in 16-bit types).
 constexpr size_t kFusedMaxRowBytes = size_t(kFlashThreads) * 8 * 16;
-// A split row's parts are added by one warp (fused.cuh: row_sum).
-constexpr int kFusedMaxSplit = 32;
 // Whether the build has the legacy flash kernels (flash-ll, one-shot, two-shot:
 // legacy/flash.cuh), compiled only with -DYALI_LEGACY_KERNELS (YALI_BUILD_LEGACY=1).
 #ifdef YALI_LEGACY_KERNELS
@@ -69,9 +67,6 @@ struct Config {
   // YALI_DEV_FUSED_CTA_BYTES: bytes of the message each CTA of the one-launch fused op sends
   // (at most flash_ctas CTAs); 0 = by message size (fused_shape_for).
   size_t fused_cta_bytes = 0;
-  // YALI_DEV_FUSED_SPLIT: most CTAs that share one row of the one-launch fused op (each receives
-  // and normalises a part; the parts' sums of squares meet in device memory). 1 = whole rows.
-  int fused_split = 1;
   // YALI_DEV_FUSED_ROW_LOADS_EARLY: 1 = a row's weight / input / residual loads go out before the
   // epoch fetch, 0 = right after this CTA's send (fused.cuh), -1 = by message size (fused_shape_for).
   int fused_row_loads_early = -1;

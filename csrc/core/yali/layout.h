@@ -56,9 +56,6 @@ struct LocalState {
   uint64_t lane_seq[kMaxLanes];         // chunks each stream lane has sent (= received)
   uint64_t calls;                       // YALI kernel launches that ran (graph replays included)
   uint64_t fused_calls;                 // fused all-reduce + RMSNorm operations that ran
-  // The fused op with rows split over CTAs: CTA b's sum of squares of its part of
-  // a row, tagged with the call's epoch (fused.cuh: row_sum).
-  uint64_t row_partial[kMaxFlashCtas];
 };
 
 // Written by a kernel that gave up waiting for its peer, read by the host after
@@ -68,7 +65,7 @@ struct AbortInfo {
   int32_t kernel;  // Kernel enum
   int32_t block;
   int32_t what;    // 1 = flash arrive, 2 = flash gather, 3 = stream credit, 4 = stream ready, 5 = flash-ll,
-                   // 6 = flash-push data, 7 = a fused row's partial sum from another CTA
+                   // 6 = flash-push data
   uint64_t expected;
   uint64_t seen;
 };

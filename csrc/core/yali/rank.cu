@@ -249,8 +249,7 @@ cudaError_t launch_fused(const FusedArgs& a, const FusedLaunch& l, cudaStream_t 
 
 template <typename T>
 cudaError_t launch_fused_rows(const FusedArgs& a, const FusedLaunch& l, cudaStream_t stream) {
-  const int part_vecs = (a.row_vecs + l.split - 1) / l.split;                // vectors of a CTA's part of a row
-  const int per_thread = (part_vecs + kFlashThreads - 1) / kFlashThreads;  // of them per thread
+  const int per_thread = (a.row_vecs + kFlashThreads - 1) / kFlashThreads;  // vectors of a row per thread
   if (per_thread <= 1) return launch_fused<T, 1>(a, l, stream);
   if (per_thread <= 2) return launch_fused<T, 2>(a, l, stream);
   if (per_thread <= 4) return launch_fused<T, 4>(a, l, stream);
@@ -286,7 +285,6 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
   a.hidden = int(hidden);
   a.eps = eps;
   const FusedLaunch l = fused_launch(rows, hidden, dtype);
-  a.split = l.split;
   if (!l.one_launch) {
     // All-reduce into norm_out (it may be `in`; never residual, which may alias
     // residual_out), then the epilogue reads the sum from there, row by row.
@@ -300,30 +298,21 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
 FusedLaunch Rank::fused_launch(size_t rows, size_t hidden, DType dtype) const {
   FusedLaunch l;
   const size_t nbytes = rows * hidden * dtype_size(dtype);
-  const size_t row_vecs = hidden * dtype_size(dtype) / 16;
   l.one_launch = fused_one_launch(rows, hidden, dtype);
   l.pdl = config_.pdl != 0;
   if (!l.one_launch) {  // the epilogue kernel alone: one CTA per row, up to 1024 CTAs
     l.grid = int(std::min<size_t>(rows, 1024));
     return l;
   }
-  // Rows are split over up to fused_split CTAs each (see FusedArgs::split), as
-  // long as every part gets a CTA of its own: rows * split <= flash_ctas.
-  l.split = int(std::min<size_t>({size_t(config_.fused_split), size_t(kFusedMaxSplit),
-                                  size_t(config_.flash_ctas) / rows, row_vecs}));
-  l.split = std::max(l.split, 1);
   // The sending is cut into shape.cta_bytes per CTA (at most flash_ctas CTAs);
-  // every part of a row needs a CTA too.
+  // every row needs a CTA too.
   const FusedShape shape = fused_shape_for(config_, nbytes);
   const size_t senders = std::min<size_t>(config_.flash_ctas, std::max<size_t>(1, (nbytes + shape.cta_bytes - 1) / shape.cta_bytes));
-  l.grid = int(std::max(senders, std::min<size_t>(rows * size_t(l.split), config_.flash_ctas)));
+  l.grid = int(std::max(senders, std::min<size_t>(rows, config_.flash_ctas)));
   l.batch_poll = nbytes >= config_.fused_batch_poll_min;  // see Config::fused_batch_poll_min
   l.row_loads_early = shape.row_loads_early;
   l.cta_bytes = shape.cta_bytes;
-  // Clusters only for whole rows: a split row's CTAs wait for each other (fused.cuh: row_sum),
-  // and a cluster that cannot be placed yet must not hold back a CTA another one waits for.
-  if (l.split == 1)
-    while (l.cluster * 2 <= shape.cluster && l.grid % (l.cluster * 2) == 0) l.cluster *= 2;
+  while (l.cluster * 2 <= shape.cluster && l.grid % (l.cluster * 2) == 0) l.cluster *= 2;
   return l;
 }
 
@@ -347,9 +336,8 @@ std::string Rank::abort_message() const {
   const volatile AbortInfo* a = abort_host_;
   if (a->magic != kAbortMagic) return "";
   static const char* whats[] = {"?", "flash arrive flag", "flash gather flag", "stream credit", "stream ready",
-                                "flash-ll data", "flash-push data",
-                                "fused row partial sum (from another CTA of this GPU, itself waiting for the peer)"};
-  const int w = (a->what >= 1 && a->what <= 7) ? a->what : 0;
+                                "flash-ll data", "flash-push data"};
+  const int w = (a->what >= 1 && a->what <= 6) ? a->what : 0;
   return "yali: rank " + std::to_string(rank_) + " " + kernel_name(Kernel(a->kernel)) + " kernel, block " +
          std::to_string(a->block) + ", gave up after YALI_TIMEOUT_S=" + std::to_string(config_.timeout_s) +
          "s waiting for the peer's " + whats[w] + " (expected >= " + std::to_string(a->expected) + ", saw " +

@@ -21,7 +21,6 @@ struct LegacyArgs;
 struct FusedLaunch {
   bool one_launch = true;       // false: YALI all-reduce, then the add + norm kernel
   int grid = 0;                 // CTAs
-  int split = 1;                // CTAs per row (FusedArgs::split)
   size_t cta_bytes = 0;         // message bytes each CTA sends (fused_shape_for)
   bool batch_poll = false;      // Config::fused_batch_poll_min
   bool row_loads_early = true;  // Config::fused_row_loads_early
