@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Measures YALI kernel configurations side by side (one process pair, one
 communicator per variant) to choose the size -> kernel table in
-csrc/core/yali/config.cpp. Per-op time inside CUDA graphs, median of replays.
+csrc/core/yali/plan.cpp. Per-op time inside CUDA graphs, median of replays.
 
   python benchmarks/tune.py --out benchmarks/results --name tune-<date>
 """

@@ -298,7 +298,7 @@ def test_sm90a_code_is_in_the_library():
 
 
 def test_fused_launch_knobs(monkeypatch):
-    # defaults: chunk, row-load order and clusters by message size (Rank::fused_launch)
+    # defaults: chunk, row-load order and clusters by message size (plan.cpp: fused_launch_for)
     c = config.kernel_config()
     assert (c["fused_cta_bytes"], c["fused_row_loads_early"], c["fused_cluster"]) == (0, -1, -1)
     assert "fused_split" not in c

@@ -384,7 +384,7 @@ def test_gpu_fused_sweep_launch_overrides():
 
 
 def test_gpu_fused_sweep_cluster_rule():
-    # Rank::fused_launch: clusters of up to 8 CTAs up to 128 KiB by the size table, the
+    # plan.cpp: fused_launch_for: clusters of up to 8 CTAs up to 128 KiB by the size table, the
     # largest power of two dividing the grid; YALI_DEV_FUSED_CLUSTER overrides.
     from tests.gpu import test_fused as tf
 

@@ -39,7 +39,7 @@ def fused_plan():
     return plan
 
 
-# Knobs that change how a one-launch fused call runs (Rank::fused_launch): every
+# Knobs that change how a one-launch fused call runs (plan.cpp: fused_launch_for): every
 # YALI_DEV_FUSED_* (bytes per CTA, row-load order, clusters, batched poll) and the flash launch
 # limits the fused op shares. scripts/gpu_host/experiments.sh runs this whole file with one of
 # them set (YALI_DEV_FUSED_CLUSTER=8), where the default size table cannot hold.
@@ -56,11 +56,11 @@ def fused_launch_overrides(environ=None) -> dict:
             and (k[len(DEV_KNOB_PREFIX):].startswith("FUSED_") or k[len(DEV_KNOB_PREFIX):] in FLASH_LAUNCH_KNOBS)}
 
 
-CLUSTER_TABLE_MAX_BYTES = 128 << 10  # config.cpp: fused_shape_for launches clusters up to here
+CLUSTER_TABLE_MAX_BYTES = 128 << 10  # plan.cpp: fused_launch_for launches clusters up to here
 
 
 def expected_fused_cluster(nbytes: int, grid: int, config: dict) -> int:
-    """CTAs per thread block cluster of a one-launch fused call (Rank::fused_launch): the largest
+    """CTAs per thread block cluster of a one-launch fused call (plan.cpp: fused_launch_for): the largest
     power of two up to the limit (YALI_DEV_FUSED_CLUSTER, or 8 up to 128 KiB and 1 above by the
     size table) that divides the grid."""
     knob = int(config.get("fused_cluster", -1))
@@ -134,7 +134,7 @@ def test_fused_sweep_matches_vllm_reference(suite):
         bad = check_overridden_launches(launches, parts[0]["config"])
         assert not bad, f"{len(bad)} launches do not follow {overrides}:\n" + "\n".join(bad[:20])
     else:
-        # The default launch follows the fused size table (Rank::fused_launch): the sweep
+        # The default launch follows the fused size table (plan.cpp: fused_launch_for): the sweep
         # ran each of its three bands.
         bands = {(l["cta_bytes"], l["row_loads_early"]) for _, _, l in launches}
         assert bands == {(4096, 0), (8192, 1), (1024, 0)}, bands

@@ -1,4 +1,4 @@
-// Run-time configuration and the one size -> kernel table.
+// Run-time configuration. The size tables that use it are in plan.h.
 //
 // Everything a user or tuner can change is read here, once, from environment
 // variables, and validated: a bad value throws std::invalid_argument whose
@@ -42,6 +42,7 @@ constexpr char kLegacyBuildHint[] =
 // Shortest watchdog YALI_TIMEOUT_S accepts (0 = none): below it a slow peer looks like a missing one.
 constexpr double kMinTimeoutS = 1e-3;
 
+// The defaults are the measured best on 2xH200; plan.cpp gives the measurement behind each.
 struct Config {
   KernelMode mode = KernelMode::Auto;  // YALI_KERNEL_MODE
   size_t max_bytes = size_t(2) << 30;  // YALI_MAX_BYTES: largest message served
@@ -61,19 +62,16 @@ struct Config {
   int pdl = 1;                         // YALI_DEV_PDL: 1 = launch with programmatic dependent launch, 0 = plain
   // YALI_DEV_FUSED_BATCH_POLL_MIN: the fused op's receivers poll all their vectors of a row per
   // round (wait_push_batch) from this message size on, one vector after the other below it.
-  // Measured on 2xH200 (hidden 8192, bf16): batched is 0.1-0.3 us faster from 32 tokens (512 KiB)
-  // on, 0.2-0.7 us slower at 1-16 tokens (benchmarks/results/fused-variants-20261122-r3).
   size_t fused_batch_poll_min = 512u << 10;
   // YALI_DEV_FUSED_CTA_BYTES: bytes of the message each CTA of the one-launch fused op sends
-  // (at most flash_ctas CTAs); 0 = by message size (fused_shape_for).
+  // (at most flash_ctas CTAs); 0 = by message size (fused_launch_for).
   size_t fused_cta_bytes = 0;
   // YALI_DEV_FUSED_ROW_LOADS_EARLY: 1 = a row's weight / input / residual loads go out before the
-  // epoch fetch, 0 = right after this CTA's send (fused.cuh), -1 = by message size (fused_shape_for).
+  // epoch fetch, 0 = right after this CTA's send (fused.cuh), -1 = by message size (fused_launch_for).
   int fused_row_loads_early = -1;
   // YALI_DEV_FUSED_CLUSTER: the one-launch fused kernel runs as thread block clusters of up to
   // this many CTAs (the largest power of two <= it that divides the grid); 0 = never clusters,
-  // -1 = by message size (fused_shape_for). The kernel uses nothing of the cluster: the launch
-  // shape is for the cuBLAS GEMM after it (fused_shape_for says why).
+  // -1 = by message size (fused_launch_for, which says why).
   int fused_cluster = -1;
   double timeout_s = 300.0;            // YALI_TIMEOUT_S: a kernel waiting longer aborts (0 = never)
 
@@ -82,29 +80,6 @@ struct Config {
   std::string to_string() const;
   bool operator==(const Config& o) const { return to_string() == o.to_string(); }
 };
-
-// What one all-reduce launches.
-struct Plan {
-  Kernel kernel = Kernel::None;  // None: YALI does not serve this message
-  int blocks = 0;                // active flash CTAs, or stream lanes
-  size_t chunk_bytes = 0;        // stream only: bytes per ring slot use
-};
-
-// The size -> kernel table. `nbytes` is the message size in bytes.
-Plan plan_for(const Config& c, size_t nbytes);
-
-// How the one-launch fused op sends and loads a message of `nbytes` (the fused
-// op's size table; the YALI_DEV_FUSED_* knobs above override it).
-struct FusedShape {
-  size_t cta_bytes;      // message bytes each CTA sends (at most flash_ctas CTAs)
-  bool row_loads_early;  // the row loads before the epoch fetch, or after the send
-  int cluster;           // most CTAs per thread block cluster (1 = no clusters)
-};
-FusedShape fused_shape_for(const Config& c, size_t nbytes);
-
-// Whether the table can pick a legacy flash kernel for some message and mode:
-// flash messages above push_max exist. A default build refuses such a Config.
-bool selects_legacy_kernels(const Config& c);
 
 // Bytes of the IPC-shared buffer one rank allocates for this config.
 size_t shared_buffer_bytes(const Config& c);

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "config.h"
+#include "plan.h"
 
 namespace yali {
 

@@ -235,9 +235,10 @@ LegacyArgs Rank::legacy_args(const void* in, void* out, size_t nbytes) const {
 
 namespace {
 
-// The one place that maps the fused op's run-time choices (Rank::fused_launch) to a kernel.
+// Maps the fused op's launch (fused_launch_for, plan.cpp: the one place that decides it) to a
+// kernel instance.
 template <typename T, int kV>
-cudaError_t launch_fused(const FusedArgs& a, const FusedLaunch& l, cudaStream_t stream) {
+cudaError_t launch_fused_with(const FusedArgs& a, const FusedLaunch& l, cudaStream_t stream) {
   void (*kernel)(FusedArgs);
   if (!l.one_launch) kernel = add_rmsnorm_kernel<T, kV>;
   else if (l.batch_poll) kernel = l.row_loads_early ? fused_allreduce_rmsnorm_kernel<T, kV, true, true>
@@ -248,19 +249,24 @@ cudaError_t launch_fused(const FusedArgs& a, const FusedLaunch& l, cudaStream_t 
 }
 
 template <typename T>
-cudaError_t launch_fused_rows(const FusedArgs& a, const FusedLaunch& l, cudaStream_t stream) {
-  const int per_thread = (a.row_vecs + kFlashThreads - 1) / kFlashThreads;  // vectors of a row per thread
-  if (per_thread <= 1) return launch_fused<T, 1>(a, l, stream);
-  if (per_thread <= 2) return launch_fused<T, 2>(a, l, stream);
-  if (per_thread <= 4) return launch_fused<T, 4>(a, l, stream);
-  if (per_thread <= 8) return launch_fused<T, 8>(a, l, stream);
-  return cudaErrorInvalidValue;
+cudaError_t launch_fused(const FusedArgs& a, const FusedLaunch& l, cudaStream_t stream) {
+  switch (l.row_vecs_per_thread) {
+    case 1: return launch_fused_with<T, 1>(a, l, stream);
+    case 2: return launch_fused_with<T, 2>(a, l, stream);
+    case 4: return launch_fused_with<T, 4>(a, l, stream);
+    case 8: return launch_fused_with<T, 8>(a, l, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace
 
 bool Rank::fused_one_launch(size_t rows, size_t hidden, DType dtype) const {
-  return rows * hidden * dtype_size(dtype) <= config_.flash_bytes;
+  return fused_launch(rows, hidden, dtype).one_launch;
+}
+
+FusedLaunch Rank::fused_launch(size_t rows, size_t hidden, DType dtype) const {
+  return fused_launch_for(config_, rows, hidden, dtype);
 }
 
 cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, const void* weight, float eps,
@@ -292,28 +298,7 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
     if (e != cudaSuccess) return e;
     a.sum = norm_out;
   }
-  return with_element_type(dtype, [&](auto zero) { return launch_fused_rows<decltype(zero)>(a, l, stream); });
-}
-
-FusedLaunch Rank::fused_launch(size_t rows, size_t hidden, DType dtype) const {
-  FusedLaunch l;
-  const size_t nbytes = rows * hidden * dtype_size(dtype);
-  l.one_launch = fused_one_launch(rows, hidden, dtype);
-  l.pdl = config_.pdl != 0;
-  if (!l.one_launch) {  // the epilogue kernel alone: one CTA per row, up to 1024 CTAs
-    l.grid = int(std::min<size_t>(rows, 1024));
-    return l;
-  }
-  // The sending is cut into shape.cta_bytes per CTA (at most flash_ctas CTAs);
-  // every row needs a CTA too.
-  const FusedShape shape = fused_shape_for(config_, nbytes);
-  const size_t senders = std::min<size_t>(config_.flash_ctas, std::max<size_t>(1, (nbytes + shape.cta_bytes - 1) / shape.cta_bytes));
-  l.grid = int(std::max(senders, std::min<size_t>(rows, config_.flash_ctas)));
-  l.batch_poll = nbytes >= config_.fused_batch_poll_min;  // see Config::fused_batch_poll_min
-  l.row_loads_early = shape.row_loads_early;
-  l.cta_bytes = shape.cta_bytes;
-  while (l.cluster * 2 <= shape.cluster && l.grid % (l.cluster * 2) == 0) l.cluster *= 2;
-  return l;
+  return with_element_type(dtype, [&](auto zero) { return launch_fused<decltype(zero)>(a, l, stream); });
 }
 
 uint64_t Rank::device_fused_calls() const {

@@ -10,23 +10,13 @@
 
 #include "config.h"
 #include "layout.h"
+#include "plan.h"
 
 namespace yali {
 
 struct ExchangeArgs;
 struct StreamArgs;
 struct LegacyArgs;
-
-// How the fused op runs for one shape (Rank::fused_launch decides, the launch follows it).
-struct FusedLaunch {
-  bool one_launch = true;       // false: YALI all-reduce, then the add + norm kernel
-  int grid = 0;                 // CTAs
-  size_t cta_bytes = 0;         // message bytes each CTA sends (fused_shape_for)
-  bool batch_poll = false;      // Config::fused_batch_poll_min
-  bool row_loads_early = true;  // Config::fused_row_loads_early
-  bool pdl = true;
-  int cluster = 1;              // CTAs per thread block cluster (Config::fused_cluster)
-};
 
 using IpcHandleBytes = std::array<uint8_t, sizeof(cudaIpcMemHandle_t)>;
 
@@ -63,7 +53,7 @@ class Rank {
                                       void* norm_out, void* residual_out, size_t rows, size_t hidden, DType dtype,
                                       cudaStream_t stream) const;
   bool fused_one_launch(size_t rows, size_t hidden, DType dtype) const;
-  FusedLaunch fused_launch(size_t rows, size_t hidden, DType dtype) const;
+  FusedLaunch fused_launch(size_t rows, size_t hidden, DType dtype) const;  // fused_launch_for(config())
 
   uint64_t device_calls() const;      // synchronising read of LocalState::calls
   uint64_t device_fused_calls() const;  // synchronising read of LocalState::fused_calls
