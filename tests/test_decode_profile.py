@@ -29,7 +29,7 @@ TRACE = {"traceEvents": [
 
 
 def test_kernel_classes():
-    assert dp.kernel_class("void yali::flash_push_kernel<float>(yali::FlashArgs)") == "yali"
+    assert dp.kernel_class("void yali::flash_push_kernel<float>(yali::ExchangeArgs)") == "yali"
     assert dp.kernel_class("allreduce_fusion_kernel_twoshot") == "flashinfer-allreduce"
     assert dp.kernel_class("void vllm::cross_device_reduce_1stage<...>") == "vllm-custom-allreduce"
     assert dp.kernel_class("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "nccl"
