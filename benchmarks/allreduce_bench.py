@@ -104,6 +104,8 @@ class Backends:
             if name == "yali-prev":
                 # YALI's first small/mid-size kernels (flash-ll, then one-shot) on a
                 # communicator of their own, so the same run shows what flash-push changed.
+                # They exist only in a build with YALI_BUILD_LEGACY=1; elsewhere the config
+                # refuses YALI_DEV_PUSH_MAX=0 naming that flag and the backend is skipped.
                 # (The run of 2026-11-22 also set YALI_DEV_STREAM_FLAGS=1, a switch of a
                 # sentinel-in-data stream variant that measured slower and was removed.)
                 with _env_set({"YALI_DEV_PUSH_MAX": "0"}):

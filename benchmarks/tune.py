@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Measures YALI kernel configurations side by side (one process pair, one
 communicator per variant) to choose the size -> kernel table in
-csrc/core/yali/config.cpp. Per-op time inside CUDA graphs, median of replays.
+csrc/core/yali/plan.cpp. Per-op time inside CUDA graphs, median of replays.
 
   python -m benchmarks.tune --out /tmp/yali-results --name tune-<date>
 """
@@ -74,7 +74,7 @@ def worker(rank, port, args, q):
     import torch
     import torch.distributed as dist
 
-    from yali_vllm.communicator import YaliCommunicator
+    from yali_vllm.communicator import YaliCommunicator, YaliUnavailable
 
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
@@ -89,7 +89,13 @@ def worker(rank, port, args, q):
             del os.environ[k]
         os.environ.update(base_env)
         os.environ.update(env)
-        comm = YaliCommunicator(dist.group.WORLD, dev)
+        try:
+            comm = YaliCommunicator(dist.group.WORLD, dev)
+        except YaliUnavailable as e:  # both ranks: e.g. a legacy-kernel variant on a build without YALI_BUILD_LEGACY=1
+            rows += [{"variant": label, "bytes": parse_size(s), "error": str(e)[:200]} for s in sizes.split(",")]
+            if rank == 0:
+                print(f"[tune {vi + 1}/{len(names)}] {label:22s} refused: {e}", flush=True)
+            continue
         for s in sizes.split(","):
             nbytes = parse_size(s)
             x = torch.randn(nbytes // 2, device=dev).to(torch.bfloat16)

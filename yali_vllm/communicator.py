@@ -396,11 +396,10 @@ class YaliCommunicator:
         return int(_ext.ops().device_fused_calls(self._handle))
 
     def fused_launch(self, rows: int, hidden: int, dtype: torch.dtype) -> dict:
-        """How a fused call of `rows` x `hidden` `dtype` runs: one launch or not, CTAs, CTAs per row
-        (split), batched receive poll, row loads before the epoch fetch, message bytes sent per CTA,
-        CTAs per thread block cluster."""
+        """How a fused call of `rows` x `hidden` `dtype` runs: one launch or not, CTAs, batched receive
+        poll, row loads before the epoch fetch, message bytes sent per CTA, CTAs per thread block cluster."""
         v = _ext.ops().fused_launch(self._handle, rows, hidden, dtype)
-        keys = ("one_launch", "grid", "split", "batch_poll", "row_loads_early", "cta_bytes", "cluster")
+        keys = ("one_launch", "grid", "batch_poll", "row_loads_early", "cta_bytes", "cluster")
         return dict(zip(keys, (int(x) for x in v)))
 
     def abort_message(self) -> str:

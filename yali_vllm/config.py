@@ -16,6 +16,9 @@ _FALSE = {"0", "false", "no", "off"}
 
 # Kernel ids as returned by plan() (csrc/core/yali/config.h: enum class Kernel).
 KERNEL_NAMES = {0: None, 1: "flash-oneshot", 2: "flash-twoshot", 3: "stream", 4: "flash-ll", 5: "flash-push"}
+# The end of build_info() of a library built with the legacy flash kernels (YALI_BUILD_LEGACY=1;
+# csrc/bindings/torch_ops.cpp: YALI_BUILD_KERNELS).
+LEGACY_BUILD_MARK = ", with the legacy flash kernels"
 # Kernel modes accepted by all_reduce(mode=...) (enum class KernelMode); -1 = the configured one.
 MODES = {"config": -1, "auto": 0, "flash": 1, "stream": 2}
 
@@ -93,6 +96,13 @@ def parse_config_string(s: str) -> dict:
             except ValueError:
                 out[k] = v
     return out
+
+
+def legacy_kernels() -> bool:
+    """Whether the library has the legacy flash kernels (flash-ll, one-shot, two-shot), built with
+    YALI_BUILD_LEGACY=1: only then are YALI_DEV_PUSH_MAX below YALI_DEV_FLASH_BYTES and the
+    YALI_DEV_LL_* / ONESHOT_MAX / FLASH_CTA_BYTES knobs accepted."""
+    return _ext.ops().build_info().endswith(LEGACY_BUILD_MARK)
 
 
 def plan(nbytes: int, mode: str = "config") -> tuple[str | None, int, int]:

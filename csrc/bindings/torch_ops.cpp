@@ -34,8 +34,13 @@
 #include "yali/overlap.h"
 #include "yali/rank.h"
 
+#ifdef YALI_LEGACY_KERNELS
+#define YALI_BUILD_KERNELS ", with the legacy flash kernels"  // yali_vllm.config.LEGACY_BUILD_MARK
+#else
+#define YALI_BUILD_KERNELS ""
+#endif
 extern "C" __attribute__((used, visibility("default"))) const char yali_build_info[] =
-    "yali-vllm build: torch " YALI_BUILD_TORCH " headers, stable ABI target " YALI_TORCH_TARGET;
+    "yali-vllm build: torch " YALI_BUILD_TORCH " headers, stable ABI target " YALI_TORCH_TARGET YALI_BUILD_KERNELS;
 
 namespace {
 
@@ -276,11 +281,11 @@ int64_t device_fused_calls(int64_t handle) {
   return core([&] { return int64_t(r->device_fused_calls()); });
 }
 std::string abort_message(int64_t handle) { return get(handle)->abort_message(); }
-// How a fused call of this shape runs: [one_launch, grid, split, batch_poll, row_loads_early, cta_bytes, cluster].
+// How a fused call of this shape runs: [one_launch, grid, batch_poll, row_loads_early, cta_bytes, cluster].
 std::vector<int64_t> fused_launch(int64_t handle, int64_t rows, int64_t hidden, ScalarType dtype) {
   YALI_CHECK_VALUE(rows > 0 && hidden > 0, "fused_launch needs rows > 0 and hidden > 0, got ", rows, ", ", hidden);
   const yali::FusedLaunch l = get(handle)->fused_launch(size_t(rows), size_t(hidden), to_dtype(dtype));
-  return {l.one_launch, l.grid, l.split, l.batch_poll, l.row_loads_early, int64_t(l.cta_bytes), l.cluster};
+  return {l.one_launch, l.grid, l.batch_poll, l.row_loads_early, int64_t(l.cta_bytes), l.cluster};
 }
 std::string handle_config(int64_t handle) { return get(handle)->config().to_string(); }
 

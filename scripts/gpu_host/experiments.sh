@@ -2,7 +2,8 @@
 # The fused op's launch shape next to its default (no vLLM needed):
 #   experiments.sh tests   tests/gpu/test_fused.py: the default suite and every non-default setting
 #                          (odd grids, no PDL, batched / never batched poll, row loads after the
-#                          send, rows split over CTAs), then the whole suite with split rows    ~2.5 min
+#                          send, clusters never / always), then the whole suite with clusters
+#                          of 8 at every size                                                    ~2.5 min
 #   experiments.sh bench   the fused op (yali-fused only, 1-128 tokens) once per setting of
 #                          SETTINGS below, the default first and last (drift check)              ~5 min
 # Compare the rows with the fused benchmark's yali-fused / flashinfer-trtllm rows of the same machine.
@@ -11,14 +12,10 @@
 day=$(date +%Y%m%d)
 SETTINGS=(
   ""
-  "FUSED_SPLIT=2"
-  "FUSED_SPLIT=4"
-  "FUSED_SPLIT=8"
-  "FUSED_SPLIT=16"
-  "FUSED_SPLIT=32"
-  "FUSED_SPLIT=4 FUSED_ROW_LOADS_EARLY=0"
-  "FUSED_SPLIT=16 FUSED_ROW_LOADS_EARLY=0"
-  "FUSED_SPLIT=32 FUSED_ROW_LOADS_EARLY=0"
+  "FUSED_CLUSTER=0"
+  "FUSED_CLUSTER=8"
+  "FUSED_ROW_LOADS_EARLY=0"
+  "FUSED_ROW_LOADS_EARLY=1"
   "FUSED_ROW_LOADS_EARLY=0 FUSED_CTA_BYTES=4K"
   ""
 )
@@ -31,10 +28,10 @@ case "${1:-all}" in
       -q -p no:cacheprovider tests/gpu/test_fused.py tests/test_core_config.py 2>&1 \
       | tee "$OUT/gpu-tests-fused-launch-$day.log" | tail -15
     # the whole fused suite (sweep, interleaved with plain all-reduces, 1000 graph replays,
-    # torch.compile) with rows split over up to 8 CTAs
-    YALI_DEV_FUSED_SPLIT=8 YALI_TIMEOUT_S=30 timeout 200 python3 scripts/record_test_run.py \
-      --out "$OUT/gpu-tests-fused-split8-$day.json" -- -q -p no:cacheprovider tests/gpu/test_fused.py \
-      -k "not nondefault" 2>&1 | tee "$OUT/gpu-tests-fused-split8-$day.log" | tail -5 ;;&
+    # torch.compile) launched as clusters of up to 8 CTAs at every size
+    YALI_DEV_FUSED_CLUSTER=8 YALI_TIMEOUT_S=30 timeout 200 python3 scripts/record_test_run.py \
+      --out "$OUT/gpu-tests-fused-cluster8-$day.json" -- -q -p no:cacheprovider tests/gpu/test_fused.py \
+      -k "not nondefault" 2>&1 | tee "$OUT/gpu-tests-fused-cluster8-$day.log" | tail -5 ;;&
   bench|all)
     n=0
     for v in "${SETTINGS[@]}"; do

@@ -28,7 +28,7 @@ TRACE = {"traceEvents": [
 
 
 def test_kernel_classes():
-    assert profile_analysis.kernel_class("void yali::flash_push_kernel<float>(yali::FlashArgs)") == "yali"
+    assert profile_analysis.kernel_class("void yali::flash_push_kernel<float>(yali::ExchangeArgs)") == "yali"
     assert profile_analysis.kernel_class("allreduce_fusion_kernel_twoshot") == "flashinfer-allreduce"
     assert profile_analysis.kernel_class("void vllm::cross_device_reduce_1stage<...>") == "vllm-custom-allreduce"
     assert profile_analysis.kernel_class("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "nccl"

@@ -364,57 +364,53 @@ def test_gpu_fused_plan_covers_the_spec():
 
 def test_gpu_fused_sweep_launch_overrides():
     # The default sweep checks the size table only when no launch knob is set (experiments.sh runs
-    # the whole fused suite with YALI_DEV_FUSED_SPLIT=8, where the table cannot hold).
+    # the whole fused suite with YALI_DEV_FUSED_CLUSTER=8, where the table cannot hold).
     from tests.gpu import test_fused as tf
 
     assert tf.fused_launch_overrides({"YALI_TIMEOUT_S": "60", "YALI_DEV_PDL": "0", "YALI_ENABLE": "1"}) == {}
-    env = {"YALI_DEV_FUSED_SPLIT": "8", "YALI_DEV_FUSED_CLUSTER": "", "YALI_DEV_FUSED_CTA_BYTES": "4K",
-           "YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_PUSH_MAX": "0", "YALI_TIMEOUT_S": "30"}
+    env = {"YALI_DEV_FUSED_ROW_LOADS_EARLY": "0", "YALI_DEV_FUSED_CLUSTER": "", "YALI_DEV_FUSED_CTA_BYTES": "4K",
+           "YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_PUSH_CTA_BYTES": "2K", "YALI_TIMEOUT_S": "30"}
     assert tf.fused_launch_overrides(env) == {"YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_FUSED_CTA_BYTES": "4K",
-                                              "YALI_DEV_FUSED_SPLIT": "8"}
-    cfg = {"flash_ctas": 128, "fused_split": 8, "fused_cta_bytes": 0, "fused_row_loads_early": -1}
-    # bf16 hidden 8192: 8 CTAs per row up to 16 rows, then as many as 128 CTAs allow
-    assert [tf.expected_fused_split(r, 16384, cfg) for r in (1, 16, 32, 64, 128, 256)] == [8, 8, 4, 2, 1, 1]
-    assert tf.expected_fused_split(1, 32, {**cfg, "fused_split": 32}) == 2  # a part needs a vector
-    ok = (16384, 1, {"split": 8, "grid": 16, "cta_bytes": 4096, "row_loads_early": 0})
+                                              "YALI_DEV_FUSED_ROW_LOADS_EARLY": "0"}
+    cfg = {"flash_ctas": 128, "fused_cta_bytes": 0, "fused_row_loads_early": -1}
+    ok = (16384, 1, {"grid": 16, "cta_bytes": 4096, "row_loads_early": 0})
     assert tf.check_overridden_launches([ok], cfg) == []
-    bad = tf.check_overridden_launches([(16384, 1, {**ok[2], "split": 1}), (16384, 32, {**ok[2], "split": 4, "grid": 64})],
+    bad = tf.check_overridden_launches([ok, (16384, 32, {**ok[2], "grid": 16})],
                                        {**cfg, "fused_cta_bytes": 1024, "fused_row_loads_early": 1})
-    assert len(bad) == 6 and "split 1, expected 8" in bad[0] and "grid 64 not in [128, 128]" in bad[3], bad
+    assert len(bad) == 5 and "4096 B per CTA" in bad[0] and "grid 16 not in [32, 128]" in bad[2], bad
 
 
 def test_gpu_fused_sweep_cluster_rule():
-    # Rank::fused_launch: clusters of up to 8 CTAs up to 128 KiB by the size table, the largest
-    # power of two dividing the grid, never for split rows; YALI_DEV_FUSED_CLUSTER overrides.
+    # plan.cpp: fused_launch_for: clusters of up to 8 CTAs up to 128 KiB by the size table, the
+    # largest power of two dividing the grid; YALI_DEV_FUSED_CLUSTER overrides.
     from tests.gpu import test_fused as tf
 
     table = {"fused_cluster": -1}
-    assert [tf.expected_fused_cluster(16384 * t, g, 1, table) for t, g in ((1, 4), (2, 8), (8, 32), (16, 32))] == \
+    assert [tf.expected_fused_cluster(16384 * t, g, table) for t, g in ((1, 4), (2, 8), (8, 32), (16, 32))] == \
         [4, 8, 8, 1]
-    assert tf.expected_fused_cluster(32 * 16384, 128, 1, table) == 1  # above 128 KiB
-    assert tf.expected_fused_cluster(16384, 6, 1, table) == 2 and tf.expected_fused_cluster(16384, 5, 1, table) == 1
-    assert tf.expected_fused_cluster(16384, 16, 8, table) == 1  # split rows: no clusters
-    assert tf.expected_fused_cluster(16384, 4, 1, {"fused_cluster": 0}) == 1
-    assert tf.expected_fused_cluster(128 * 16384, 128, 1, {"fused_cluster": 8}) == 8
-    assert tf.expected_fused_cluster(16384, 8, 1, {"fused_cluster": 2}) == 2
-    cfg = {"flash_ctas": 128, "fused_split": 1, "fused_cta_bytes": 0, "fused_row_loads_early": -1, "fused_cluster": -1}
-    ok = (16384, 1, {"split": 1, "grid": 4, "cta_bytes": 4096, "row_loads_early": 0, "cluster": 4})
+    assert tf.expected_fused_cluster(32 * 16384, 128, table) == 1  # above 128 KiB
+    assert tf.expected_fused_cluster(16384, 6, table) == 2 and tf.expected_fused_cluster(16384, 5, table) == 1
+    assert tf.expected_fused_cluster(16384, 4, {"fused_cluster": 0}) == 1
+    assert tf.expected_fused_cluster(128 * 16384, 128, {"fused_cluster": 8}) == 8
+    assert tf.expected_fused_cluster(16384, 8, {"fused_cluster": 2}) == 2
+    cfg = {"flash_ctas": 128, "fused_cta_bytes": 0, "fused_row_loads_early": -1, "fused_cluster": -1}
+    ok = (16384, 1, {"grid": 4, "cta_bytes": 4096, "row_loads_early": 0, "cluster": 4})
     assert tf.check_overridden_launches([ok], cfg) == []
     bad = tf.check_overridden_launches([(16384, 1, {**ok[2], "cluster": 1})], cfg)
     assert len(bad) == 1 and "clusters of 1, expected 4" in bad[0]
 
 
 def test_gpu_fused_sweep_launch_model_matches_measured_launches():
-    # The split / grid rules the sweep checks under launch knobs, against the launches the device
-    # reported in the split runs of current/fused/20261122-launch-sweep (fused_bench records the launch of every
-    # row; that tree still sent 1 KiB per CTA with the loads first by default, and its config says
-    # so). The split runs are the ones whose config has the split knob (`fused_split`).
+    # The grid rule the sweep checks under launch knobs (a CTA per row, at least the senders),
+    # against the launches the device reported in the whole-row runs of current/fused/20261122-launch-sweep
+    # (fused_bench records the launch of every row; that tree still sent 1 KiB per CTA with the
+    # loads first by default, and its config says so). The runs whose config has the row split
+    # knob (`fused_split`, since removed) at 1 are whole-row runs that recorded their launches.
     from tests.gpu import test_fused as tf
 
     run = REPO / "benchmarks/results/current/fused/20261122-launch-sweep"
     docs = {f: json.loads(f.read_text()) for f in sorted(run.glob("*/fused-*.json"))}
-    files = [f for f, doc in docs.items() if "fused_split" in doc["yali_config"]]
-    splits = set()
+    files = [f for f, doc in docs.items() if doc["yali_config"].get("fused_split") == 1]
     for f in files:
         doc = docs[f]
         cfg = doc["yali_config"]
@@ -423,11 +419,10 @@ def test_gpu_fused_sweep_launch_model_matches_measured_launches():
             nbytes, rows = r["bytes"], r["tokens"]
             launches.append((nbytes, rows, {**r["yali_launch"], "cta_bytes": cfg["fused_cta_bytes"]}))
             senders = min(cfg["flash_ctas"], -(-nbytes // cfg["fused_cta_bytes"]))
-            split = tf.expected_fused_split(rows, nbytes // rows, cfg)
-            assert r["yali_launch"]["grid"] == max(senders, min(rows * split, cfg["flash_ctas"])), (f.name, r)
-            splits.add(r["yali_launch"]["split"])
+            assert r["yali_launch"]["split"] == 1 and \
+                r["yali_launch"]["grid"] == max(senders, min(rows, cfg["flash_ctas"])), (f.name, r)
         assert tf.check_overridden_launches(launches, cfg) == [], f.name
-    assert len(files) == 11 and splits == {1, 2, 4, 8, 16, 32}
+    assert len(files) == 3
 
 
 def test_main_keeps_partial_results_when_the_pair_fails(tmp_path, monkeypatch):

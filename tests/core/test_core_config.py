@@ -56,15 +56,33 @@ def test_default_table_pushes_up_to_flash_size():
 
 
 def test_push_boundary_follows_env(monkeypatch):
-    monkeypatch.setenv("YALI_DEV_PUSH_MAX", "64K")
+    monkeypatch.setenv("YALI_DEV_FLASH_BYTES", "64K")  # YALI_DEV_PUSH_MAX follows it when unset
     monkeypatch.setenv("YALI_DEV_PUSH_CTA_BYTES", "4K")
     assert config.plan(64 * KiB) == ("flash-push", 16, 0)
-    assert config.plan(64 * KiB + 16)[0] == "flash-ll"
+    assert config.plan(64 * KiB + 16)[0] == "stream"
+    monkeypatch.setenv("YALI_DEV_FLASH_BYTES", "16M")
+    monkeypatch.setenv("YALI_KERNEL_MODE", "flash")
+    assert config.plan(16 * MiB)[0] == "flash-push"
+    monkeypatch.delenv("YALI_KERNEL_MODE")
+    monkeypatch.delenv("YALI_DEV_FLASH_BYTES")
     monkeypatch.setenv("YALI_DEV_PUSH_MAX", "16M")  # above YALI_DEV_FLASH_BYTES (8M)
     with pytest.raises(ValueError, match="YALI_DEV_PUSH_MAX"):
         config.plan(1)
 
 
+needs_legacy = pytest.mark.skipif(_ext.library_error() is not None or not config.legacy_kernels(),
+                                  reason="selects the legacy flash kernels: the library was built without "
+                                         "YALI_BUILD_LEGACY=1")
+
+
+@needs_legacy
+def test_legacy_table_boundaries_follow_env(monkeypatch):
+    monkeypatch.setenv("YALI_DEV_PUSH_MAX", "64K")
+    assert config.plan(64 * KiB)[0] == "flash-push"
+    assert config.plan(64 * KiB + 16)[0] == "flash-ll"
+
+
+@needs_legacy
 def test_table_boundaries_follow_env(monkeypatch):
     monkeypatch.setenv("YALI_DEV_PUSH_MAX", "0")
     monkeypatch.setenv("YALI_DEV_LL_MAX", "4K")
@@ -73,6 +91,27 @@ def test_table_boundaries_follow_env(monkeypatch):
     assert config.plan(4 * KiB + 16)[0] == "flash-oneshot"
     assert config.plan(1 * MiB)[0] == "flash-oneshot"
     assert config.plan(1 * MiB + 16)[0] == "stream"
+
+
+@pytest.mark.parametrize("var,value", [("YALI_DEV_PUSH_MAX", "0"), ("YALI_DEV_PUSH_MAX", "64K"),
+                                       ("YALI_DEV_LL_MAX", "4K"), ("YALI_DEV_LL_CTA_BYTES", "2K"),
+                                       ("YALI_DEV_ONESHOT_MAX", "0"), ("YALI_DEV_FLASH_CTA_BYTES", "4K")])
+def test_legacy_settings_refused_without_legacy_build(monkeypatch, var, value):
+    if config.legacy_kernels():
+        pytest.skip("the library was built with YALI_BUILD_LEGACY=1: the legacy settings apply")
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError) as e:
+        config.kernel_config()
+    assert f"{var}=" in str(e.value) and "YALI_BUILD_LEGACY=1" in str(e.value) and "legacy" in str(e.value)
+
+
+def test_buffer_holds_only_what_the_config_selects(monkeypatch):
+    # stream ready + credit flags (2 x 128 lanes x 16 slots x 8 B), the push area (2 parities x 8 MiB),
+    # the stream ring (128 lanes x 8 slots x 64 KiB): no area of the legacy kernels.
+    assert torch.ops.yali.shared_bytes_for_env() == 32 * KiB + 16 * MiB + 64 * MiB
+    if config.legacy_kernels():  # their arrive / gather flags, LL words (2 x 2 x 128 KiB), stage, reduced
+        monkeypatch.setenv("YALI_DEV_PUSH_MAX", "0")
+        assert torch.ops.yali.shared_bytes_for_env() == 34 * KiB + 512 * KiB + 48 * MiB + 64 * MiB
 
 
 def test_kernel_mode_forces_family(monkeypatch):
@@ -108,6 +147,7 @@ def test_stream_chunks_fit_slots(monkeypatch):
     ("YALI_DEV_PDL", "2", "integer in [0, 1]"),
     ("YALI_DEV_FUSED_BATCH_POLL_MIN", "-1", "byte count"),
     ("YALI_DEV_BATCH_POLL", "1", "no such YALI_DEV_* knob"),  # a removed knob: refused, not ignored
+    ("YALI_DEV_FUSED_SPLIT", "1", "no such YALI_DEV_* knob"),  # the removed fused row split
     ("YALI_DEV_PUSH_CTA_BYTE", "1K", "YALI_DEV_PUSH_CTA_BYTES"),  # a typo names the known knobs
     ("YALI_TIMEOUT_S", "-1", "seconds"),
 ])
@@ -258,19 +298,18 @@ def test_sm90a_code_is_in_the_library():
 
 
 def test_fused_launch_knobs(monkeypatch):
-    # defaults: chunk and row-load order by message size (fused_shape_for), whole rows
+    # defaults: chunk, row-load order and clusters by message size (plan.cpp: fused_launch_for)
     c = config.kernel_config()
-    assert (c["fused_cta_bytes"], c["fused_split"], c["fused_row_loads_early"], c["fused_cluster"]) == (0, 1, -1, -1)
+    assert (c["fused_cta_bytes"], c["fused_row_loads_early"], c["fused_cluster"]) == (0, -1, -1)
+    assert "fused_split" not in c
     monkeypatch.setenv("YALI_DEV_FUSED_CLUSTER", "8")
     monkeypatch.setenv("YALI_DEV_FUSED_CTA_BYTES", "4k")
-    monkeypatch.setenv("YALI_DEV_FUSED_SPLIT", "32")
     monkeypatch.setenv("YALI_DEV_FUSED_ROW_LOADS_EARLY", "0")
     c = config.kernel_config()
-    assert (c["fused_cta_bytes"], c["fused_split"], c["fused_row_loads_early"], c["fused_cluster"]) == (4 * KiB, 32, 0, 8)
+    assert (c["fused_cta_bytes"], c["fused_row_loads_early"], c["fused_cluster"]) == (4 * KiB, 0, 8)
 
 
-@pytest.mark.parametrize("var,value", [("YALI_DEV_FUSED_SPLIT", "33"), ("YALI_DEV_FUSED_SPLIT", "0"),
-                                       ("YALI_DEV_FUSED_ROW_LOADS_EARLY", "2"), ("YALI_DEV_FUSED_ROW_LOADS_EARLY", "-2"),
+@pytest.mark.parametrize("var,value", [("YALI_DEV_FUSED_ROW_LOADS_EARLY", "2"), ("YALI_DEV_FUSED_ROW_LOADS_EARLY", "-2"),
                                        ("YALI_DEV_FUSED_CTA_BYTES", "100"), ("YALI_DEV_FUSED_CLUSTER", "9"),
                                        ("YALI_DEV_FUSED_CLUSTER", "-2")])
 def test_fused_launch_knobs_refused(monkeypatch, var, value):

@@ -6,6 +6,8 @@ import subprocess
 import pytest
 import torch
 
+from yali_vllm import config
+
 from . import scenarios
 from .pair import run_pair
 
@@ -113,9 +115,9 @@ def test_single_process_pair_checks_both_calls_before_launching():
 def test_cpp_example(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     exe = tmp_path / "allreduce_example"
+    core = [f"{root}/csrc/core/yali/{f}" for f in ("rank.cu", "config.cpp", "plan.cpp")]
     subprocess.run(["nvcc", "-std=c++17", "-O2", "-gencode=arch=compute_90a,code=sm_90a", "-I", f"{root}/csrc/core",
-                    f"{root}/examples/allreduce_example.cu", f"{root}/csrc/core/yali/rank.cu",
-                    f"{root}/csrc/core/yali/config.cpp", "-o", str(exe)], check=True, timeout=300)
+                    f"{root}/examples/allreduce_example.cu", *core, "-o", str(exe)], check=True, timeout=300)
     out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "0 mismatches" in out.stdout
@@ -128,27 +130,32 @@ def test_bad_or_different_settings_fail_both_ranks():
         assert "settings differ" in r["different"], r
 
 
-# Kernel paths the default table does not pick, or only lightly: the first
-# small/mid-size kernels (flash-ll, one-shot), two-shot, a tiny stream ring
+# Kernel paths the default table does not pick, or only lightly: a tiny stream ring
 # (thousands of chunks per lane cycling 2 slots, so every slot reuse waits on a
-# credit), push/one-shot/stream on odd CTA/lane counts, launches without
-# programmatic dependent launch.
+# credit), push/stream on odd CTA/lane counts, launches without programmatic
+# dependent launch; on a build with YALI_BUILD_LEGACY=1 also the legacy flash
+# kernels (flash-ll and one-shot, two-shot, one-shot on an odd CTA count).
 NONDEFAULT = {
-    "first-kernels": {"YALI_DEV_PUSH_MAX": "0"},
-    "twoshot": {"YALI_DEV_PUSH_MAX": "0", "YALI_DEV_ONESHOT_MAX": "0", "YALI_DEV_LL_MAX": "0"},
     "tiny-ring": {"YALI_DEV_LANES": "3", "YALI_DEV_SLOTS": "2", "YALI_DEV_SLOT_BYTES": "4K"},
-    "odd-grids": {"YALI_DEV_PUSH_MAX": "0", "YALI_DEV_LL_MAX": "0", "YALI_DEV_FLASH_CTAS": "7",
-                  "YALI_DEV_FLASH_CTA_BYTES": "4K", "YALI_DEV_LANES": "5", "YALI_DEV_SLOT_BYTES": "8K"},
+    "odd-grids": {"YALI_DEV_FLASH_CTAS": "7", "YALI_DEV_LANES": "5", "YALI_DEV_SLOT_BYTES": "8K"},
     "push-odd-grids": {"YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_PUSH_CTA_BYTES": "272"},
     "no-pdl": {"YALI_DEV_PDL": "0"},  # plain launches (PDL is the default)
+}
+LEGACY = {
+    "legacy-first-kernels": {"YALI_DEV_PUSH_MAX": "0"},
+    "legacy-twoshot": {"YALI_DEV_PUSH_MAX": "0", "YALI_DEV_ONESHOT_MAX": "0", "YALI_DEV_LL_MAX": "0"},
+    "legacy-odd-grids": {"YALI_DEV_PUSH_MAX": "0", "YALI_DEV_LL_MAX": "0", "YALI_DEV_FLASH_CTAS": "7",
+                         "YALI_DEV_FLASH_CTA_BYTES": "4K", "YALI_DEV_LANES": "5", "YALI_DEV_SLOT_BYTES": "8K"},
 }
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", sorted(NONDEFAULT))
+@pytest.mark.parametrize("name", sorted(NONDEFAULT) + sorted(LEGACY))
 def test_sweep_nondefault_configs(name):
+    if name in LEGACY and not config.legacy_kernels():
+        pytest.skip(f"{name} runs the legacy flash kernels: the library was built without YALI_BUILD_LEGACY=1")
     res = run_pair(scenarios.sweep, [2 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB], [1, 3, 1001, 65537, 1000003],
-                   ["fp32", "bf16"], ["auto", "flash", "stream"], 777, timeout=280, env=NONDEFAULT[name])
+                   ["fp32", "bf16"], ["auto", "flash", "stream"], 777, timeout=280, env={**NONDEFAULT, **LEGACY}[name])
     for r in res:
         assert r["checked"] > 60
         assert not r["failures"], "\n".join(r["failures"][:20])

@@ -39,13 +39,12 @@ def fused_plan():
     return plan
 
 
-# Knobs that change how a one-launch fused call runs (Rank::fused_launch): every
-# YALI_DEV_FUSED_* (bytes per CTA, row-load order, split rows, clusters, batched poll) and the
-# flash launch limits the fused op shares. scripts/gpu_host/experiments.sh runs this whole file
-# with one of them set (YALI_DEV_FUSED_SPLIT=8), where the default size table cannot hold.
+# Knobs that change how a one-launch fused call runs (plan.cpp: fused_launch_for): every
+# YALI_DEV_FUSED_* (bytes per CTA, row-load order, clusters, batched poll) and the flash launch
+# limits the fused op shares. scripts/gpu_host/experiments.sh runs this whole file with one of
+# them set (YALI_DEV_FUSED_CLUSTER=8), where the default size table cannot hold.
 DEV_KNOB_PREFIX = "YALI_DEV_"
 FLASH_LAUNCH_KNOBS = ("FLASH_CTAS", "FLASH_BYTES")  # besides every FUSED_* knob
-MAX_FUSED_SPLIT = 32  # config.h: kFusedMaxSplit
 
 
 def fused_launch_overrides(environ=None) -> dict:
@@ -57,23 +56,17 @@ def fused_launch_overrides(environ=None) -> dict:
             and (k[len(DEV_KNOB_PREFIX):].startswith("FUSED_") or k[len(DEV_KNOB_PREFIX):] in FLASH_LAUNCH_KNOBS)}
 
 
-def expected_fused_split(rows: int, row_bytes: int, config: dict) -> int:
-    """CTAs per row of a one-launch fused call (Rank::fused_launch): up to the configured split,
-    as long as every part of every row gets a CTA of its own and a vector of the row."""
-    return max(1, min(int(config["fused_split"]), MAX_FUSED_SPLIT, int(config["flash_ctas"]) // rows, row_bytes // 16))
+CLUSTER_TABLE_MAX_BYTES = 128 << 10  # plan.cpp: fused_launch_for launches clusters up to here
 
 
-CLUSTER_TABLE_MAX_BYTES = 128 << 10  # config.cpp: fused_shape_for launches clusters up to here
-
-
-def expected_fused_cluster(nbytes: int, grid: int, split: int, config: dict) -> int:
-    """CTAs per thread block cluster of a one-launch fused call (Rank::fused_launch): the largest
+def expected_fused_cluster(nbytes: int, grid: int, config: dict) -> int:
+    """CTAs per thread block cluster of a one-launch fused call (plan.cpp: fused_launch_for): the largest
     power of two up to the limit (YALI_DEV_FUSED_CLUSTER, or 8 up to 128 KiB and 1 above by the
-    size table) that divides the grid; whole rows only."""
+    size table) that divides the grid."""
     knob = int(config.get("fused_cluster", -1))
     limit = max(knob, 1) if knob >= 0 else (8 if nbytes <= CLUSTER_TABLE_MAX_BYTES else 1)
     cluster = 1
-    while split == 1 and cluster * 2 <= limit and grid % (cluster * 2) == 0:
+    while cluster * 2 <= limit and grid % (cluster * 2) == 0:
         cluster *= 2
     return cluster
 
@@ -85,24 +78,21 @@ def one_launch_calls(stats) -> list[tuple]:
 
 def check_overridden_launches(launches, config: dict) -> list[str]:
     """What still holds of the one-launch calls `launches` ((bytes, rows, launch) triples) when
-    launch knobs are set: the split the knobs allow, a CTA for every part of a row, and the
-    chunk size and row-load order when the knobs fix them (0 / -1 = by message size: not
-    checked). Returns the violations."""
+    launch knobs are set: a CTA for every row (up to the most CTAs), the clusters, and the chunk
+    size and row-load order when the knobs fix them (0 / -1 = by message size: not checked).
+    Returns the violations."""
     ctas = int(config["flash_ctas"])
     cta_bytes, loads_early = int(config["fused_cta_bytes"]), int(config["fused_row_loads_early"])
     bad = []
     for nbytes, rows, l in launches:
-        split = expected_fused_split(rows, nbytes // rows, config)
-        if l["split"] != split:
-            bad.append(f"{nbytes} B / {rows} rows: split {l['split']}, expected {split}: {l}")
-        if not min(rows * l["split"], ctas) <= l["grid"] <= ctas:
-            bad.append(f"{nbytes} B / {rows} rows: grid {l['grid']} not in [{min(rows * l['split'], ctas)}, {ctas}]: {l}")
+        if not min(rows, ctas) <= l["grid"] <= ctas:
+            bad.append(f"{nbytes} B / {rows} rows: grid {l['grid']} not in [{min(rows, ctas)}, {ctas}]: {l}")
         if cta_bytes and l["cta_bytes"] != cta_bytes:
             bad.append(f"{nbytes} B / {rows} rows: {l['cta_bytes']} B per CTA, YALI_DEV_FUSED_CTA_BYTES={cta_bytes}: {l}")
         if loads_early >= 0 and l["row_loads_early"] != loads_early:
             bad.append(f"{nbytes} B / {rows} rows: row_loads_early {l['row_loads_early']}, "
                        f"YALI_DEV_FUSED_ROW_LOADS_EARLY={loads_early}: {l}")
-        cluster = expected_fused_cluster(nbytes, l["grid"], l["split"], config)
+        cluster = expected_fused_cluster(nbytes, l["grid"], config)
         if "cluster" in l and l["cluster"] != cluster:
             bad.append(f"{nbytes} B / {rows} rows: clusters of {l['cluster']}, expected {cluster}: {l}")
     return bad
@@ -138,15 +128,14 @@ def test_fused_sweep_matches_vllm_reference(suite):
     launches = one_launch_calls(parts[0]["stats"])
     overrides = fused_launch_overrides()
     if overrides:
-        # A launch knob set for the whole suite (experiments.sh: YALI_DEV_FUSED_SPLIT=8) replaces
+        # A launch knob set for the whole suite (experiments.sh: YALI_DEV_FUSED_CLUSTER=8) replaces
         # the size table; the numerics above were checked all the same. What the knobs decide:
         print(f"\nfused sweep with launch knobs {overrides}: size table not checked")
         bad = check_overridden_launches(launches, parts[0]["config"])
         assert not bad, f"{len(bad)} launches do not follow {overrides}:\n" + "\n".join(bad[:20])
     else:
-        # The default launch follows the fused size table (config.cpp: fused_shape_for): the sweep
-        # ran each of its three bands, whole rows.
-        assert all(l["split"] == 1 for _, _, l in launches)
+        # The default launch follows the fused size table (plan.cpp: fused_launch_for): the sweep
+        # ran each of its three bands.
         bands = {(l["cta_bytes"], l["row_loads_early"]) for _, _, l in launches}
         assert bands == {(4096, 0), (8192, 1), (1024, 0)}, bands
         for nbytes, rows, l in launches:
@@ -155,7 +144,7 @@ def test_fused_sweep_matches_vllm_reference(suite):
             senders = min(128, -(-nbytes // l["cta_bytes"]))
             assert l["grid"] == max(senders, min(rows, 128)), (nbytes, rows, l)
             # thread block clusters up to 128 KiB (for the GEMM after the op), as large as the grid allows
-            assert l["cluster"] == expected_fused_cluster(nbytes, l["grid"], 1, parts[0]["config"]), (nbytes, l)
+            assert l["cluster"] == expected_fused_cluster(nbytes, l["grid"], parts[0]["config"]), (nbytes, l)
         assert {l["cluster"] for _, _, l in launches} >= {1, 8}
     # What the tolerance allowed (shown with -rA / on failure): worst norm_out distance.
     stats = parts[0]["stats"]
@@ -208,9 +197,8 @@ def test_fused_suite_time_bound(suite):
 # of every size polling a row's vectors batched (YALI_DEV_FUSED_BATCH_POLL_MIN=0),
 # or none of them (1G: one vector at a time). The default switches at 512 KiB,
 # which this plan crosses at 32 and 513 tokens. The row loads issued after the
-# send; rows split over 4, 32 (with late loads) and 3 CTAs (batched, odd grids:
-# 5 CTAs take one row in 3 parts, but 3 rows whole). Same checks on a smaller
-# plan, each setting in its own pair; a split setting must have split some row.
+# send; thread block clusters never and at every size. Same checks on a smaller
+# plan, each setting in its own pair.
 ODD_PLAN_HIDDEN = (2048, 5120, 8192, 16384)
 ODD_PLAN_TOKENS = (1, 3, 32, 513)
 ODD_SETTINGS = {
@@ -221,10 +209,6 @@ ODD_SETTINGS = {
                                     "YALI_DEV_FUSED_CTA_BYTES": "272"},
     "batch-poll-never": {"YALI_DEV_FUSED_BATCH_POLL_MIN": "1G"},
     "row-loads-late": {"YALI_DEV_FUSED_ROW_LOADS_EARLY": "0"},
-    "split-4": {"YALI_DEV_FUSED_SPLIT": "4"},
-    "split-32-row-loads-late": {"YALI_DEV_FUSED_SPLIT": "32", "YALI_DEV_FUSED_ROW_LOADS_EARLY": "0"},
-    "split-3-batch-poll-odd-grids": {"YALI_DEV_FUSED_SPLIT": "3", "YALI_DEV_FUSED_BATCH_POLL_MIN": "0",
-                                     "YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_FUSED_CTA_BYTES": "272"},
     # thread block clusters never / at every size (the table launches them up to 256 KiB)
     "no-clusters": {"YALI_DEV_FUSED_CLUSTER": "0"},
     "clusters-of-8-always": {"YALI_DEV_FUSED_CLUSTER": "8"},
@@ -240,8 +224,5 @@ def test_fused_sweep_nondefault_configs(name):
         assert not r["failures"], f"rank {rank}: " + "\n".join(r["failures"][:20])
         assert r["launched"] == len(plan) == r["device_fused_calls"]
     assert res[0]["digests"] == res[1]["digests"], "the ranks' outputs differ"
-    want = int(ODD_SETTINGS[name].get("YALI_DEV_FUSED_SPLIT", "1"))
-    splits = {s["launch"]["split"] for s in res[0]["stats"]}
-    assert max(splits) == want, f"{name}: rows split into {sorted(splits)} parts, expected up to {want}"
     bad = check_overridden_launches(one_launch_calls(res[0]["stats"]), res[0]["config"])
     assert not bad, f"{name}: " + "\n".join(bad[:10])

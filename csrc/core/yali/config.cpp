@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "layout.h"
+#include "plan.h"
 
 namespace yali {
 
@@ -79,7 +80,6 @@ void check_int(const char* var, int v, int lo, int hi) {
     bad(var, std::to_string(v), "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
 }
 
-size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
 
 // Refuses every YALI_DEV_* variable of the environment that is not in `known` (the
 // names from_env() read), so a misspelt or removed knob (YALI_DEV_BATCH_POLL) cannot
@@ -134,7 +134,6 @@ Config Config::from_env() {
   dev_int("YALI_DEV_PDL", 0, 1, &c.pdl);
   dev_bytes("YALI_DEV_FUSED_BATCH_POLL_MIN", 0, size_t(1) << 40, 1, &c.fused_batch_poll_min);
   dev_bytes("YALI_DEV_FUSED_CTA_BYTES", 0, size_t(16) << 20, 16, &c.fused_cta_bytes);
-  dev_int("YALI_DEV_FUSED_SPLIT", 1, kFusedMaxSplit, &c.fused_split);
   dev_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", -1, 1, &c.fused_row_loads_early);
   dev_int("YALI_DEV_FUSED_CLUSTER", -1, 8, &c.fused_cluster);
   refuse_unknown_dev_knobs(dev_knobs);
@@ -148,6 +147,12 @@ Config Config::from_env() {
   };
   fit_flash("YALI_DEV_LL_MAX", &c.ll_max);
   fit_flash("YALI_DEV_PUSH_MAX", &c.push_max);
+  // Unset, YALI_DEV_PUSH_MAX follows the flash buffer: flash-push takes every flash message.
+  if (const char* s = std::getenv("YALI_DEV_PUSH_MAX"); !s || !*s) c.push_max = c.flash_bytes;
+  // The legacy kernels' own knobs do nothing on a default build: refused, not ignored.
+  if (!kLegacyKernels)
+    for (const char* var : {"YALI_DEV_LL_MAX", "YALI_DEV_LL_CTA_BYTES", "YALI_DEV_ONESHOT_MAX", "YALI_DEV_FLASH_CTA_BYTES"})
+      if (const char* s = std::getenv(var); s && *s) bad(var, s, std::string("it unset: a knob of ") + kLegacyBuildHint);
   if (const char* t = std::getenv("YALI_TIMEOUT_S"); t && *t) {
     char* end = nullptr;
     double v = std::strtod(t, &end);
@@ -175,11 +180,15 @@ void Config::validate() const {
   check_int("YALI_DEV_PDL", pdl, 0, 1);
   check_range("YALI_DEV_FUSED_BATCH_POLL_MIN", fused_batch_poll_min, 0, size_t(1) << 40, 1);
   if (fused_cta_bytes != 0) check_range("YALI_DEV_FUSED_CTA_BYTES", fused_cta_bytes, 256, size_t(16) << 20, 16);
-  check_int("YALI_DEV_FUSED_SPLIT", fused_split, 1, kFusedMaxSplit);
   check_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", fused_row_loads_early, -1, 1);
   check_int("YALI_DEV_FUSED_CLUSTER", fused_cluster, -1, 8);
   if (!(timeout_s == 0.0 || (timeout_s >= kMinTimeoutS && timeout_s <= 86400.0)))
     bad("YALI_TIMEOUT_S", std::to_string(timeout_s), "0 (no watchdog) or seconds in [0.001, 86400]");
+  if (!kLegacyKernels && selects_legacy_kernels(*this))
+    bad("YALI_DEV_PUSH_MAX", std::to_string(push_max),
+        "at least the largest message a flash kernel takes (" + std::to_string(std::min(flash_bytes, max_bytes)) +
+            " bytes: YALI_DEV_FLASH_BYTES or YALI_MAX_BYTES if smaller): the "
+            "messages above it would run " + kLegacyBuildHint);
 }
 
 std::string Config::to_string() const {
@@ -190,79 +199,10 @@ std::string Config::to_string() const {
     << " oneshot_max=" << oneshot_max
     << " stream_min=" << stream_min << " flash_ctas=" << flash_ctas << " flash_cta_bytes=" << flash_cta_bytes
     << " lanes=" << lanes << " slots=" << slots << " slot_bytes=" << slot_bytes << " pdl=" << pdl << " fused_batch_poll_min=" << fused_batch_poll_min
-    << " fused_cta_bytes=" << fused_cta_bytes << " fused_split=" << fused_split
+    << " fused_cta_bytes=" << fused_cta_bytes
     << " fused_row_loads_early=" << fused_row_loads_early << " fused_cluster=" << fused_cluster
     << " timeout_s=" << timeout_s;
   return o.str();
-}
-
-Plan plan_for(const Config& c, size_t nbytes) {
-  Plan p;
-  if (nbytes == 0 || nbytes > c.max_bytes) return p;
-  const bool flash_fits = nbytes <= c.flash_bytes;
-  bool use_stream;
-  switch (c.mode) {
-    case KernelMode::Flash:
-      if (!flash_fits) return p;  // forced flash cannot take it: the caller falls back
-      use_stream = false;
-      break;
-    case KernelMode::Stream: use_stream = true; break;
-    default: use_stream = !flash_fits || nbytes > c.stream_min; break;
-  }
-  if (use_stream) {
-    p.kernel = Kernel::Stream;
-    // Chunks of at most one ring slot, spread round-robin over the lanes; a lane
-    // with several chunks cycles through its ring, overlapping send and receive.
-    const size_t per_lane = ceil_div(nbytes, size_t(c.lanes));
-    p.chunk_bytes = std::min(c.slot_bytes, ceil_div(per_lane, 16) * 16);
-    p.blocks = int(std::min<size_t>(c.lanes, ceil_div(nbytes, p.chunk_bytes)));
-    return p;
-  }
-  // flash-push first: one one-way NVLink trip with no flag words and no staging
-  // copy (sentinel-in-data, see push.cuh). flash-ll / one-shot / two-shot stay
-  // selectable (YALI_DEV_PUSH_MAX=0) for comparison and for tuning.
-  if (nbytes <= c.push_max) {
-    p.kernel = Kernel::FlashPush;
-    p.blocks = int(std::min<size_t>(c.flash_ctas, ceil_div(nbytes, c.push_cta_bytes)));
-    return p;
-  }
-  if (nbytes <= c.ll_max) {
-    p.kernel = Kernel::FlashLL;
-    p.blocks = int(std::min<size_t>(c.flash_ctas, ceil_div(nbytes, c.ll_cta_bytes)));
-    return p;
-  }
-  p.kernel = nbytes <= c.oneshot_max ? Kernel::FlashOneShot : Kernel::FlashTwoShot;
-  p.blocks = int(std::min<size_t>(c.flash_ctas, ceil_div(nbytes, c.flash_cta_bytes)));
-  return p;
-}
-
-FusedShape fused_shape_for(const Config& c, size_t nbytes) {
-  // Measured on 2xH200 with hidden 8192 bf16, the fused op alone, one setting at a time
-  // (benchmarks/results/fused-launch-20261122-s8): up to 128 KiB (8 tokens) 4 KiB per CTA
-  // with the row loads after the send was 0.0-0.5 us faster than 1 KiB with them first; at
-  // 256 KiB (16 tokens) 8 KiB per CTA with the loads first was the fastest (4.48 vs 5.07 us);
-  // above, the loads after the send were equal at 512 KiB-1 MiB and 0.3 us faster at 2 MiB,
-  // and the chunk size does not matter once 128 CTAs send (1 KiB per CTA: the most CTAs).
-  //
-  // Clusters: in decode the fused op sits right before the gate_up and QKV GEMMs, whose cuBLAS
-  // kernels (nvjet, 2x1 clusters) are most of a step. In a 70B-layer CUDA graph on 2xH200 the
-  // gate_up GEMM at 1 token took 118.3 us after a plain launch of this kernel (4 CTAs) and
-  // 109.7 us after a launch as one cluster of 4 CTAs, repeated alternately; clusters of 2 left it
-  // at 118.3 us, and after FlashInfer's fused kernel (clusters of 8) it took 108.2 us
-  // (benchmarks/results/decode-gemm-20261122-s9). On one H200, with a stand-in of this kernel's
-  // launch shape in the same decoder-layer graph (benchmarks/results/gemm-after-20261123-s10,
-  // two machines), the cluster launch took 8-11 us off the gate_up GEMM at 1-4 tokens, changed
-  // nothing at 8, and added 10 us at 16 tokens (32 CTAs in clusters of 8: 109.5 -> 119.8 us), so
-  // clusters stop at 128 KiB (8 tokens). The cluster launch costs the op itself 0.08 us at
-  // 1 token and nothing measurable at 2-64 tokens (benchmarks/results/fused-cluster-20261122-s9).
-  FusedShape s;
-  if (nbytes <= (128u << 10)) s = {4u << 10, false, 8};
-  else if (nbytes <= (256u << 10)) s = {8u << 10, true, 1};
-  else s = {1u << 10, false, 1};
-  if (c.fused_cta_bytes != 0) s.cta_bytes = c.fused_cta_bytes;
-  if (c.fused_row_loads_early >= 0) s.row_loads_early = c.fused_row_loads_early != 0;
-  if (c.fused_cluster >= 0) s.cluster = std::max(c.fused_cluster, 1);
-  return s;
 }
 
 size_t shared_buffer_bytes(const Config& c) { return SharedLayout(c).total; }

@@ -1,4 +1,4 @@
-// Run-time configuration and the one size -> kernel table.
+// Run-time configuration. The size tables that use it are in plan.h.
 //
 // Everything a user or tuner can change is read here, once, from environment
 // variables, and validated: a bad value throws std::invalid_argument whose
@@ -28,45 +28,50 @@ constexpr int kStreamThreads = 512;  // half senders, half receivers
 // The fused all-reduce + RMSNorm kernel keeps one row in registers: at most
 // kFlashThreads threads x 8 vectors x 16 bytes (hidden 32768 in 16-bit types).
 constexpr size_t kFusedMaxRowBytes = size_t(kFlashThreads) * 8 * 16;
-// A split row's parts are added by one warp (fused.cuh: row_sum).
-constexpr int kFusedMaxSplit = 32;
+// Whether the build has the legacy flash kernels (flash-ll, one-shot, two-shot:
+// legacy/flash.cuh), compiled only with -DYALI_LEGACY_KERNELS (YALI_BUILD_LEGACY=1).
+#ifdef YALI_LEGACY_KERNELS
+constexpr bool kLegacyKernels = true;
+#else
+constexpr bool kLegacyKernels = false;
+#endif
+// Names the build flag in the errors that refuse a legacy setting on a default build.
+constexpr char kLegacyBuildHint[] =
+    "the legacy flash kernels (flash-ll, one-shot, two-shot), which this build does not include "
+    "(build with YALI_BUILD_LEGACY=1, which compiles with -DYALI_LEGACY_KERNELS)";
 // Shortest watchdog YALI_TIMEOUT_S accepts (0 = none): below it a slow peer looks like a missing one.
 constexpr double kMinTimeoutS = 1e-3;
 
+// The defaults are the measured best on 2xH200; plan.cpp gives the measurement behind each.
 struct Config {
   KernelMode mode = KernelMode::Auto;  // YALI_KERNEL_MODE
   size_t max_bytes = size_t(2) << 30;  // YALI_MAX_BYTES: largest message served
   size_t flash_bytes = 8u << 20;       // YALI_DEV_FLASH_BYTES: largest message flash can take
-  size_t ll_max = 128u << 10;          // YALI_DEV_LL_MAX: flash-ll (flag-in-data) up to here
-  size_t ll_cta_bytes = 1u << 10;      // YALI_DEV_LL_CTA_BYTES: bytes per active flash-ll CTA
+  size_t ll_max = 128u << 10;          // YALI_DEV_LL_MAX (legacy): flash-ll (flag-in-data) up to here
+  size_t ll_cta_bytes = 1u << 10;      // YALI_DEV_LL_CTA_BYTES (legacy): bytes per active flash-ll CTA
   size_t push_max = 8u << 20;          // YALI_DEV_PUSH_MAX: flash-push (sentinel-in-data) up to here
+                                       // (from_env: YALI_DEV_FLASH_BYTES unless set); above it the legacy kernels
   size_t push_cta_bytes = 1u << 10;    // YALI_DEV_PUSH_CTA_BYTES: bytes per active flash-push CTA
-  size_t oneshot_max = 8u << 20;       // YALI_DEV_ONESHOT_MAX: one-shot up to here, then two-shot
+  size_t oneshot_max = 8u << 20;       // YALI_DEV_ONESHOT_MAX (legacy): one-shot up to here, then two-shot
   size_t stream_min = 8u << 20;        // YALI_DEV_STREAM_MIN: auto picks stream above this
   int flash_ctas = 128;                // YALI_DEV_FLASH_CTAS: most CTAs of a flash launch
-  size_t flash_cta_bytes = 16u << 10;  // YALI_DEV_FLASH_CTA_BYTES: bytes per active flash CTA
+  size_t flash_cta_bytes = 16u << 10;  // YALI_DEV_FLASH_CTA_BYTES (legacy): bytes per active one-/two-shot CTA
   int lanes = 128;                     // YALI_DEV_LANES: stream lanes (one CTA each)
   int slots = 8;                       // YALI_DEV_SLOTS: ring slots per lane
   size_t slot_bytes = 64u << 10;       // YALI_DEV_SLOT_BYTES
   int pdl = 1;                         // YALI_DEV_PDL: 1 = launch with programmatic dependent launch, 0 = plain
   // YALI_DEV_FUSED_BATCH_POLL_MIN: the fused op's receivers poll all their vectors of a row per
   // round (wait_push_batch) from this message size on, one vector after the other below it.
-  // Measured on 2xH200 (hidden 8192, bf16): batched is 0.1-0.3 us faster from 32 tokens (512 KiB)
-  // on, 0.2-0.7 us slower at 1-16 tokens (benchmarks/results/fused-variants-20261122-r3).
   size_t fused_batch_poll_min = 512u << 10;
   // YALI_DEV_FUSED_CTA_BYTES: bytes of the message each CTA of the one-launch fused op sends
-  // (at most flash_ctas CTAs); 0 = by message size (fused_shape_for).
+  // (at most flash_ctas CTAs); 0 = by message size (fused_launch_for).
   size_t fused_cta_bytes = 0;
-  // YALI_DEV_FUSED_SPLIT: most CTAs that share one row of the one-launch fused op (each receives
-  // and normalises a part; the parts' sums of squares meet in device memory). 1 = whole rows.
-  int fused_split = 1;
   // YALI_DEV_FUSED_ROW_LOADS_EARLY: 1 = a row's weight / input / residual loads go out before the
-  // epoch fetch, 0 = right after this CTA's send (fused.cuh), -1 = by message size (fused_shape_for).
+  // epoch fetch, 0 = right after this CTA's send (fused.cuh), -1 = by message size (fused_launch_for).
   int fused_row_loads_early = -1;
   // YALI_DEV_FUSED_CLUSTER: the one-launch fused kernel runs as thread block clusters of up to
   // this many CTAs (the largest power of two <= it that divides the grid); 0 = never clusters,
-  // -1 = by message size (fused_shape_for). The kernel uses nothing of the cluster: the launch
-  // shape is for the cuBLAS GEMM after it (fused_shape_for says why).
+  // -1 = by message size (fused_launch_for, which says why).
   int fused_cluster = -1;
   double timeout_s = 300.0;            // YALI_TIMEOUT_S: a kernel waiting longer aborts (0 = never)
 
@@ -75,25 +80,6 @@ struct Config {
   std::string to_string() const;
   bool operator==(const Config& o) const { return to_string() == o.to_string(); }
 };
-
-// What one all-reduce launches.
-struct Plan {
-  Kernel kernel = Kernel::None;  // None: YALI does not serve this message
-  int blocks = 0;                // active flash CTAs, or stream lanes
-  size_t chunk_bytes = 0;        // stream only: bytes per ring slot use
-};
-
-// The size -> kernel table. `nbytes` is the message size in bytes.
-Plan plan_for(const Config& c, size_t nbytes);
-
-// How the one-launch fused op sends and loads a message of `nbytes` (the fused
-// op's size table; the YALI_DEV_FUSED_* knobs above override it).
-struct FusedShape {
-  size_t cta_bytes;      // message bytes each CTA sends (at most flash_ctas CTAs)
-  bool row_loads_early;  // the row loads before the epoch fetch, or after the send
-  int cluster;           // most CTAs per thread block cluster (1 = no clusters)
-};
-FusedShape fused_shape_for(const Config& c, size_t nbytes);
 
 // Bytes of the IPC-shared buffer one rank allocates for this config.
 size_t shared_buffer_bytes(const Config& c);

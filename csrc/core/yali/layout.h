@@ -1,17 +1,20 @@
 // Byte layout of the buffer each rank allocates once and shares with its peer
-// by CUDA IPC. The peer writes the flag words and the stream slots (remote
-// stores over NVLink) and reads the flash stage/gather areas (remote loads).
+// by CUDA IPC. The peer writes the push area, the stream flag words and the
+// stream slots (remote stores over NVLink). The areas of the legacy flash
+// kernels (legacy/flash.cuh: arrive / gather flags, LL words, stage, reduced)
+// have size 0 unless the build has them and the Config selects them.
 #pragma once
 #include <cstddef>
 #include <cstdint>
 
 #include "config.h"
+#include "plan.h"
 
 namespace yali {
 
-// What one call is, as both ranks must agree on it: built by Rank::call_desc on the host, sent to
-// the peer by every YALI kernel and compared there (call_check.cuh). Every word keeps bit 31
-// clear, so no descriptor word ever equals kCallEmpty.
+// What one call is, as both ranks must agree on it: built on the host (rank.cu: call_desc), sent
+// to the peer by every default kernel and compared there (call_check.cuh). Every word keeps bit
+// 31 clear, so no descriptor word ever equals kCallEmpty.
 //   w[0], w[1]: message bytes, low and high 31 bits
 //   w[2]: op (bits 0-1: 1 all-reduce, 2 fused all-reduce + RMSNorm) | kernel (bits 2-5) |
 //         dtype (bits 6-7) | CTAs or lanes of the launch (bits 8-19)
@@ -24,44 +27,44 @@ enum class CallOp : uint32_t { AllReduce = 1, Fused = 2 };
 
 struct SharedLayout {
   // Flag words, 8 bytes each, written only by the peer, polled only locally.
-  size_t flash_arrive;   // [kMaxFlashCtas]  "my flash CTA b staged its data for epoch e"
-  size_t flash_gather;   // [kMaxFlashCtas]  "my two-shot CTA b published its reduced half"
+  size_t flash_arrive;   // legacy: [kMaxFlashCtas]  "my flash CTA b staged its data for epoch e"
+  size_t flash_gather;   // legacy: [kMaxFlashCtas]  "my two-shot CTA b published its reduced half"
   size_t stream_ready;   // [kMaxLanes * kMaxSlots]  "slot holds my chunk with sequence g"
   size_t stream_credit;  // [kMaxLanes * kMaxSlots]  "I consumed your chunk with sequence g"
   size_t call_slots;     // [2][4] 32-bit words: the peer's descriptor of its current call (call_check.cuh);
                          // kCallEmpty wherever no unread descriptor is
   // Data areas.
-  size_t flash_stage;    // 2 parities x flash_bytes: my input, staged for the peer to read
-  size_t flash_reduced;  // 2 parities x flash_bytes: two-shot, my reduced half for the peer
-  size_t flash_ll;       // 2 parities x 2*ll_max: flash-ll words {data, flag}, written by the peer
+  size_t flash_stage;    // legacy: 2 parities x flash_bytes: my input, staged for the peer to read
+  size_t flash_reduced;  // legacy: 2 parities x flash_bytes: two-shot, my reduced half for the peer
+  size_t flash_ll;       // legacy: 2 parities x 2*ll_max: flash-ll words {data, flag}, written by the peer
   size_t flash_push;     // 2 parities x flash_bytes: flash-push / fused data, written by the peer;
-                         // holds kPushEmpty words wherever no unread data is (see push.cuh)
+                         // holds kPushEmpty words wherever no unread data is (see exchange.cuh)
   size_t stream_slots;   // lanes x slots x slot_bytes: the peer's chunks land here
   size_t total;
 
   explicit SharedLayout(const Config& c) {
+    const size_t legacy = selects_legacy_kernels(c) ? 1 : 0;  // 0: the legacy areas take no bytes
     size_t off = 0;
     auto take = [&off](size_t bytes) {
       size_t at = off;
       off = (off + bytes + 255) / 256 * 256;  // keep every area 256-byte aligned
       return at;
     };
-    flash_arrive = take(sizeof(uint64_t) * kMaxFlashCtas);
-    flash_gather = take(sizeof(uint64_t) * kMaxFlashCtas);
+    flash_arrive = take(legacy * sizeof(uint64_t) * kMaxFlashCtas);
+    flash_gather = take(legacy * sizeof(uint64_t) * kMaxFlashCtas);
     stream_ready = take(sizeof(uint64_t) * kMaxLanes * kMaxSlots);
     stream_credit = take(sizeof(uint64_t) * kMaxLanes * kMaxSlots);
     call_slots = take(2 * sizeof(CallDesc));
-    flash_ll = take(2 * 2 * c.ll_max);
+    flash_ll = take(legacy * 2 * 2 * c.ll_max);
     flags_end = off;  // the LL words are flags too: they must start zeroed
     flash_push = take(2 * c.flash_bytes);
-    flash_stage = take(2 * c.flash_bytes);
-    flash_reduced = take(2 * c.flash_bytes);
+    flash_stage = take(legacy * 2 * c.flash_bytes);
+    flash_reduced = take(legacy * 2 * c.flash_bytes);
     stream_slots = take(size_t(c.lanes) * c.slots * c.slot_bytes);
     total = off;
   }
   size_t flags_end;  // [0, flags_end) must be zeroed before the peer may write
 };
-
 
 // State only the owning GPU touches; it persists across calls and is advanced
 // by the kernels themselves, which is what makes every call CUDA-graph safe.
@@ -70,9 +73,6 @@ struct LocalState {
   uint64_t lane_seq[kMaxLanes];         // chunks each stream lane has sent (= received)
   uint64_t calls;                       // YALI kernel launches that ran (graph replays included)
   uint64_t fused_calls;                 // fused all-reduce + RMSNorm operations that ran
-  // The fused op with rows split over CTAs: CTA b's sum of squares of its part of
-  // a row, tagged with the call's epoch (fused.cuh: row_sum).
-  uint64_t row_partial[kMaxFlashCtas];
   uint64_t call_seq;      // calls made so far (every kernel that checks its call advances it)
   CallDesc current_call;  // the call running now, for the abort record of any CTA
 };
@@ -84,7 +84,7 @@ struct AbortInfo {
   int32_t kernel;  // Kernel enum
   int32_t block;
   int32_t what;    // 1 = flash arrive, 2 = flash gather, 3 = stream credit, 4 = stream ready, 5 = flash-ll,
-                   // 6 = flash-push data, 7 = a fused row's partial sum from another CTA
+                   // 6 = flash-push data, 8 = the peer's call descriptor, 9 = the ranks' calls differ
   uint64_t expected;
   uint64_t seen;
   CallDesc mine;    // this rank's call (what = 9), or the call running when the kernel gave up

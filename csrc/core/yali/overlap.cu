@@ -129,7 +129,6 @@ cudaError_t Overlap::consume(const void* partial, const void* residual, const vo
   c.a.row_vecs = int(row_bytes / 16);
   c.a.hidden = int(hidden);
   c.a.eps = eps;
-  c.a.split = 1;
   c.theirs = shared_ + layout_.slots + size_t(slot) * slot_bytes_;
   c.ready = words(shared_, layout_.ready) + slot * kOverlapMaxChunks;
   c.peer_credit = words(peer_shared_, layout_.credit) + slot;

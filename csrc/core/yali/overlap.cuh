@@ -34,7 +34,7 @@ __global__ void overlap_flag_kernel(OverlapSendArgs a) {
 }
 
 struct OverlapConsumeArgs {
-  FusedArgs a;             // the epilogue's arguments: a.sum is my partial, a.split == 1
+  FusedArgs a;             // the epilogue's arguments: a.sum is my partial
   const void* theirs;      // my receive slot: the peer's partial, same row layout
   const uint64_t* ready;   // my ready flags of this slot [kOverlapMaxChunks]
   uint64_t* peer_credit;   // the peer's credit word of this slot
@@ -47,19 +47,18 @@ struct OverlapConsumeArgs {
 
 // CTA b owns rows b, b + grid, ... (in order, so chunks are waited for in order). The
 // all-reduce sum is add_vec (fp32 sum rounded once to T, commutative: both ranks get the same
-// bits), then fused.cuh's rmsnorm_part, the fused op's exact epilogue.
+// bits), then fused.cuh's rmsnorm_row, the fused op's exact epilogue.
 template <typename T, int kV>
 __global__ void __launch_bounds__(kFlashThreads, 1) overlap_consume_kernel(OverlapConsumeArgs c) {
   const FusedArgs& a = c.a;
   const uint64_t n = c.state->recvs[c.slot] + 1;  // this call's count; advanced below by the last CTA
   const Vec16* theirs = static_cast<const Vec16*>(c.theirs);
   Vec16 w[kV], s[kV], r[kV];
-  load_part(w, a.weight, 0, RowPart{int(blockIdx.x), 0, a.row_vecs, 0}, a);
+  load_row(w, a.weight, 0, a);
   int arrived = -1;  // chunks up to this one are in my slot
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    const RowPart part = {row, 0, a.row_vecs, 0};
-    load_part(s, a.sum, row, part, a);
-    load_part(r, a.residual, row, part, a);
+    load_row(s, a.sum, row, a);
+    load_row(r, a.residual, row, a);
     const int chunk = row / c.chunk_rows;
     if (chunk > arrived) {  // the same for every thread of the CTA
       if (threadIdx.x == 0)
@@ -73,7 +72,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) overlap_consume_kernel(Overl
       const int j = threadIdx.x + u * kFlashThreads;
       if (j < a.row_vecs) s[u] = add_vec<T>(s[u], load_shared_buffer(theirs + base + j));
     }
-    rmsnorm_part<T, kV>(a, part, 0, s, r, w);
+    rmsnorm_row<T, kV>(a, row, s, r, w);
   }
   // The last CTA to finish gives the slot back to the peer: every CTA's reads of it are done.
   __syncthreads();

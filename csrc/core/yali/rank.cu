@@ -4,10 +4,12 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "flash.cuh"
 #include "fused.cuh"
 #include "push.cuh"
 #include "stream.cuh"
+#ifdef YALI_LEGACY_KERNELS
+#include "legacy/flash.cuh"
+#endif
 
 namespace yali {
 
@@ -79,18 +81,6 @@ cudaError_t with_element_type(DType dtype, F&& f) {
   return cudaErrorInvalidValue;
 }
 
-template <typename T>
-cudaError_t launch_typed(const Plan& p, const FlashArgs& f, const StreamArgs& s, bool pdl, cudaStream_t stream) {
-  switch (p.kernel) {
-    case Kernel::FlashLL: return launch(flash_ll_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
-    case Kernel::FlashPush: return launch(flash_push_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
-    case Kernel::FlashOneShot: return launch(flash_oneshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
-    case Kernel::FlashTwoShot: return launch(flash_twoshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, f);
-    case Kernel::Stream: return launch(stream_kernel<T>, p.blocks, kStreamThreads, stream, pdl, s);
-    default: return cudaErrorInvalidValue;
-  }
-}
-
 }  // namespace
 
 Rank::Rank(int device, int rank, const Config& config)
@@ -105,7 +95,7 @@ Rank::Rank(int device, int rank, const Config& config)
   check(cudaMemset(shared_, 0, layout_.flags_end), "cudaMemset(flags)");
   // The call descriptor slots start empty (call_check.cuh: kCallEmpty is all ones).
   check(cudaMemset(shared_ + layout_.call_slots, 0xff, 2 * sizeof(CallDesc)), "cudaMemset(call slots)");
-  // The flash-push area starts empty (push.cuh).
+  // The flash-push area starts empty (exchange.cuh).
   fill_words<<<256, 256>>>(reinterpret_cast<uint32_t*>(shared_ + layout_.flash_push), 2 * config_.flash_bytes / 4,
                            kPushEmpty);
   check(cudaGetLastError(), "fill(push area)");
@@ -185,7 +175,9 @@ Plan Rank::plan(size_t nbytes, KernelMode mode) const {
   return plan_for(c, nbytes);
 }
 
-static CallDesc call_desc(CallOp op, Kernel kernel, size_t nbytes, DType dtype, int ctas, size_t hidden) {
+namespace {
+
+CallDesc call_desc(CallOp op, Kernel kernel, size_t nbytes, DType dtype, int ctas, size_t hidden) {
   CallDesc d;
   d.w[0] = uint32_t(nbytes & 0x7fffffffu);
   d.w[1] = uint32_t((nbytes >> 31) & 0x7fffffffu);
@@ -194,18 +186,20 @@ static CallDesc call_desc(CallOp op, Kernel kernel, size_t nbytes, DType dtype, 
   return d;
 }
 
-static std::string describe_call(const CallDesc& d) {
+std::string describe_call(const CallDesc& d) {
   if (d.w[0] == kCallEmpty) return "not seen (it has not issued this call)";
   static const char* dtypes[] = {"fp32", "fp16", "bf16", "?"};
   const uint64_t nbytes = uint64_t(d.w[0]) | uint64_t(d.w[1]) << 31;
   const uint32_t op = d.w[2] & 0x3u, dtype = (d.w[2] >> 6) & 0x3u, ctas = (d.w[2] >> 8) & 0xfffu;
   const Kernel kernel = Kernel((d.w[2] >> 2) & 0xfu);
-  std::string what = op == uint32_t(CallOp::Fused)
-                         ? "fused all-reduce + RMSNorm of hidden " + std::to_string(d.w[3]) + ", "
-                         : op == uint32_t(CallOp::AllReduce) ? std::string("all_reduce of ") : std::string("? of ");
+  const std::string what = op == uint32_t(CallOp::Fused)
+                               ? "fused all-reduce + RMSNorm of hidden " + std::to_string(d.w[3]) + ", "
+                               : op == uint32_t(CallOp::AllReduce) ? std::string("all_reduce of ") : std::string("? of ");
   return what + std::to_string(nbytes) + " bytes " + dtypes[dtype] + " by " + kernel_name(kernel) + " on " +
          std::to_string(ctas) + (kernel == Kernel::Stream ? " lanes" : " CTAs");
 }
+
+}  // namespace
 
 cudaError_t Rank::all_reduce(const void* in, void* out, size_t nbytes, DType dtype, cudaStream_t stream,
                              KernelMode mode, const CallDesc* fused) const {
@@ -213,42 +207,75 @@ cudaError_t Rank::all_reduce(const void* in, void* out, size_t nbytes, DType dty
   if (p.kernel == Kernel::None || !peer_shared_ || nbytes % dtype_size(dtype) != 0 ||
       (reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(out)) % 16 != 0)
     return cudaErrorInvalidValue;
-  const uint64_t timeout_ns = uint64_t(config_.timeout_s * 1e9);
-  FlashArgs f{};
-  StreamArgs s{};
-  if (p.kernel == Kernel::Stream) {
-    s = StreamArgs{in, out, nbytes, p.chunk_bytes, p.blocks, config_.slots, config_.slot_bytes,
-                   shared_ + layout_.stream_slots, peer_shared_ + layout_.stream_slots,
-                   flag_words(shared_, layout_.stream_ready), flag_words(peer_shared_, layout_.stream_ready),
-                   flag_words(shared_, layout_.stream_credit), flag_words(peer_shared_, layout_.stream_credit),
-                   state_, timeout_ns, abort_dev_, call_check(fused, CallOp::AllReduce, p, nbytes, dtype)};
-  } else {
-    f = flash_args(in, out, nbytes);
-    f.call = call_check(fused, CallOp::AllReduce, p, nbytes, dtype);
+  const bool pdl = config_.pdl != 0;
+  // The call the peer checks: this all-reduce, or the fused op whose first launch it is (then with
+  // this launch's kernel and CTAs).
+  CallDesc desc = call_desc(CallOp::AllReduce, p.kernel, nbytes, dtype, p.blocks, 0);
+  if (fused) {
+    desc.w[2] = (fused->w[2] & 0x3u) | (desc.w[2] & ~0x3u);
+    desc.w[3] = fused->w[3];
   }
   return with_element_type(dtype, [&](auto zero) {
-    return launch_typed<decltype(zero)>(p, f, s, config_.pdl != 0, stream);
+    using T = decltype(zero);
+    switch (p.kernel) {
+      case Kernel::FlashPush: {
+        ExchangeArgs x = exchange_args(in, out, nbytes);
+        x.call = call_check(desc);
+        return launch(flash_push_kernel<T>, p.blocks, kFlashThreads, stream, pdl, x);
+      }
+      case Kernel::Stream: {
+        StreamArgs sa = stream_args(in, out, nbytes, p);
+        sa.call = call_check(desc);
+        return launch(stream_kernel<T>, p.blocks, kStreamThreads, stream, pdl, sa);
+      }
+#ifdef YALI_LEGACY_KERNELS
+      case Kernel::FlashLL:
+        return launch(flash_ll_kernel<T>, p.blocks, kFlashThreads, stream, pdl, legacy_args(in, out, nbytes));
+      case Kernel::FlashOneShot:
+        return launch(flash_oneshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, legacy_args(in, out, nbytes));
+      case Kernel::FlashTwoShot:
+        return launch(flash_twoshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, legacy_args(in, out, nbytes));
+#endif
+      default: return cudaErrorInvalidValue;
+    }
   });
 }
 
-CallCheck Rank::call_check(const CallDesc* given, CallOp op, const Plan& p, size_t nbytes, DType dtype) const {
+ExchangeArgs Rank::exchange_args(const void* in, void* out, size_t nbytes) const {
+  ExchangeArgs x{};
+  x.in = in;
+  x.out = out;
+  x.nbytes = nbytes;
+  x.total_ctas = config_.flash_ctas;
+  x.parity_bytes = config_.flash_bytes;
+  x.my_push = shared_ + layout_.flash_push;
+  x.peer_push = peer_shared_ + layout_.flash_push;
+  x.state = state_;
+  x.timeout_ns = uint64_t(config_.timeout_s * 1e9);
+  x.abort = abort_dev_;
+  return x;
+}
+
+CallCheck Rank::call_check(const CallDesc& desc) const {
   CallCheck c;
-  c.desc = given ? *given : call_desc(op, p.kernel, nbytes, dtype, p.blocks, 0);
-  if (given) {  // the fused op's all-reduce: the fused call, launched as this plan
-    c.desc.w[2] = (c.desc.w[2] & 0x3u) | (uint32_t(p.kernel) & 0xfu) << 2 | (c.desc.w[2] & 0xc0u) |
-                  (uint32_t(p.blocks) & 0xfffu) << 8;
-  }
+  c.desc = desc;
   c.my_slots = reinterpret_cast<uint32_t*>(shared_ + layout_.call_slots);
   c.peer_slots = reinterpret_cast<uint32_t*>(peer_shared_ + layout_.call_slots);
   return c;
 }
 
-FlashArgs Rank::flash_args(const void* in, void* out, size_t nbytes) const {
-  FlashArgs f{};
-  f.in = in;
-  f.out = out;
-  f.nbytes = nbytes;
-  f.total_ctas = config_.flash_ctas;
+StreamArgs Rank::stream_args(const void* in, void* out, size_t nbytes, const Plan& p) const {
+  return StreamArgs{in, out, nbytes, p.chunk_bytes, p.blocks, config_.slots, config_.slot_bytes,
+                    shared_ + layout_.stream_slots, peer_shared_ + layout_.stream_slots,
+                    flag_words(shared_, layout_.stream_ready), flag_words(peer_shared_, layout_.stream_ready),
+                    flag_words(shared_, layout_.stream_credit), flag_words(peer_shared_, layout_.stream_credit),
+                    state_, uint64_t(config_.timeout_s * 1e9), abort_dev_};
+}
+
+#ifdef YALI_LEGACY_KERNELS
+LegacyArgs Rank::legacy_args(const void* in, void* out, size_t nbytes) const {
+  LegacyArgs f{};
+  f.x = exchange_args(in, out, nbytes);
   f.rank = rank_;
   f.my_arrive = flag_words(shared_, layout_.flash_arrive);
   f.peer_arrive = flag_words(peer_shared_, layout_.flash_arrive);
@@ -258,23 +285,19 @@ FlashArgs Rank::flash_args(const void* in, void* out, size_t nbytes) const {
   f.peer_stage = peer_shared_ + layout_.flash_stage;
   f.my_reduced = shared_ + layout_.flash_reduced;
   f.peer_reduced = peer_shared_ + layout_.flash_reduced;
-  f.parity_bytes = config_.flash_bytes;
   f.my_ll = shared_ + layout_.flash_ll;
   f.peer_ll = peer_shared_ + layout_.flash_ll;
   f.ll_parity_bytes = 2 * config_.ll_max;
-  f.my_push = shared_ + layout_.flash_push;
-  f.peer_push = peer_shared_ + layout_.flash_push;
-  f.state = state_;
-  f.timeout_ns = uint64_t(config_.timeout_s * 1e9);
-  f.abort = abort_dev_;
   return f;
 }
+#endif
 
 namespace {
 
-// The one place that maps the fused op's run-time choices (Rank::fused_launch) to a kernel.
+// Maps the fused op's launch (fused_launch_for, plan.cpp: the one place that decides it) to a
+// kernel instance.
 template <typename T, int kV>
-cudaError_t launch_fused(const FusedArgs& a, const FusedLaunch& l, cudaStream_t stream) {
+cudaError_t launch_fused_with(const FusedArgs& a, const FusedLaunch& l, cudaStream_t stream) {
   void (*kernel)(FusedArgs);
   if (!l.one_launch) kernel = add_rmsnorm_kernel<T, kV>;
   else if (l.batch_poll) kernel = l.row_loads_early ? fused_allreduce_rmsnorm_kernel<T, kV, true, true>
@@ -285,20 +308,24 @@ cudaError_t launch_fused(const FusedArgs& a, const FusedLaunch& l, cudaStream_t 
 }
 
 template <typename T>
-cudaError_t launch_fused_rows(const FusedArgs& a, const FusedLaunch& l, cudaStream_t stream) {
-  const int part_vecs = (a.row_vecs + l.split - 1) / l.split;                // vectors of a CTA's part of a row
-  const int per_thread = (part_vecs + kFlashThreads - 1) / kFlashThreads;  // of them per thread
-  if (per_thread <= 1) return launch_fused<T, 1>(a, l, stream);
-  if (per_thread <= 2) return launch_fused<T, 2>(a, l, stream);
-  if (per_thread <= 4) return launch_fused<T, 4>(a, l, stream);
-  if (per_thread <= 8) return launch_fused<T, 8>(a, l, stream);
-  return cudaErrorInvalidValue;
+cudaError_t launch_fused(const FusedArgs& a, const FusedLaunch& l, cudaStream_t stream) {
+  switch (l.row_vecs_per_thread) {
+    case 1: return launch_fused_with<T, 1>(a, l, stream);
+    case 2: return launch_fused_with<T, 2>(a, l, stream);
+    case 4: return launch_fused_with<T, 4>(a, l, stream);
+    case 8: return launch_fused_with<T, 8>(a, l, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace
 
 bool Rank::fused_one_launch(size_t rows, size_t hidden, DType dtype) const {
-  return rows * hidden * dtype_size(dtype) <= config_.flash_bytes;
+  return fused_launch(rows, hidden, dtype).one_launch;
+}
+
+FusedLaunch Rank::fused_launch(size_t rows, size_t hidden, DType dtype) const {
+  return fused_launch_for(config_, rows, hidden, dtype);
 }
 
 cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, const void* weight, float eps,
@@ -313,7 +340,7 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
     return cudaErrorInvalidValue;
   const size_t nbytes = rows * row_bytes;
   FusedArgs a{};
-  a.f = flash_args(in, nullptr, nbytes);
+  a.x = exchange_args(in, nullptr, nbytes);
   a.residual = residual;
   a.weight = weight;
   a.norm_out = norm_out;
@@ -323,10 +350,9 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
   a.hidden = int(hidden);
   a.eps = eps;
   const FusedLaunch l = fused_launch(rows, hidden, dtype);
-  a.split = l.split;
   const CallDesc desc = call_desc(CallOp::Fused, Kernel::FlashPush, nbytes, dtype, l.grid, hidden);
   if (l.one_launch) {
-    a.f.call = call_check(&desc, CallOp::Fused, Plan{Kernel::FlashPush, l.grid, 0}, nbytes, dtype);
+    a.x.call = call_check(desc);
   } else {
     // All-reduce into norm_out (it may be `in`; never residual, which may alias
     // residual_out), then the epilogue reads the sum from there, row by row.
@@ -334,37 +360,7 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
     if (e != cudaSuccess) return e;
     a.sum = norm_out;
   }
-  return with_element_type(dtype, [&](auto zero) { return launch_fused_rows<decltype(zero)>(a, l, stream); });
-}
-
-FusedLaunch Rank::fused_launch(size_t rows, size_t hidden, DType dtype) const {
-  FusedLaunch l;
-  const size_t nbytes = rows * hidden * dtype_size(dtype);
-  const size_t row_vecs = hidden * dtype_size(dtype) / 16;
-  l.one_launch = fused_one_launch(rows, hidden, dtype);
-  l.pdl = config_.pdl != 0;
-  if (!l.one_launch) {  // the epilogue kernel alone: one CTA per row, up to 1024 CTAs
-    l.grid = int(std::min<size_t>(rows, 1024));
-    return l;
-  }
-  // Rows are split over up to fused_split CTAs each (see FusedArgs::split), as
-  // long as every part gets a CTA of its own: rows * split <= flash_ctas.
-  l.split = int(std::min<size_t>({size_t(config_.fused_split), size_t(kFusedMaxSplit),
-                                  size_t(config_.flash_ctas) / rows, row_vecs}));
-  l.split = std::max(l.split, 1);
-  // The sending is cut into shape.cta_bytes per CTA (at most flash_ctas CTAs);
-  // every part of a row needs a CTA too.
-  const FusedShape shape = fused_shape_for(config_, nbytes);
-  const size_t senders = std::min<size_t>(config_.flash_ctas, std::max<size_t>(1, (nbytes + shape.cta_bytes - 1) / shape.cta_bytes));
-  l.grid = int(std::max(senders, std::min<size_t>(rows * size_t(l.split), config_.flash_ctas)));
-  l.batch_poll = nbytes >= config_.fused_batch_poll_min;  // see Config::fused_batch_poll_min
-  l.row_loads_early = shape.row_loads_early;
-  l.cta_bytes = shape.cta_bytes;
-  // Clusters only for whole rows: a split row's CTAs wait for each other (fused.cuh: row_sum),
-  // and a cluster that cannot be placed yet must not hold back a CTA another one waits for.
-  if (l.split == 1)
-    while (l.cluster * 2 <= shape.cluster && l.grid % (l.cluster * 2) == 0) l.cluster *= 2;
-  return l;
+  return with_element_type(dtype, [&](auto zero) { return launch_fused<decltype(zero)>(a, l, stream); });
 }
 
 uint64_t Rank::device_fused_calls() const {
@@ -394,15 +390,13 @@ std::string Rank::abort_message() const {
     theirs.w[i] = a->theirs.w[i];
   }
   const std::string calls = "this rank: " + describe_call(mine) + "; peer: " + describe_call(theirs);
-  const std::string who = "yali: rank " + std::to_string(rank_) + " " + kernel_name(Kernel(a->kernel)) + " kernel, block " +
-                          std::to_string(a->block);
+  const std::string who =
+      "yali: rank " + std::to_string(rank_) + " " + kernel_name(Kernel(a->kernel)) + " kernel, block " + std::to_string(a->block);
   if (a->what == 9)
     return who + ": the two ranks issued different calls (" + calls +
            "): every rank must issue the same YALI calls, in the same order";
   static const char* whats[] = {"?", "flash arrive flag", "flash gather flag", "stream credit", "stream ready",
-                                "flash-ll data", "flash-push data",
-                                "fused row partial sum (from another CTA of this GPU, itself waiting for the peer)",
-                                "call descriptor"};
+                                "flash-ll data", "flash-push data", "?", "call descriptor"};
   const int w = (a->what >= 1 && a->what <= 8) ? a->what : 0;
   return who + ", gave up after YALI_TIMEOUT_S=" + std::to_string(config_.timeout_s) + "s waiting for the peer's " +
          whats[w] + " (expected >= " + std::to_string(a->expected) + ", saw " + std::to_string(a->seen) + "; " + calls +

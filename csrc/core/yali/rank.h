@@ -10,23 +10,14 @@
 
 #include "config.h"
 #include "layout.h"
+#include "plan.h"
 
 namespace yali {
 
-struct FlashArgs;
+struct ExchangeArgs;
 struct CallCheck;
-
-// How the fused op runs for one shape (Rank::fused_launch decides, the launch follows it).
-struct FusedLaunch {
-  bool one_launch = true;       // false: YALI all-reduce, then the add + norm kernel
-  int grid = 0;                 // CTAs
-  int split = 1;                // CTAs per row (FusedArgs::split)
-  size_t cta_bytes = 0;         // message bytes each CTA sends (fused_shape_for)
-  bool batch_poll = false;      // Config::fused_batch_poll_min
-  bool row_loads_early = true;  // Config::fused_row_loads_early
-  bool pdl = true;
-  int cluster = 1;              // CTAs per thread block cluster (Config::fused_cluster)
-};
+struct StreamArgs;
+struct LegacyArgs;
 
 using IpcHandleBytes = std::array<uint8_t, sizeof(cudaIpcMemHandle_t)>;
 
@@ -69,7 +60,7 @@ class Rank {
                                       void* norm_out, void* residual_out, size_t rows, size_t hidden, DType dtype,
                                       cudaStream_t stream) const;
   bool fused_one_launch(size_t rows, size_t hidden, DType dtype) const;
-  FusedLaunch fused_launch(size_t rows, size_t hidden, DType dtype) const;
+  FusedLaunch fused_launch(size_t rows, size_t hidden, DType dtype) const;  // fused_launch_for(config())
 
   uint64_t device_calls() const;      // synchronising read of LocalState::calls
   uint64_t device_fused_calls() const;  // synchronising read of LocalState::fused_calls
@@ -82,8 +73,12 @@ class Rank {
   bool connected() const { return peer_shared_ != nullptr; }
 
  private:
-  FlashArgs flash_args(const void* in, void* out, size_t nbytes) const;
-  CallCheck call_check(const CallDesc* given, CallOp op, const Plan& p, size_t nbytes, DType dtype) const;
+  ExchangeArgs exchange_args(const void* in, void* out, size_t nbytes) const;
+  CallCheck call_check(const CallDesc& desc) const;
+  StreamArgs stream_args(const void* in, void* out, size_t nbytes, const Plan& p) const;
+#ifdef YALI_LEGACY_KERNELS
+  LegacyArgs legacy_args(const void* in, void* out, size_t nbytes) const;
+#endif
 
   int device_;
   int rank_;

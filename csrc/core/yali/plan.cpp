@@ -1,0 +1,130 @@
+// The size tables, with the measurement behind each choice. All numbers are
+// from 2xH200 NV18 (bf16 unless said otherwise); the result files are under
+// benchmarks/results/, and docs/DESIGN_LOG.md keeps what was tried and left.
+#include "plan.h"
+
+#include <algorithm>
+
+namespace yali {
+
+namespace {
+
+size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
+
+// The largest message plan_for gives a flash kernel in some mode (a call may
+// override Config::mode: Rank::all_reduce).
+size_t largest_flash_message(const Config& c) { return std::min(c.flash_bytes, c.max_bytes); }
+
+}  // namespace
+
+// All-reduce, with the defaults of config.h:
+//  * flash-push up to 8 MiB (YALI_DEV_FLASH_BYTES, the push area): faster than the first
+//    table (flash-ll, one-shot) at every size up to 8 MiB, 2.52 against 2.70 us at 2 KiB,
+//    15.70 against 17.72 us at 4 MiB (allreduce-20261122-r3.md, column yali-prev).
+//  * 1 KiB per flash-push CTA, at most 128 CTAs (YALI_DEV_PUSH_CTA_BYTES, YALI_DEV_FLASH_CTAS):
+//    16 KiB is slower up to 1 MiB, 512 B-4 KiB within 0.4 us of each other (tune-20261122-r4.md).
+//  * stream above 8 MiB (YALI_DEV_STREAM_MIN), 128 lanes x 8 slots x 64 KiB (YALI_DEV_LANES,
+//    _SLOTS, _SLOT_BYTES): the best of the configurations measured side by side
+//    (tune-20261122-r1.md, tune-20261122-r2.md); the same from 16 MiB in both tables
+//    (allreduce-20261122-r3.md).
+//  * programmatic dependent launch (YALI_DEV_PDL=1): 0.1-0.5 us faster up to 8 MiB, equal
+//    above (tune-20261122-r5.md).
+Plan plan_for(const Config& c, size_t nbytes) {
+  Plan p;
+  if (nbytes == 0 || nbytes > c.max_bytes) return p;
+  const bool flash_fits = nbytes <= c.flash_bytes;
+  bool use_stream;
+  switch (c.mode) {
+    case KernelMode::Flash:
+      if (!flash_fits) return p;  // forced flash cannot take it: the caller falls back
+      use_stream = false;
+      break;
+    case KernelMode::Stream: use_stream = true; break;
+    default: use_stream = !flash_fits || nbytes > c.stream_min; break;
+  }
+  if (use_stream) {
+    p.kernel = Kernel::Stream;
+    // Chunks of at most one ring slot, spread round-robin over the lanes; a lane
+    // with several chunks cycles through its ring, overlapping send and receive.
+    const size_t per_lane = ceil_div(nbytes, size_t(c.lanes));
+    p.chunk_bytes = std::min(c.slot_bytes, ceil_div(per_lane, 16) * 16);
+    p.blocks = int(std::min<size_t>(c.lanes, ceil_div(nbytes, p.chunk_bytes)));
+    return p;
+  }
+  // flash-push: one one-way NVLink trip with no flag words and no staging copy
+  // (sentinel-in-data, exchange.cuh). The legacy flash-ll / one-shot / two-shot
+  // take what is above YALI_DEV_PUSH_MAX, on a build that has them
+  // (YALI_BUILD_LEGACY=1; Config::validate refuses such a Config on any other).
+  if (nbytes <= c.push_max) {
+    p.kernel = Kernel::FlashPush;
+    p.blocks = int(std::min<size_t>(c.flash_ctas, ceil_div(nbytes, c.push_cta_bytes)));
+    return p;
+  }
+  // The first table's boundaries: flash-ll up to 128 KiB with 1 KiB per CTA, one-shot up to
+  // 8 MiB with 16 KiB per CTA, never two-shot (tune-20261122-r1.md, tune-20261122-r2.md).
+  if (nbytes <= c.ll_max) {
+    p.kernel = Kernel::FlashLL;
+    p.blocks = int(std::min<size_t>(c.flash_ctas, ceil_div(nbytes, c.ll_cta_bytes)));
+    return p;
+  }
+  p.kernel = nbytes <= c.oneshot_max ? Kernel::FlashOneShot : Kernel::FlashTwoShot;
+  p.blocks = int(std::min<size_t>(c.flash_ctas, ceil_div(nbytes, c.flash_cta_bytes)));
+  return p;
+}
+
+bool selects_legacy_kernels(const Config& c) { return c.push_max < largest_flash_message(c); }
+
+FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType dtype) {
+  FusedLaunch l;
+  const size_t row_bytes = hidden * dtype_size(dtype), nbytes = rows * row_bytes;
+  const size_t per_thread = ceil_div(row_bytes / 16, kFlashThreads);  // a row lives in registers
+  l.row_vecs_per_thread = per_thread <= 1 ? 1 : per_thread <= 2 ? 2 : per_thread <= 4 ? 4 : 8;
+  l.pdl = c.pdl != 0;
+  // One launch while the message fits the push area; above it the all-reduce table's kernel
+  // (stream) and then the epilogue alone, one CTA per row, up to 1024 CTAs.
+  l.one_launch = nbytes <= c.flash_bytes;
+  if (!l.one_launch) {
+    l.grid = int(std::min<size_t>(rows, 1024));
+    return l;
+  }
+  // Bytes sent per CTA and the row loads' place, the fused op alone at hidden 8192
+  // (fused-launch-20261122-s8):
+  //  * up to 128 KiB (8 tokens): 4 KiB per CTA with the loads after the send, 0.0-0.5 us faster
+  //    than 1 KiB with them first;
+  //  * up to 256 KiB (16 tokens): 8 KiB per CTA with the loads first, the fastest (4.48 against
+  //    5.07 us);
+  //  * above: 1 KiB per CTA (the most CTAs: the chunk size does not matter once 128 CTAs send),
+  //    the loads after the send, equal at 512 KiB-1 MiB and 0.3 us faster at 2 MiB.
+  // Thread block clusters of up to 8 CTAs up to 128 KiB. The kernel uses nothing of the
+  // cluster: in decode the op sits right before the gate_up and QKV GEMMs, whose cuBLAS
+  // kernels (nvjet, 2x1 clusters) are most of a step, and their speed follows the launch
+  // shape in front of them. In a 70B-layer CUDA graph the gate_up GEMM at 1 token took
+  // 118.3 us after a plain launch of this kernel (4 CTAs), 109.7 us after one cluster of
+  // 4 CTAs, 118.3 us after clusters of 2, 108.2 us after FlashInfer's fused kernel (clusters
+  // of 8) (decode-gemm-20261122-s9). With a stand-in of this launch shape in the same graph on
+  // one H200, clusters took 8-11 us off gate_up at 1-4 tokens, nothing at 8, and added 10 us at
+  // 16 tokens (32 CTAs in clusters of 8: 109.5 -> 119.8 us) (gemm-after-20261123-s10), so they
+  // stop at 128 KiB. They cost the op itself 0.08 us at 1 token, nothing measurable at 2-64
+  // tokens (fused-cluster-20261122-s9).
+  size_t cta_bytes;
+  int cluster;
+  if (nbytes <= (128u << 10)) cta_bytes = 4u << 10, l.row_loads_early = false, cluster = 8;
+  else if (nbytes <= (256u << 10)) cta_bytes = 8u << 10, l.row_loads_early = true, cluster = 1;
+  else cta_bytes = 1u << 10, l.row_loads_early = false, cluster = 1;
+  if (c.fused_cta_bytes != 0) cta_bytes = c.fused_cta_bytes;
+  if (c.fused_row_loads_early >= 0) l.row_loads_early = c.fused_row_loads_early != 0;
+  if (c.fused_cluster >= 0) cluster = std::max(c.fused_cluster, 1);
+  l.cta_bytes = cta_bytes;
+  // The sending is cut into cta_bytes per CTA (at most flash_ctas CTAs); every row needs a CTA too.
+  const size_t senders = std::min<size_t>(c.flash_ctas, std::max<size_t>(1, ceil_div(nbytes, cta_bytes)));
+  l.grid = int(std::max(senders, std::min<size_t>(rows, c.flash_ctas)));
+  // Clusters: the largest power of two up to the limit that divides the grid.
+  while (l.cluster * 2 <= cluster && l.grid % (l.cluster * 2) == 0) l.cluster *= 2;
+  // The receivers poll a row's vectors batched from 512 KiB (32 tokens) on
+  // (YALI_DEV_FUSED_BATCH_POLL_MIN): 0.1-0.3 us faster there, 0.2-0.7 us slower at 1-16 tokens
+  // (fused-variants-20261122-r3).
+  l.batch_poll = nbytes >= c.fused_batch_poll_min;
+  return l;
+}
+
+}  // namespace yali

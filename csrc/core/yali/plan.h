@@ -1,0 +1,43 @@
+// The size tables: which kernel serves an all-reduce of a given size, and how
+// the fused all-reduce + RMSNorm launches for a given shape. The one place that
+// decides; plan.cpp gives the measurement behind each choice.
+#pragma once
+#include <cstddef>
+
+#include "config.h"
+
+namespace yali {
+
+// What one all-reduce launches.
+struct Plan {
+  Kernel kernel = Kernel::None;  // None: YALI does not serve this message
+  int blocks = 0;                // active flash CTAs, or stream lanes
+  size_t chunk_bytes = 0;        // stream only: bytes per ring slot use
+};
+
+// The size -> kernel table. `nbytes` is the message size in bytes.
+Plan plan_for(const Config& c, size_t nbytes);
+
+// Whether the table can pick a legacy flash kernel for some message and mode:
+// flash messages above push_max exist. A default build refuses such a Config.
+bool selects_legacy_kernels(const Config& c);
+
+// How the fused op runs for one shape; Rank::fused_allreduce_rmsnorm launches
+// exactly this (launch_fused in rank.cu maps it to a kernel instance).
+struct FusedLaunch {
+  bool one_launch = true;       // false: YALI all-reduce, then the add + norm kernel
+  int grid = 0;                 // CTAs
+  int row_vecs_per_thread = 1;  // 1, 2, 4 or 8: a thread's 16-byte vectors of a row (the kernels' kV)
+  size_t cta_bytes = 0;         // message bytes each CTA sends
+  bool batch_poll = false;      // receivers poll a row's vectors batched (wait_push_batch)
+  bool row_loads_early = true;  // a row's loads before the epoch fetch, or after the send
+  bool pdl = true;              // programmatic dependent launch
+  int cluster = 1;              // CTAs per thread block cluster (1 = no clusters)
+};
+
+// The fused op's launch table for `rows` rows of `hidden` elements of `dtype`
+// (rows * hidden * dtype size bytes). The YALI_DEV_FUSED_* knobs override it.
+// Rows must be 16-byte multiples of at most kFusedMaxRowBytes (the caller checks).
+FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType dtype);
+
+}  // namespace yali
