@@ -6,7 +6,8 @@
 # memory stands where NVLink would be and the two processes take turns on the GPU, so nothing
 # here is a timing and a race that needs the link's latency may not show.
 #   shared_gpu.sh [all|fused|allreduce|reliability]   all (default): fused first, then all-reduce
-#   (< 9.5 min); reliability: mismatched calls, watchdog paths, a killed peer, close() (~5 min)
+#   (< 9.5 min); reliability: mismatched calls, watchdog paths, a killed peer, close() (~5 min);
+#   overlap: the overlapped GEMM + all-reduce + RMSNorm against the unfused sequence (~4 min)
 # Taking turns costs about 3.3 ms per call pair (the 10k-replay graph test, 70k pairs, takes
 # 232 s: archive/gpu-tests/20261123-shared-h200), so the all-reduce part leaves out the 100k-call stress
 # test, whose 300 s bound assumes concurrent ranks; it stays with the 2-GPU host (kernels.sh).
@@ -33,5 +34,6 @@ case "$MODE" in
   fused)     run_part fused "${SHARED_FUSED_S:-540}" tests/gpu/test_fused.py ;;
   allreduce) run_part allreduce "${SHARED_ALLREDUCE_S:-540}" tests/gpu/test_allreduce.py tests/gpu/test_bench_timing.py -k "not stress" ;;
   reliability) run_part reliability "${SHARED_RELIABILITY_S:-540}" tests/gpu/test_reliability.py ;;
-  *)         echo "usage: $0 [all|fused|allreduce|reliability]" >&2; exit 2 ;;
+  overlap)   run_part overlap "${SHARED_OVERLAP_S:-540}" tests/gpu/test_overlap.py ;;
+  *)         echo "usage: $0 [all|fused|allreduce|reliability|overlap]" >&2; exit 2 ;;
 esac
