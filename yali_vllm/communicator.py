@@ -395,6 +395,11 @@ class YaliCommunicator:
         """Fused all-reduce + RMSNorm launches that ran on this GPU (graph replays included). Synchronises."""
         return int(_ext.ops().device_fused_calls(self._handle))
 
+    def overlap_calls(self) -> int:
+        """Overlapped GEMM + all-reduce + RMSNorm consumer launches that ran on this GPU (one per window;
+        graph replays included). Synchronises."""
+        return int(_ext.ops().overlap_calls(self._overlap_handle))
+
     def fused_launch(self, rows: int, hidden: int, dtype: torch.dtype) -> dict:
         """How a fused call of `rows` x `hidden` `dtype` runs: one launch or not, CTAs, batched receive
         poll, row loads before the epoch fetch, message bytes sent per CTA, CTAs per thread block cluster."""

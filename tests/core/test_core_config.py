@@ -106,12 +106,13 @@ def test_legacy_settings_refused_without_legacy_build(monkeypatch, var, value):
 
 
 def test_buffer_holds_only_what_the_config_selects(monkeypatch):
-    # stream ready + credit flags (2 x 128 lanes x 16 slots x 8 B), the push area (2 parities x 8 MiB),
-    # the stream ring (128 lanes x 8 slots x 64 KiB): no area of the legacy kernels.
-    assert torch.ops.yali.shared_bytes_for_env() == 32 * KiB + 16 * MiB + 64 * MiB
+    # stream ready + credit flags (2 x 128 lanes x 16 slots x 8 B), the call descriptor slots (2 x 16 B,
+    # one 256-byte-aligned area), the push area (2 parities x 8 MiB), the stream ring (128 lanes x 8 slots
+    # x 64 KiB): no area of the legacy kernels.
+    assert torch.ops.yali.shared_bytes_for_env() == 32 * KiB + 256 + 16 * MiB + 64 * MiB
     if config.legacy_kernels():  # their arrive / gather flags, LL words (2 x 2 x 128 KiB), stage, reduced
         monkeypatch.setenv("YALI_DEV_PUSH_MAX", "0")
-        assert torch.ops.yali.shared_bytes_for_env() == 34 * KiB + 512 * KiB + 48 * MiB + 64 * MiB
+        assert torch.ops.yali.shared_bytes_for_env() == 34 * KiB + 256 + 512 * KiB + 48 * MiB + 64 * MiB
 
 
 def test_kernel_mode_forces_family(monkeypatch):

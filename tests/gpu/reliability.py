@@ -105,22 +105,23 @@ def peer_never_calls(rank, group, kind, wait_s):
 
 
 def peer_killed_mid_call(rank, group, wait_s):
-    """Both ranks run good calls; rank 1 then starts a 64 MiB stream call and is killed (SIGKILL)
-    while it runs. Rank 0's same call must end with a reason within YALI_TIMEOUT_S plus a margin."""
+    """Both ranks run good calls; rank 1 then starts a 256 MiB stream call, four times the ring (so
+    it cannot send the whole message before rank 0 gives credits back), and is killed (SIGKILL)
+    while it waits. Rank 0's same call must end with a reason within YALI_TIMEOUT_S plus a margin."""
     dev = _device()
     comm = YaliCommunicator(group, dev)
-    x = torch.ones(32 << 20, device=dev, dtype=torch.bfloat16)
-    for _ in range(3):
-        comm.all_reduce(x, mode="stream")
+    x = torch.ones(128 << 20, device=dev, dtype=torch.bfloat16)
+    for _ in range(2):
+        comm.all_reduce(x, out=x, mode="stream")
     comm.synchronize()
     dist.barrier(group)
     if rank == 1:
-        comm.all_reduce(x, mode="stream")
-        time.sleep(0.05)
+        comm.all_reduce(x, out=x, mode="stream")
+        time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(0.2)
+    time.sleep(1.0)
     t0 = time.time()
-    comm.all_reduce(x, mode="stream")
+    comm.all_reduce(x, out=x, mode="stream")
     return _failure(comm, t0)
 
 
