@@ -21,6 +21,7 @@ ROW_KEYS = {
     "allreduce-tuning": ["variant", "bytes"],  # the project's own kinds: benchmarks/tune.py,
     "decode-profile": ["config", "rank", "kernel_class", "count", "mean_us"],  # benchmarks/decode_profile.py
     "decode-gemm": ["setup", "graph", "name", "tokens", "us_per_call"],  # research/decode_gemm_bench.py
+    "decode-prefetch": ["shape", "tokens", "correct", "ours_vs_cublas", "pass"],  # research/decode_prefetch/bench.py
 }
 # Every run's JSON: current/ (the quoted runs) and archive/ (the rest), each <kind>/<date>-<topic>/.
 FILES = sorted(glob.glob(os.path.join(RESULTS, "current", "**", "*.json"), recursive=True)
