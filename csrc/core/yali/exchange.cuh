@@ -167,7 +167,7 @@ __device__ __forceinline__ void push_send(Vec16* to_peer, Vec16 (&v)[kU], Range 
 // up to one round trip per vector whose first load came too early, but it
 // re-loads nothing that was not needed. The fused op uses this from
 // Config::fused_batch_poll_min on; flash-push waits one vector at a time,
-// which measured faster at 2 KiB-1 MiB and 8 MiB (tune-20261122-r6).
+// which measured faster at 2 KiB-1 MiB and 8 MiB (current/tune/20261122-batch-poll).
 template <int kU, typename At>
 __device__ __forceinline__ void wait_push_batch(Vec16 (&v)[kU], At at, uint64_t timeout_ns, AbortInfo* abort,
                                                 Kernel kernel) {

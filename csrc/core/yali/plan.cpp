@@ -20,15 +20,15 @@ size_t largest_flash_message(const Config& c) { return std::min(c.flash_bytes, c
 // All-reduce, with the defaults of config.h:
 //  * flash-push up to 8 MiB (YALI_DEV_FLASH_BYTES, the push area): faster than the first
 //    table (flash-ll, one-shot) at every size up to 8 MiB, 2.52 against 2.70 us at 2 KiB,
-//    15.70 against 17.72 us at 4 MiB (allreduce-20261122-r3.md, column yali-prev).
+//    15.70 against 17.72 us at 4 MiB (current/allreduce/20261122-pdl, column yali-prev).
 //  * 1 KiB per flash-push CTA, at most 128 CTAs (YALI_DEV_PUSH_CTA_BYTES, YALI_DEV_FLASH_CTAS):
-//    16 KiB is slower up to 1 MiB, 512 B-4 KiB within 0.4 us of each other (tune-20261122-r4.md).
+//    16 KiB is slower up to 1 MiB, 512 B-4 KiB within 0.4 us of each other (current/tune/20261122-push-cta-bytes).
 //  * stream above 8 MiB (YALI_DEV_STREAM_MIN), 128 lanes x 8 slots x 64 KiB (YALI_DEV_LANES,
 //    _SLOTS, _SLOT_BYTES): the best of the configurations measured side by side
-//    (tune-20261122-r1.md, tune-20261122-r2.md); the same from 16 MiB in both tables
-//    (allreduce-20261122-r3.md).
+//    (current/tune/20261122-configs-first, current/tune/20261122-configs-second); the same from 16 MiB in both tables
+//    (current/allreduce/20261122-pdl).
 //  * programmatic dependent launch (YALI_DEV_PDL=1): 0.1-0.5 us faster up to 8 MiB, equal
-//    above (tune-20261122-r5.md).
+//    above (current/tune/20261122-pdl).
 Plan plan_for(const Config& c, size_t nbytes) {
   Plan p;
   if (nbytes == 0 || nbytes > c.max_bytes) return p;
@@ -61,7 +61,7 @@ Plan plan_for(const Config& c, size_t nbytes) {
     return p;
   }
   // The first table's boundaries: flash-ll up to 128 KiB with 1 KiB per CTA, one-shot up to
-  // 8 MiB with 16 KiB per CTA, never two-shot (tune-20261122-r1.md, tune-20261122-r2.md).
+  // 8 MiB with 16 KiB per CTA, never two-shot (current/tune/20261122-configs-first, current/tune/20261122-configs-second).
   if (nbytes <= c.ll_max) {
     p.kernel = Kernel::FlashLL;
     p.blocks = int(std::min<size_t>(c.flash_ctas, ceil_div(nbytes, c.ll_cta_bytes)));
@@ -88,7 +88,7 @@ FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType 
     return l;
   }
   // Bytes sent per CTA and the row loads' place, the fused op alone at hidden 8192
-  // (fused-launch-20261122-s8):
+  // (current/fused/20261122-launch-sweep):
   //  * up to 128 KiB (8 tokens): 4 KiB per CTA with the loads after the send, 0.0-0.5 us faster
   //    than 1 KiB with them first;
   //  * up to 256 KiB (16 tokens): 8 KiB per CTA with the loads first, the fastest (4.48 against
@@ -101,11 +101,11 @@ FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType 
   // shape in front of them. In a 70B-layer CUDA graph the gate_up GEMM at 1 token took
   // 118.3 us after a plain launch of this kernel (4 CTAs), 109.7 us after one cluster of
   // 4 CTAs, 118.3 us after clusters of 2, 108.2 us after FlashInfer's fused kernel (clusters
-  // of 8) (decode-gemm-20261122-s9). With a stand-in of this launch shape in the same graph on
+  // of 8) (current/decode-gemm/20261122-gate-up). With a stand-in of this launch shape in the same graph on
   // one H200, clusters took 8-11 us off gate_up at 1-4 tokens, nothing at 8, and added 10 us at
-  // 16 tokens (32 CTAs in clusters of 8: 109.5 -> 119.8 us) (gemm-after-20261123-s10), so they
+  // 16 tokens (32 CTAs in clusters of 8: 109.5 -> 119.8 us) (current/gemm-after/20261123-one-gpu), so they
   // stop at 128 KiB. They cost the op itself 0.08 us at 1 token, nothing measurable at 2-64
-  // tokens (fused-cluster-20261122-s9).
+  // tokens (current/fused/20261122-cluster-launch).
   size_t cta_bytes;
   int cluster;
   if (nbytes <= (128u << 10)) cta_bytes = 4u << 10, l.row_loads_early = false, cluster = 8;
@@ -122,7 +122,7 @@ FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType 
   while (l.cluster * 2 <= cluster && l.grid % (l.cluster * 2) == 0) l.cluster *= 2;
   // The receivers poll a row's vectors batched from 512 KiB (32 tokens) on
   // (YALI_DEV_FUSED_BATCH_POLL_MIN): 0.1-0.3 us faster there, 0.2-0.7 us slower at 1-16 tokens
-  // (fused-variants-20261122-r3).
+  // (archive/fused/20261122-variants-batch-poll).
   l.batch_poll = nbytes >= c.fused_batch_poll_min;
   return l;
 }
