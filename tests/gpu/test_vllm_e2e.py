@@ -169,14 +169,16 @@ def _generate(
     eager: bool,
     nccl: bool = False,
     fuse: str = "default",
+    long_prompts: bool = False,
+    overlap: bool = False,
 ) -> dict:
     """Run (or reuse) one configuration; returns the runner's JSON."""
-    key = (yali, eager, nccl, fuse)
+    key = (yali, eager, nccl, fuse, long_prompts, overlap)
     if key in _RESULTS:
         return _RESULTS[key]
     name = (
         f"{'yali' if yali else 'noyali'}-{'eager' if eager else 'graph'}-"
-        f"{'nccl' if nccl else 'ca'}-fuse_{fuse}"
+        f"{'nccl' if nccl else 'ca'}-fuse_{fuse}{'-long' if long_prompts else ''}{'-overlap' if overlap else ''}"
     )
     out = tmp / f"{name}.json"
     log = tmp / f"{name}.log"
@@ -194,10 +196,14 @@ def _generate(
         cmd.append("--eager")
     if nccl:
         cmd.append("--nccl")
+    if long_prompts:
+        cmd.append("--long-prompts")
+    env = _env(plugin_path, yali)
+    env["YALI_OVERLAP"] = "1" if overlap else "0"
     with open(log, "wb") as logf:
         proc = subprocess.Popen(
             cmd,
-            env=_env(plugin_path, yali),
+            env=env,
             stdout=logf,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -350,6 +356,20 @@ def test_yali_fusion_tokens_match_flashinfer_and_unfused(model_dir, plugin_path,
         f"YALI fused calls during generate: {fused}; plain YALI all-reduces: {_yali_calls(yali)}; "
         f"near-tie divergences (prompt, token, gap): vs FlashInfer {vs_fi}, vs unfused {vs_unfused}"
     )
+
+
+@_timeout(2 * RUN_TIMEOUT_S + 60)
+def test_overlap_tokens_match_without_overlap(model_dir, plugin_path, tmp_path_factory):
+    """Prefills of several hundred tokens with YALI's overlapped GEMM + all-reduce + RMSNorm
+    (YALI_OVERLAP=1) give the greedy tokens of the same server without it."""
+    tmp = tmp_path_factory.mktemp("overlap")
+    overlap = _generate(model_dir, plugin_path, tmp, yali=True, eager=False, long_prompts=True, overlap=True)
+    plain = _generate(model_dir, plugin_path, tmp, yali=True, eager=False, long_prompts=True)
+    assert "YALI overlap pass: GEMM + all-reduce + RMSNorm overlapped" in overlap["log"], overlap["log"][-6000:]
+    assert "YALI overlap pass" not in plain["log"]
+    assert all(len(t) == overlap["max_tokens"] for t in overlap["token_ids"])
+    divergences = _check_same_greedy("overlap vs no overlap", overlap, plain)
+    print(f"near-tie divergences (prompt, token, gap): {divergences}")
 
 
 # ------------------------------------------------------------------ vllm serve

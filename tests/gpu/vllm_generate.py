@@ -30,6 +30,9 @@ PROMPTS = [
     "1, 2, 3, 4,",
     "In a distant galaxy, a small robot named Pip discovered that",
 ]
+# --long-prompts: prefills of several hundred tokens each (the overlapped GEMM + all-reduce + RMSNorm
+# serves batches from 512 tokens).
+LONG_PROMPTS = [" ".join([p] * 60) for p in PROMPTS]
 
 MARKER = "YALI_RESULT "
 
@@ -47,6 +50,7 @@ def main() -> int:
         help="vLLM's all-reduce+RMSNorm fusion: as vLLM configures it, or off",
     )
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--long-prompts", action="store_true", help="prefills of several hundred tokens")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     args = p.parse_args()
 
@@ -88,7 +92,7 @@ def main() -> int:
     before = llm.collective_rpc(yali_tp_stats)
     t0 = time.monotonic()
     outputs = llm.generate(
-        PROMPTS,
+        LONG_PROMPTS if args.long_prompts else PROMPTS,
         # ignore_eos: every prompt yields exactly max_tokens tokens (random
         # weights may emit </s> early), so the step count is known.
         # logprobs=2: the runner-up at each position, so a test can tell a
@@ -116,7 +120,9 @@ def main() -> int:
             "eager": args.eager,
             "nccl": args.nccl,
             "fuse": args.fuse,
+            "long_prompts": args.long_prompts,
             "YALI_ENABLE": os.environ.get("YALI_ENABLE"),
+            "YALI_OVERLAP": os.environ.get("YALI_OVERLAP"),
         },
         "startup_s": round(startup_s, 1),
         "generate_s": round(generate_s, 2),

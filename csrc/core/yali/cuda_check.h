@@ -1,6 +1,5 @@
-// Host-side helpers for CUDA calls: an error check that throws, and a scope that
-// switches the current device and restores it. (rank.cu holds its own copies of these,
-// from before this header; they can move here.)
+// Host-side helpers for CUDA calls (rank.cu, overlap.cu): an error check that throws, and a
+// scope that switches the current device and restores it.
 #pragma once
 #include <cuda_runtime.h>
 

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "cuda_check.h"
 #include "fused.cuh"
 #include "push.cuh"
 #include "stream.cuh"
@@ -14,24 +15,6 @@
 namespace yali {
 
 namespace {
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess)
-    throw std::runtime_error(std::string("yali: ") + what + " failed: " + cudaGetErrorString(e));
-}
-
-// Restores the caller's current device when leaving a scope.
-struct DeviceGuard {
-  int saved = -1;
-  explicit DeviceGuard(int device) {
-    check(cudaGetDevice(&saved), "cudaGetDevice");
-    if (saved != device) check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() {
-    int now = -1;
-    if (saved >= 0 && cudaGetDevice(&now) == cudaSuccess && now != saved) cudaSetDevice(saved);
-  }
-};
 
 // The 64-bit flag words at byte offset `off` of a shared buffer.
 uint64_t* flag_words(char* base, size_t off) { return reinterpret_cast<uint64_t*>(base + off); }
@@ -87,28 +70,28 @@ Rank::Rank(int device, int rank, const Config& config)
     : device_(device), rank_(rank), config_(config), layout_(config) {
   if (rank != 0 && rank != 1) throw std::invalid_argument("yali: rank must be 0 or 1");
   config_.validate();
-  DeviceGuard guard(device);
+  ScopedDevice guard(device);
   int major = 0;
-  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
+  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
   if (major < 7) throw std::runtime_error("yali: needs compute capability 7.0+ (system-scope acquire/release)");
-  check(cudaMalloc(&shared_, layout_.total), "cudaMalloc(shared buffer)");
-  check(cudaMemset(shared_, 0, layout_.flags_end), "cudaMemset(flags)");
+  check_cuda(cudaMalloc(&shared_, layout_.total), "cudaMalloc(shared buffer)");
+  check_cuda(cudaMemset(shared_, 0, layout_.flags_end), "cudaMemset(flags)");
   // The call descriptor slots start empty (call_check.cuh: kCallEmpty is all ones).
-  check(cudaMemset(shared_ + layout_.call_slots, 0xff, 2 * sizeof(CallDesc)), "cudaMemset(call slots)");
+  check_cuda(cudaMemset(shared_ + layout_.call_slots, 0xff, 2 * sizeof(CallDesc)), "cudaMemset(call slots)");
   // The flash-push area starts empty (exchange.cuh).
   fill_words<<<256, 256>>>(reinterpret_cast<uint32_t*>(shared_ + layout_.flash_push), 2 * config_.flash_bytes / 4,
                            kPushEmpty);
-  check(cudaGetLastError(), "fill(push area)");
-  check(cudaMalloc(&state_, sizeof(LocalState)), "cudaMalloc(local state)");
-  check(cudaMemset(state_, 0, sizeof(LocalState)), "cudaMemset(local state)");
-  check(cudaHostAlloc(&abort_host_, sizeof(AbortInfo), cudaHostAllocMapped | cudaHostAllocPortable),
+  check_cuda(cudaGetLastError(), "fill(push area)");
+  check_cuda(cudaMalloc(&state_, sizeof(LocalState)), "cudaMalloc(local state)");
+  check_cuda(cudaMemset(state_, 0, sizeof(LocalState)), "cudaMemset(local state)");
+  check_cuda(cudaHostAlloc(&abort_host_, sizeof(AbortInfo), cudaHostAllocMapped | cudaHostAllocPortable),
         "cudaHostAlloc(abort record)");
   std::memset(abort_host_, 0, sizeof(AbortInfo));
   abort_host_->state = state_;
   abort_host_->call_slots = reinterpret_cast<const uint32_t*>(shared_ + layout_.call_slots);
-  check(cudaHostGetDevicePointer(&abort_dev_, abort_host_, 0), "cudaHostGetDevicePointer");
+  check_cuda(cudaHostGetDevicePointer(&abort_dev_, abort_host_, 0), "cudaHostGetDevicePointer");
   // The peer may write our flags as soon as it has our handle: they must be zero by then.
-  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 }
 
 Rank::~Rank() {
@@ -125,9 +108,9 @@ Rank::~Rank() {
 }
 
 IpcHandleBytes Rank::ipc_handle() const {
-  DeviceGuard guard(device_);
+  ScopedDevice guard(device_);
   cudaIpcMemHandle_t h;
-  check(cudaIpcGetMemHandle(&h, shared_), "cudaIpcGetMemHandle");
+  check_cuda(cudaIpcGetMemHandle(&h, shared_), "cudaIpcGetMemHandle");
   IpcHandleBytes out;
   std::memcpy(out.data(), &h, sizeof(h));
   return out;
@@ -135,11 +118,11 @@ IpcHandleBytes Rank::ipc_handle() const {
 
 void Rank::open_peer(const IpcHandleBytes& peer) {
   if (peer_shared_) throw std::runtime_error("yali: peer already connected");
-  DeviceGuard guard(device_);
+  ScopedDevice guard(device_);
   cudaIpcMemHandle_t h;
   std::memcpy(&h, peer.data(), sizeof(h));
   void* p = nullptr;
-  check(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle(peer buffer)");
+  check_cuda(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle(peer buffer)");
   peer_shared_ = static_cast<char*>(p);
   peer_is_ipc_ = true;
 }
@@ -148,21 +131,21 @@ void Rank::attach_peer(Rank& peer) {
   if (peer_shared_) throw std::runtime_error("yali: peer already connected");
   if (!(peer.config_ == config_)) throw std::invalid_argument("yali: both ranks need the same Config");
   int can = 0;
-  check(cudaDeviceCanAccessPeer(&can, device_, peer.device_), "cudaDeviceCanAccessPeer");
+  check_cuda(cudaDeviceCanAccessPeer(&can, device_, peer.device_), "cudaDeviceCanAccessPeer");
   if (!can)
     throw std::runtime_error("yali: GPU " + std::to_string(device_) + " cannot access GPU " +
                              std::to_string(peer.device_) + " (no P2P)");
-  DeviceGuard guard(device_);
+  ScopedDevice guard(device_);
   cudaError_t e = cudaDeviceEnablePeerAccess(peer.device_, 0);
   if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
-  else check(e, "cudaDeviceEnablePeerAccess");
+  else check_cuda(e, "cudaDeviceEnablePeerAccess");
   peer_shared_ = peer.shared_;
   peer_is_ipc_ = false;
 }
 
 void Rank::close_peer() {
   if (!peer_shared_) return;
-  DeviceGuard guard(device_);
+  ScopedDevice guard(device_);
   cudaDeviceSynchronize();  // errors ignored: a trapped context still unmaps below
   if (peer_is_ipc_) cudaIpcCloseMemHandle(peer_shared_);
   peer_shared_ = nullptr;
@@ -364,18 +347,18 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
 }
 
 uint64_t Rank::device_fused_calls() const {
-  DeviceGuard guard(device_);
+  ScopedDevice guard(device_);
   uint64_t v = 0;
-  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  check(cudaMemcpy(&v, &state_->fused_calls, sizeof(v), cudaMemcpyDeviceToHost), "cudaMemcpy(fused calls)");
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  check_cuda(cudaMemcpy(&v, &state_->fused_calls, sizeof(v), cudaMemcpyDeviceToHost), "cudaMemcpy(fused calls)");
   return v;
 }
 
 uint64_t Rank::device_calls() const {
-  DeviceGuard guard(device_);
+  ScopedDevice guard(device_);
   uint64_t v = 0;
-  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  check(cudaMemcpy(&v, &state_->calls, sizeof(v), cudaMemcpyDeviceToHost), "cudaMemcpy(calls)");
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  check_cuda(cudaMemcpy(&v, &state_->calls, sizeof(v), cudaMemcpyDeviceToHost), "cudaMemcpy(calls)");
   return v;
 }
 
