@@ -140,6 +140,7 @@ def worker(rank, port, args, q):
         from yali_vllm.communicator import YaliCommunicator
 
         torch.cuda.set_device(rank)
+        os.environ["YALI_OVERLAP"] = "1"  # the overlap's receive slots are allocated only when it is on
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         comm = YaliCommunicator(dist.group.WORLD, torch.device("cuda", rank))
         norm_name, norm = vllm_norm(torch)

@@ -84,6 +84,8 @@ class YaliError(RuntimeError):
     kernel trapped, so this process's CUDA context is lost: the process must restart."""
 
 
+# Opt-in (off by default) until it is measured on two GPUs: the prefill overlap (overlap.py).
+OVERLAP_VAR = "YALI_OVERLAP"
 # How often the abort watcher looks at the host-mapped abort record (no CUDA call, no GIL held
 # while it sleeps).
 ABORT_POLL_S = 0.2
@@ -176,6 +178,7 @@ class YaliCommunicator:
                 me["uuid"] = str(torch.cuda.get_device_properties(self.device).uuid)
                 config.check_environment()
                 me["config"] = _ext.ops().config_string()  # raises ValueError naming a bad YALI_* variable
+                me["overlap"] = config.env_flag(OVERLAP_VAR, False)
         except Exception as e:
             me["error"] = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
         peers = self._exchange(me)
@@ -184,6 +187,10 @@ class YaliCommunicator:
             raise YaliUnavailable(f"ranks are on different nodes ({me['host']} and {other['host']})")
         if other["config"] != me["config"]:
             raise YaliUnavailable(f"the ranks' YALI_* settings differ: [{me['config']}] vs [{other['config']}]")
+        if other["overlap"] != me["overlap"]:
+            raise YaliUnavailable(f"the ranks' {OVERLAP_VAR} differ: {peers[0]['overlap']} vs {peers[1]['overlap']}")
+        # The overlap's receive slots (2 x SLOT_BYTES per GPU) exist only when it is switched on.
+        self.overlap_enabled = bool(me["overlap"])
         self.config = config.parse_config_string(me["config"])
         self.max_bytes = int(self.config["max_bytes"] if max_bytes is None else min(max_bytes, self.config["max_bytes"]))
         # In flash-only mode messages above the flash buffer are not served.
@@ -198,9 +205,9 @@ class YaliCommunicator:
             self._check_p2p(other["uuid"])
             self._handle = y.create(self.device.index, self.rank)
             step["ipc"] = bytes(y.ipc_handle(self._handle))
-            # The overlapped GEMM + all-reduce + RMSNorm's receive slots, exchanged alike.
-            self._overlap_handle = y.overlap_create(self.device.index, self.rank, overlap.SLOT_BYTES)
-            step["overlap_ipc"] = bytes(y.overlap_ipc_handle(self._overlap_handle))
+            if self.overlap_enabled:  # the overlapped GEMM + all-reduce + RMSNorm's receive slots
+                self._overlap_handle = y.overlap_create(self.device.index, self.rank, overlap.SLOT_BYTES)
+                step["overlap_ipc"] = bytes(y.overlap_ipc_handle(self._overlap_handle))
         except Exception as e:
             step["error"] = f"{type(e).__name__}: {e}"
         try:
@@ -208,7 +215,8 @@ class YaliCommunicator:
             opened: dict = {"error": None}
             try:
                 y.open_peer(self._handle, list(peer["ipc"]))
-                y.overlap_open_peer(self._overlap_handle, list(peer["overlap_ipc"]))
+                if self.overlap_enabled:
+                    y.overlap_open_peer(self._overlap_handle, list(peer["overlap_ipc"]))
             except Exception as e:
                 opened["error"] = f"cannot map the peer's buffer: {e}"
             self._exchange(opened)  # both sides zeroed their flags and mapped the peer
@@ -217,8 +225,9 @@ class YaliCommunicator:
             self.close()
             raise
         self.buffer_bytes = int(y.buffer_bytes(self._handle))
-        self._overlap = overlap.OverlapEngine(self._overlap_handle, self.device)
-        overlap.register(self._overlap)
+        if self.overlap_enabled:
+            self._overlap = overlap.OverlapEngine(self._overlap_handle, self.device)
+            overlap.register(self._overlap)
         self._watcher = _AbortWatcher(self._handle, self.rank, self._overlap_handle)
         logger.info("yali: rank %d %s", self.rank, self.describe())
 
@@ -419,13 +428,14 @@ class YaliCommunicator:
             f"YALI all-reduce on {self.device} (world 2): "
             f"flash up to {_mib(flash_max) if flash_max >= 2**20 else str(flash_max) + ' B'}, "
             f"stream above that up to {_mib(self._serve_limit)}, mode={c['mode']}, "
-            f"buffers {_mib(int(_ext.ops().buffer_bytes(self._handle)))} per GPU, "
-            f"overlapped GEMM + all-reduce + RMSNorm from {overlap.MIN_TOKENS} tokens with receive slots "
-            f"2 x {_mib(overlap.SLOT_BYTES)} per GPU"
+            f"buffers {_mib(int(_ext.ops().buffer_bytes(self._handle)))} per GPU"
+            + (f", overlapped GEMM + all-reduce + RMSNorm from {overlap.MIN_TOKENS} tokens with receive slots "
+               f"2 x {_mib(overlap.SLOT_BYTES)} per GPU ({OVERLAP_VAR}=1)" if self.overlap_enabled else "")
         )
 
     _kept: int | None = None  # a closed communicator's handle whose buffers stay (see close())
     _overlap: overlap.OverlapEngine | None = None
+    overlap_enabled: bool = False  # YALI_OVERLAP=1 at set-up
     _overlap_handle: int | None = None  # the overlap buffer (overlap.py), closed and kept with the Rank's
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:

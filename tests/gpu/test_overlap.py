@@ -53,7 +53,7 @@ def test_plan_covers_windows_chunk_tails_and_both_dtypes():
 def suite():
     # A consumer waiting for a peer that never comes gives up after 60 s (and says why).
     return run_pair(overlap_scenarios.overlap_suite, overlap_plan(), STRESS_CALLS, GRAPH_REPLAYS, 77, timeout=280,
-                    env={"YALI_TIMEOUT_S": "60"})
+                    env={"YALI_TIMEOUT_S": "60", "YALI_OVERLAP": "1"})
 
 
 def _part(suite, name):
@@ -108,7 +108,7 @@ def test_overlap_torch_compile_dynamic_tokens(suite):
 
 @pytest.mark.timeout(120)
 def test_overlap_missing_peer_aborts_instead_of_hanging():
-    r0, _ = run_pair(overlap_scenarios.overlap_missing_peer, 8.0, timeout=100, env={"YALI_TIMEOUT_S": "2"})
+    r0, _ = run_pair(overlap_scenarios.overlap_missing_peer, 8.0, timeout=100, env={"YALI_TIMEOUT_S": "2", "YALI_OVERLAP": "1"})
     assert r0["error"] is not None, "rank 0 finished although its peer never called"
     assert "overlapped GEMM" in r0["abort"] and "chunk 0" in r0["abort"], r0
     assert r0["elapsed_s"] < 60
