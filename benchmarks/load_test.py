@@ -57,7 +57,7 @@ from benchmarks.serving.locust import (
 )
 from benchmarks.serving.model import default_model_dir, model_summary, prepare_model
 from benchmarks.serving.schema import DEFAULT_CONFIGS
-from benchmarks.serving.server import server_command_for, server_env, start_server, stop_and_scan, wait_ready
+from benchmarks.serving.server import server_command_for, server_env, start_server, stop_and_record, wait_ready
 from benchmarks.serving.server_options import add_server_args
 
 def merge_main(paths: Sequence[Path], out: Path) -> int:
@@ -228,11 +228,7 @@ def run(args: argparse.Namespace) -> int:
                 say(f"{cfg}: FAILED: {str(e).splitlines()[0]}")
                 print(str(e), flush=True)
             finally:
-                say(f"{cfg}: stopping server (pid {server.proc.pid}, process group)")
-                entry = {"config": cfg, **stop_and_scan(server, out, args.stop_grace_s)}
-                for w in entry["warnings"]:
-                    say(f"{cfg}: WARNING: {w}")
-                doc["server_logs"].append(entry)
+                entry = stop_and_record(server, out, args.stop_grace_s, doc, cfg, say, config=cfg)
                 if row is not None:
                     row["server_log_errors"] = entry["error_count"]
                 if args.soak:

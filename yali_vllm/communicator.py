@@ -91,8 +91,6 @@ OVERLAP_VAR = "YALI_OVERLAP"
 ABORT_POLL_S = 0.2
 # close(): how long a rank waits for its peer to reach close() before it gives up coordinating.
 CLOSE_TIMEOUT_S = 10.0
-# Buffers of communicators closed while a CUDA graph may still replay their kernels (see close()).
-_kept_for_graphs: list[int] = []
 
 
 class _AbortWatcher:
@@ -103,7 +101,6 @@ class _AbortWatcher:
         self._handle = handle  # not the communicator: the thread must not keep it alive
         self._overlap = overlap_handle
         self._stop = threading.Event()
-        self.reported = ""
         self._thread = threading.Thread(target=self._run, name=f"yali-abort-watch-r{rank}", daemon=True)
         self._thread.start()
 
@@ -111,7 +108,6 @@ class _AbortWatcher:
         while not self._stop.wait(ABORT_POLL_S):
             msg = _abort_message(self._handle, self._overlap)
             if msg:
-                self.reported = msg
                 logger.error("YALI error: %s", msg)
                 return
 
@@ -491,7 +487,6 @@ class YaliCommunicator:
 
     def _keep(self, handle: int, why: str) -> None:
         self._kept = handle
-        _kept_for_graphs.append(handle)
         logger.info("yali: rank %d closed; %s", self.rank, why)
 
     def _agree(self, mine: bool, timeout_s: float) -> list | None:
@@ -518,7 +513,6 @@ class YaliCommunicator:
                 h, self._handle = self._handle, None
                 if not self.captured:
                     self._close_peers(h)
-                _kept_for_graphs.append(h)
         except Exception:
             pass
 

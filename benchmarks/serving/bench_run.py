@@ -31,7 +31,7 @@ from benchmarks.serving.profiler import profile_request, profiler_config
 from benchmarks.serving.report import write_report
 from benchmarks.serving.runners import CliBenchRunner, WorkerBenchRunner, bench_args
 from benchmarks.serving.schema import KIND, RESULT_NAME, make_record, parse_bench_result
-from benchmarks.serving.server import server_command_for, server_env, start_server, stop_and_scan, wait_ready
+from benchmarks.serving.server import server_command_for, server_env, start_server, stop_and_record, wait_ready
 
 
 def _g(v: float | None) -> str:
@@ -289,11 +289,7 @@ def _run_all(
                 say(f"{tag}: SERVER FAILED: {str(e).splitlines()[0]}")
                 print(str(e), flush=True)
             finally:
-                say(f"{tag}: stopping server (pid {server.proc.pid}, process group)")
-                entry = {"config": cfg, "repeat": rep, **stop_and_scan(server, out, args.stop_grace_s)}
-                for w in entry["warnings"]:
-                    say(f"{tag}: WARNING: {w}")
-                doc["server_logs"].append(entry)
+                entry = stop_and_record(server, out, args.stop_grace_s, doc, tag, say, config=cfg, repeat=rep)
                 if args.load_tests is not None and rep == 1:
                     args.load_tests.server_stopped(cfg, entry)
                 write_results(json_path, doc)

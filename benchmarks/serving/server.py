@@ -150,6 +150,18 @@ def stop_and_scan(server: Server, out: Path, grace_s: float) -> dict[str, Any]:
     return entry
 
 
+def stop_and_record(server: Server, out: Path, grace_s: float, doc: dict[str, Any], tag: str, say,
+                    **keys: Any) -> dict[str, Any]:
+    """stop_and_scan, told through ``say`` under ``tag`` (the stop and each warning), its entry
+    (``keys`` first) appended to ``doc["server_logs"]`` and returned."""
+    say(f"{tag}: stopping server (pid {server.proc.pid}, process group)")
+    entry = {**keys, **stop_and_scan(server, out, grace_s)}
+    for w in entry["warnings"]:
+        say(f"{tag}: WARNING: {w}")
+    doc["server_logs"].append(entry)
+    return entry
+
+
 def gpu_memory_used_mib() -> list[int] | None:
     """Used memory per GPU from nvidia-smi, or None without nvidia-smi."""
     import shutil

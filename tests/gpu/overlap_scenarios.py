@@ -19,7 +19,7 @@ import torch
 from yali_vllm import overlap
 from yali_vllm.communicator import YaliCommunicator
 
-from .scenarios import DTYPES, compare_fused, digest, fused_reference, mismatches
+from .scenarios import DTYPES, compare_fused, digest, fused_reference, mismatches, run_steps
 
 K = 256  # this rank's slice of the GEMM's inner dimension (small: the tests check the exchange)
 
@@ -88,12 +88,12 @@ def _check(comm, call, rank, exact: bool) -> tuple[list[str], str, bool]:
     bitwise = False
     mine = p0 if rank == 0 else p1
     if exact and comm.can_fuse(mine, call["residual"], call["nw"]):  # the same answer on both ranks
+        # the fused op keeps whole rows per CTA: the same epilogue, bit for bit
         yn, yr = comm.fused_allreduce_rmsnorm(mine, call["residual"], call["nw"], spec["eps"])
-        bitwise = True  # the fused op keeps whole rows per CTA: the same epilogue, bit for bit
-        if bitwise:
-            bad = mismatches(call["norm"], yn) + mismatches(call["res_out"], yr)
-            if bad:
-                problems.append(f"{_tag(spec)}: {bad} elements differ bitwise from the fused op's epilogue")
+        bitwise = True
+        bad = mismatches(call["norm"], yn) + mismatches(call["res_out"], yr)
+        if bad:
+            problems.append(f"{_tag(spec)}: {bad} elements differ bitwise from the fused op's epilogue")
     if call["res_out"] is not call["res_in"] and call["residual"] is not None \
             and mismatches(call["res_in"], call["residual"]):
         problems.append(f"{_tag(spec)}: the residual was modified although residual_out is another tensor")
@@ -286,49 +286,10 @@ def overlap_compiled(rank, group, comm):
 def overlap_suite(rank, group, plan, stress_calls, graph_replays, seed):
     """The scenarios above in one process pair on one communicator; each scenario's exception is
     reported (with the kernel's abort reason) instead of ending the run."""
-    import traceback
-
-    import torch.distributed as dist
-
     comm = YaliCommunicator(group, torch.device("cuda", torch.cuda.current_device()))
-    results = {"describe": comm.describe()}
-    steps = [
+    return run_steps(comm, group, [
         ("sweep", lambda: overlap_sweep(rank, group, plan, seed, comm)),
         ("stress", lambda: overlap_stress(rank, group, stress_calls, 24, seed + 1, comm)),
         ("graph", lambda: overlap_graph(rank, group, graph_replays, 3, seed + 2, comm)),
         ("compiled", lambda: overlap_compiled(rank, group, comm)),
-    ]
-    for name, step in steps:
-        t0 = time.time()
-        try:
-            results[name] = step()
-        except Exception:
-            abort = ""
-            try:
-                abort = comm.abort_message()
-            except Exception:
-                pass
-            results[name] = {"error": traceback.format_exc()[-3000:] + (f"\nkernel abort: {abort}" if abort else "")}
-        results[name]["wall_s"] = round(time.time() - t0, 2)
-        dist.barrier(group=group)
-    comm.close()
-    return results
-
-
-def overlap_missing_peer(rank, group, wait_s):
-    """Rank 1 never issues its overlapped call: rank 0's consumer must give up after
-    YALI_TIMEOUT_S and say why (the chunk flag it waited for) instead of hanging."""
-    dev = torch.device("cuda", torch.cuda.current_device())
-    comm = YaliCommunicator(group, dev)
-    x0, x1, w0, w1, res, nw = overlap_inputs(5, 512, 2048, torch.bfloat16, dev, True)
-    if rank == 1:
-        time.sleep(wait_s)  # alive, buffers mapped, but never calls
-        return {"rank": 1}
-    t0 = time.time()
-    comm.gemm_allreduce_rmsnorm(x0, w0, res, nw, 1e-5)
-    try:
-        torch.cuda.synchronize(dev)
-        err = None
-    except Exception as e:  # the trapped kernel surfaces here
-        err = str(e)
-    return {"error": err, "abort": comm.abort_message(), "elapsed_s": time.time() - t0}
+    ])

@@ -640,22 +640,15 @@ def fused_compiled(rank, group, comm=None):
     return {"failures": failures}
 
 
-def fused_suite(rank, group, plan, interleave_calls, graph_replays, seed):
-    """Runs the fused scenarios above in one process pair on one communicator (the pair's start-up
-    is paid once); each scenario's exception is reported instead of ending the run."""
+def run_steps(comm, group, steps) -> dict:
+    """Runs a suite's (name, step) scenarios on one communicator, reporting each scenario's
+    exception (with the kernel's abort reason) instead of ending the run; both ranks leave each
+    scenario together; closes the communicator. Returns {"describe": ..., name: result}."""
     import traceback
 
     import torch.distributed as dist
 
-    dev = _device()
-    comm = YaliCommunicator(group, dev)
     results = {"describe": comm.describe()}
-    steps = [
-        ("sweep", lambda: fused_sweep(rank, group, plan, seed, comm=comm)),
-        ("interleaved", lambda: fused_interleaved(rank, group, interleave_calls, seed + 1, comm=comm)),
-        ("graph", lambda: fused_graph(rank, group, graph_replays, 4, seed + 2, comm=comm)),
-        ("compiled", lambda: fused_compiled(rank, group, comm=comm)),
-    ]
     for name, step in steps:
         t0 = time.time()
         try:
@@ -671,6 +664,26 @@ def fused_suite(rank, group, plan, interleave_calls, graph_replays, seed):
         dist.barrier(group=group)  # both ranks leave a scenario together
     comm.close()
     return results
+
+
+def suite_part(suite, name) -> list:
+    """Both ranks' results of scenario `name` of a run_steps suite; fails on a scenario's error."""
+    parts = [r[name] for r in suite]
+    for rank, p in enumerate(parts):
+        assert "error" not in p, f"rank {rank} {name}:\n{p['error']}"
+    return parts
+
+
+def fused_suite(rank, group, plan, interleave_calls, graph_replays, seed):
+    """Runs the fused scenarios above in one process pair on one communicator (the pair's start-up
+    is paid once); each scenario's exception is reported instead of ending the run."""
+    comm = YaliCommunicator(group, _device())
+    return run_steps(comm, group, [
+        ("sweep", lambda: fused_sweep(rank, group, plan, seed, comm=comm)),
+        ("interleaved", lambda: fused_interleaved(rank, group, interleave_calls, seed + 1, comm=comm)),
+        ("graph", lambda: fused_graph(rank, group, graph_replays, 4, seed + 2, comm=comm)),
+        ("compiled", lambda: fused_compiled(rank, group, comm=comm)),
+    ])
 
 
 def unaligned_inputs(rank, group, seed):

@@ -10,6 +10,7 @@ import pytest
 
 from . import scenarios
 from .pair import run_pair
+from .scenarios import suite_part
 
 pytestmark = pytest.mark.gpu
 
@@ -106,16 +107,9 @@ def suite():
                     env={"YALI_TIMEOUT_S": "60"})
 
 
-def _part(suite, name):
-    parts = [r[name] for r in suite]
-    for rank, p in enumerate(parts):
-        assert "error" not in p, f"rank {rank} {name}:\n{p['error']}"
-    return parts
-
-
 @pytest.mark.timeout(170)
 def test_fused_sweep_matches_vllm_reference(suite):
-    parts = _part(suite, "sweep")
+    parts = suite_part(suite, "sweep")
     plan = fused_plan()
     for rank, r in enumerate(parts):
         assert not r["failures"], f"rank {rank}: {len(r['failures'])} failed checks:\n" + "\n".join(r["failures"][:20])
@@ -156,7 +150,7 @@ def test_fused_sweep_matches_vllm_reference(suite):
 
 @pytest.mark.timeout(170)
 def test_fused_interleaved_with_plain_all_reduce(suite):
-    parts = _part(suite, "interleaved")
+    parts = suite_part(suite, "interleaved")
     for rank, r in enumerate(parts):
         assert not r["failures"], f"rank {rank}:\n" + "\n".join(r["failures"][:20])
         assert r["checked"] == INTERLEAVED_CALLS
@@ -168,7 +162,7 @@ def test_fused_interleaved_with_plain_all_reduce(suite):
 
 @pytest.mark.timeout(170)
 def test_fused_cuda_graph_1000_replays(suite):
-    parts = _part(suite, "graph")
+    parts = suite_part(suite, "graph")
     for rank, r in enumerate(parts):
         n = len(r["specs"])
         assert r["bad_residual"] == [0] * n, f"rank {rank} residual_out mismatches per op {r['specs']}: {r}"
@@ -181,7 +175,7 @@ def test_fused_cuda_graph_1000_replays(suite):
 
 @pytest.mark.timeout(170)
 def test_fused_torch_compile_fullgraph(suite):
-    for rank, r in enumerate(_part(suite, "compiled")):
+    for rank, r in enumerate(suite_part(suite, "compiled")):
         assert not r["failures"], f"rank {rank}: {r['failures']}"
 
 
