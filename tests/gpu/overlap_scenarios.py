@@ -293,3 +293,22 @@ def overlap_suite(rank, group, plan, stress_calls, graph_replays, seed):
         ("graph", lambda: overlap_graph(rank, group, graph_replays, 3, seed + 2, comm)),
         ("compiled", lambda: overlap_compiled(rank, group, comm)),
     ])
+
+
+def overlap_missing_peer(rank, group, wait_s):
+    """Rank 1 never issues its overlapped call: rank 0's consumer must give up after
+    YALI_TIMEOUT_S and say why (the chunk flag it waited for) instead of hanging."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    comm = YaliCommunicator(group, dev)
+    x0, x1, w0, w1, res, nw = overlap_inputs(5, 512, 2048, torch.bfloat16, dev, True)
+    if rank == 1:
+        time.sleep(wait_s)  # alive, buffers mapped, but never calls
+        return {"rank": 1}
+    t0 = time.time()
+    comm.gemm_allreduce_rmsnorm(x0, w0, res, nw, 1e-5)
+    try:
+        torch.cuda.synchronize(dev)
+        err = None
+    except Exception as e:  # the trapped kernel surfaces here
+        err = str(e)
+    return {"error": err, "abort": comm.abort_message(), "elapsed_s": time.time() - t0}
