@@ -1,6 +1,6 @@
-"""YaliCommunicator: a 2-rank all-reduce over NVLink, built over a torch.distributed
-CPU group. It allocates its buffers once, exchanges CUDA IPC handles with the peer
-once, and from then on every call is a single kernel launch on the current stream
+"""YaliCommunicator: an all-reduce over NVLink for 2, 4, 6 or 8 ranks of one node, built over a
+torch.distributed CPU group. It allocates its buffers once, exchanges CUDA IPC handles with the
+other ranks once, and from then on every call is a single kernel launch on the current stream
 (CUDA-graph safe: fixed addresses, all sequence state advanced on the device).
 """
 from __future__ import annotations
@@ -136,13 +136,71 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.0f} MiB"
 
 
-class YaliCommunicator:
-    """All-reduce between the two ranks of `group` (a gloo/CPU process group).
+def _size(n: int) -> str:
+    """Bytes in the largest binary unit that divides them (B, KiB, MiB)."""
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
 
-    Raises YaliUnavailable when the group is not exactly two ranks on one node
-    with P2P access, or the extension/GPU is missing, or the ranks' YALI_*
-    settings differ. `max_bytes` caps the message size served (default: the
-    configured YALI_MAX_BYTES).
+
+def _serve_limit(cfg: dict, max_bytes: int, world_size: int) -> int:
+    """The largest message the communicator serves: above two ranks the N-rank kernels' limit
+    (YALI_DEV_RANKS_MAX); with two in flash-only mode the flash buffer; else max_bytes."""
+    if world_size > 2:
+        return min(max_bytes, int(cfg["ranks_max"]))
+    if cfg["mode"] == "flash":
+        return min(max_bytes, int(cfg["flash_bytes"]))
+    return max_bytes
+
+
+def _check_same_everywhere(peers: list) -> None:
+    """Every rank on one node, with the same YALI_* settings and YALI_OVERLAP (raises
+    YaliUnavailable naming the first rank that differs from rank 0)."""
+    first = peers[0]
+    for r, d in enumerate(peers[1:], start=1):
+        if (d["host"], d["boot_id"]) != (first["host"], first["boot_id"]):
+            raise YaliUnavailable(f"ranks are on different nodes (rank 0 on {first['host']}, rank {r} on {d['host']})")
+        if d["config"] != first["config"]:
+            raise YaliUnavailable(f"the ranks' YALI_* settings differ: rank 0 [{first['config']}] vs rank {r} "
+                                  f"[{d['config']}]")
+        if d["overlap"] != first["overlap"]:
+            raise YaliUnavailable(f"the ranks' {OVERLAP_VAR} differ: rank 0 {first['overlap']} vs rank {r} "
+                                  f"{d['overlap']}")
+
+
+def nvlink_between(a: int, b: int) -> bool | None:
+    """Whether NVML reports an NVLink path between visible GPUs `a` and `b`; None when NVML cannot
+    tell (no pynvml, no driver access): the caller then relies on peer access alone."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            ha, hb = (pynvml.nvmlDeviceGetHandleByUUID(_nvml_uuid(i)) for i in (a, b))
+            return pynvml.nvmlDeviceGetP2PStatus(ha, hb, pynvml.NVML_P2P_CAPS_INDEX_NVLINK) == pynvml.NVML_P2P_STATUS_OK
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - any NVML failure means "cannot tell"
+        return None
+
+
+def _nvml_uuid(index: int) -> str:
+    """NVML's name of visible GPU `index` ("GPU-<uuid>"): CUDA's index is not NVML's under
+    CUDA_VISIBLE_DEVICES."""
+    return "GPU-" + str(torch.cuda.get_device_properties(index).uuid)
+
+
+class YaliCommunicator:
+    """All-reduce among the ranks of `group` (a gloo/CPU process group).
+
+    Raises YaliUnavailable when the group is not 2, 4, 6 or 8 ranks (config.WORLD_SIZES) on one
+    node with P2P access between every pair (and NVLink between every pair above two ranks), or
+    the extension/GPU is missing, or the ranks' YALI_* settings differ. `max_bytes` caps the
+    message size served (default: the configured YALI_MAX_BYTES; above two ranks also
+    YALI_DEV_RANKS_MAX, beyond which vLLM's chain is faster).
     """
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device | int | str, max_bytes: int | None = None):
@@ -155,8 +213,9 @@ class YaliCommunicator:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        if self.world_size != 2:
-            raise YaliUnavailable(f"world size is {self.world_size}; YALI serves exactly 2 ranks")
+        refusal = config.world_size_refusal(self.world_size)
+        if refusal:
+            raise YaliUnavailable(refusal)
         # Every step that can fail on one rank only is followed by an exchange of
         # the outcome, so both ranks raise together and neither is left waiting
         # in a collective the other will never enter: up to the first exchange,
@@ -178,28 +237,26 @@ class YaliCommunicator:
         except Exception as e:
             me["error"] = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
         peers = self._exchange(me)
-        other = peers[1 - self.rank]
-        if (other["host"], other["boot_id"]) != (me["host"], me["boot_id"]):
-            raise YaliUnavailable(f"ranks are on different nodes ({me['host']} and {other['host']})")
-        if other["config"] != me["config"]:
-            raise YaliUnavailable(f"the ranks' YALI_* settings differ: [{me['config']}] vs [{other['config']}]")
-        if other["overlap"] != me["overlap"]:
-            raise YaliUnavailable(f"the ranks' {OVERLAP_VAR} differ: {peers[0]['overlap']} vs {peers[1]['overlap']}")
-        # The overlap's receive slots (2 x SLOT_BYTES per GPU) exist only when it is switched on.
-        self.overlap_enabled = bool(me["overlap"])
+        _check_same_everywhere(peers)
+        # The overlap's receive slots (2 x SLOT_BYTES per GPU) exist only when it is switched on;
+        # it pairs two ranks, so a larger group runs without it.
+        self.overlap_enabled = bool(me["overlap"]) and self.world_size == 2
+        if me["overlap"] and not self.overlap_enabled and self.rank == 0:
+            logger.warning("yali: %s=1 is ignored on %d ranks: the overlapped GEMM + all-reduce + RMSNorm "
+                           "serves two ranks", OVERLAP_VAR, self.world_size)
         self.config = config.parse_config_string(me["config"])
         self.max_bytes = int(self.config["max_bytes"] if max_bytes is None else min(max_bytes, self.config["max_bytes"]))
-        # In flash-only mode messages above the flash buffer are not served.
-        self._serve_limit = self.max_bytes
-        if self.config["mode"] == "flash":
-            self._serve_limit = min(self._serve_limit, int(self.config["flash_bytes"]))
+        if self.world_size > 2 and self.config["mode"] == "stream":
+            raise YaliUnavailable(f"YALI_KERNEL_MODE=stream: there is no stream kernel for {self.world_size} ranks "
+                                  f"(auto or flash pick push one-shot / two-shot)")
+        self._serve_limit = _serve_limit(self.config, self.max_bytes, self.world_size)
 
         y = _ext.ops()
         ops.register_fakes()
         step: dict = {"error": None}
         try:
-            self._check_p2p(other["uuid"])
-            self._handle = y.create(self.device.index, self.rank)
+            self._check_p2p([d["uuid"] for d in peers])
+            self._handle = y.create(self.device.index, self.rank, self.world_size)
             step["ipc"] = bytes(y.ipc_handle(self._handle))
             if self.overlap_enabled:  # the overlapped GEMM + all-reduce + RMSNorm's receive slots
                 self._overlap_handle = y.overlap_create(self.device.index, self.rank, overlap.SLOT_BYTES)
@@ -207,15 +264,17 @@ class YaliCommunicator:
         except Exception as e:
             step["error"] = f"{type(e).__name__}: {e}"
         try:
-            peer = self._exchange(step)[1 - self.rank]
+            steps = self._exchange(step)
             opened: dict = {"error": None}
             try:
-                y.open_peer(self._handle, list(peer["ipc"]))
+                for r, peer in enumerate(steps):
+                    if r != self.rank:
+                        y.open_peer(self._handle, list(peer["ipc"]), r if self.world_size > 2 else -1)
                 if self.overlap_enabled:
-                    y.overlap_open_peer(self._overlap_handle, list(peer["overlap_ipc"]))
+                    y.overlap_open_peer(self._overlap_handle, list(steps[1 - self.rank]["overlap_ipc"]))
             except Exception as e:
-                opened["error"] = f"cannot map the peer's buffer: {e}"
-            self._exchange(opened)  # both sides zeroed their flags and mapped the peer
+                opened["error"] = f"cannot map another rank's buffer: {e}"
+            self._exchange(opened)  # every rank zeroed its flags and mapped every other rank's buffer
             self._self_test()
         except Exception:
             self.close()
@@ -236,29 +295,39 @@ class YaliCommunicator:
             raise YaliUnavailable("; ".join(errors))
         return got
 
-    def _check_p2p(self, peer_uuid: str) -> None:
-        for i in range(torch.cuda.device_count()):
-            if str(torch.cuda.get_device_properties(i).uuid) == peer_uuid:
-                if i == self.device.index:
-                    if not shared_gpu_allowed():
-                        raise YaliUnavailable(f"both ranks use the same GPU ({self.device}); "
-                                              f"{SHARED_GPU_VAR}=1 allows it for testing")
-                    logger.warning("yali: rank %d shares %s with its peer (%s=1): a test of the kernels' "
+    def _check_p2p(self, uuids: list[str]) -> None:
+        """Peer access from this rank's GPU to every other rank's, and above two ranks an NVLink
+        between them (every rank checks its own row: together every pair). A GPU not visible in
+        this process is checked by the IPC mapping and the self-test instead."""
+        visible = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
+        shared_warned = False
+        for r, uuid in enumerate(uuids):
+            i = visible.get(uuid)
+            if r == self.rank or i is None:
+                continue
+            if i == self.device.index:
+                if not shared_gpu_allowed():
+                    raise YaliUnavailable(f"ranks {self.rank} and {r} use the same GPU ({self.device}); "
+                                          f"{SHARED_GPU_VAR}=1 allows it for testing")
+                if not shared_warned:
+                    logger.warning("yali: rank %d shares %s with another rank (%s=1): a test of the kernels' "
                                    "protocol, not an NVLink all-reduce; its timings mean nothing",
                                    self.rank, self.device, SHARED_GPU_VAR)
-                    return
-                if not torch.cuda.can_device_access_peer(self.device.index, i):
-                    raise YaliUnavailable(f"no P2P access from cuda:{self.device.index} to cuda:{i}")
-                return
-        # The peer GPU is not visible in this process: the IPC mapping and the
-        # self-test below are the check.
+                    shared_warned = True
+                continue
+            if not torch.cuda.can_device_access_peer(self.device.index, i):
+                raise YaliUnavailable(f"no P2P access from cuda:{self.device.index} to cuda:{i} (rank {r})")
+            if self.world_size > 2 and nvlink_between(self.device.index, i) is False:
+                raise YaliUnavailable(f"cuda:{self.device.index} and cuda:{i} (rank {r}) are not connected by "
+                                      f"NVLink: above two ranks YALI needs NVLink between every pair of GPUs")
 
     def _self_test(self) -> None:
-        """One small all-reduce with known values: proves the peer mapping works."""
+        """One small all-reduce with known values: proves every mapping works."""
         x = torch.full((1024,), float(self.rank + 1), dtype=torch.float32, device=self.device)
         out = self.all_reduce(x)
         torch.cuda.synchronize(self.device)
-        ok = torch.tensor([int(bool((out == 3.0).all()))], dtype=torch.int32)
+        expected = self.world_size * (self.world_size + 1) / 2
+        ok = torch.tensor([int(bool((out == expected).all()))], dtype=torch.int32)
         dist.all_reduce(ok, group=self.group, op=dist.ReduceOp.MIN)
         if not ok.item():
             raise YaliUnavailable("self-test all-reduce over the peer mapping gave wrong values (P2P broken?)")
@@ -419,12 +488,18 @@ class YaliCommunicator:
 
     def describe(self) -> str:
         c = self.config
+        buffers = f"buffers {_mib(int(_ext.ops().buffer_bytes(self._handle)))} per GPU"
+        if self.world_size > 2:
+            oneshot = int(_ext.ops().ranks_table(self.world_size)[0])
+            return (f"YALI all-reduce on {self.device} (world {self.world_size}): push one-shot up to "
+                    f"{_size(min(oneshot, self._serve_limit))}, push two-shot above that up to "
+                    f"{_size(self._serve_limit)}, vLLM's chain above, mode={c['mode']}, {buffers}")
         flash_max = min(int(c["flash_bytes"]), int(c["stream_min"]), self._serve_limit)
         return (
             f"YALI all-reduce on {self.device} (world 2): "
             f"flash up to {_mib(flash_max) if flash_max >= 2**20 else str(flash_max) + ' B'}, "
             f"stream above that up to {_mib(self._serve_limit)}, mode={c['mode']}, "
-            f"buffers {_mib(int(_ext.ops().buffer_bytes(self._handle)))} per GPU"
+            f"{buffers}"
             + (f", overlapped GEMM + all-reduce + RMSNorm from {overlap.MIN_TOKENS} tokens with receive slots "
                f"2 x {_mib(overlap.SLOT_BYTES)} per GPU ({OVERLAP_VAR}=1)" if self.overlap_enabled else "")
         )

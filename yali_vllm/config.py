@@ -15,7 +15,11 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 # Kernel ids as returned by plan() (csrc/core/yali/config.h: enum class Kernel).
-KERNEL_NAMES = {0: None, 1: "flash-oneshot", 2: "flash-twoshot", 3: "stream", 4: "flash-ll", 5: "flash-push"}
+KERNEL_NAMES = {0: None, 1: "flash-oneshot", 2: "flash-twoshot", 3: "stream", 4: "flash-ll", 5: "flash-push",
+                6: "push-oneshot", 7: "push-twoshot"}
+# The world sizes (ranks of a tensor-parallel group) YALI serves: 2 with the two-rank kernels
+# (flash-push, stream), 4, 6 and 8 with the N-rank push one-shot and two-shot (csrc/core/yali/ranks.cuh).
+WORLD_SIZES = (2, 4, 6, 8)
 # The end of build_info() of a library built with the legacy flash kernels (YALI_BUILD_LEGACY=1;
 # csrc/bindings/torch_ops.cpp: YALI_BUILD_KERNELS).
 LEGACY_BUILD_MARK = ", with the legacy flash kernels"
@@ -105,7 +109,16 @@ def legacy_kernels() -> bool:
     return _ext.ops().build_info().endswith(LEGACY_BUILD_MARK)
 
 
-def plan(nbytes: int, mode: str = "config") -> tuple[str | None, int, int]:
-    """The size -> kernel table: (kernel name or None, CTAs or lanes, stream chunk bytes)."""
-    k, blocks, chunk = _ext.ops().plan(int(nbytes), MODES[mode])
+def world_size_refusal(world_size: int) -> str | None:
+    """Why YALI does not serve a group of `world_size` ranks, or None when it does."""
+    if world_size in WORLD_SIZES:
+        return None
+    served = ", ".join(str(n) for n in WORLD_SIZES[:-1]) + f" or {WORLD_SIZES[-1]}"
+    return f"world size is {world_size}; YALI serves {served} ranks"
+
+
+def plan(nbytes: int, mode: str = "config", world_size: int = 2) -> tuple[str | None, int, int]:
+    """The size -> kernel table of `world_size` ranks: (kernel name or None, CTAs or lanes, stream
+    chunk bytes). None: YALI does not serve the message (vLLM's chain does)."""
+    k, blocks, chunk = _ext.ops().plan(int(nbytes), MODES[mode], int(world_size))
     return KERNEL_NAMES[int(k)], int(blocks), int(chunk)

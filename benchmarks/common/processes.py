@@ -1,4 +1,4 @@
-"""Starting and stopping the processes of a benchmark or test: a free TCP port, two ranks in
+"""Starting and stopping the processes of a benchmark or test: a free TCP port, N ranks in
 spawned processes (NVLink multicast off) with a hard time bound, and the stop of a whole process
 group."""
 from __future__ import annotations
@@ -28,26 +28,28 @@ def _rank_main(target: Callable[..., Any], rank: int, port: int, args: tuple, q:
     target(rank, port, *args, q)
 
 
-def launch_two_ranks(target: Callable[..., Any], args: tuple, timeout: float,
-                     lost: tuple = ()) -> tuple[dict[int, Any], bool]:
-    """Runs ``target(rank, port, *args, queue)`` in two spawned processes (one TCP port for their
-    process group, one queue for their results; NVLink multicast off in both), bounded by
-    ``timeout`` seconds.
+def launch_ranks(target: Callable[..., Any], args: tuple, timeout: float, lost: tuple = (),
+                 world_size: int = 2) -> tuple[dict[int, Any], bool]:
+    """Runs ``target(rank, port, *args, queue)`` in ``world_size`` spawned processes (one TCP port
+    for their process group, one queue for their results; NVLink multicast off in all), bounded
+    by ``timeout`` seconds.
 
-    Each rank puts ``(rank, value)`` on the queue. Collecting stops when both have reported, when
-    a rank exits with an error, or at the bound; every process still alive after a short join is
-    killed. Ranks in ``lost`` are expected to die (a test kills them): collecting waits for the
+    Each rank puts ``(rank, value)`` on the queue. Collecting stops when every rank has reported,
+    when a rank exits with an error, or at the bound; every process still alive after a short join
+    is killed. Ranks in ``lost`` are expected to die (a test kills them): collecting waits for the
     others only. Returns ``({rank: value}, timed_out)``."""
     import multiprocessing as mp
 
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(target, r, port, args, q)) for r in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(target, r, port, args, q)) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
-    wanted = 2 - len(lost)
+    wanted = world_size - len(lost)
     deadline = time.monotonic() + timeout
     try:
         while len(results) < wanted and time.monotonic() < deadline:
@@ -67,13 +69,25 @@ def launch_two_ranks(target: Callable[..., Any], args: tuple, timeout: float,
     return results, len(results) < wanted and time.monotonic() >= deadline
 
 
-def run_two_ranks(worker: Callable[..., Any], args: Any, timeout: float, what: str) -> Any:
-    """A benchmark's two ranks: ``worker(rank, port, args, queue)`` on GPU ``rank`` each; returns
-    what rank 0 put on the queue, or exits naming ``what`` when it failed or timed out."""
-    results, _ = launch_two_ranks(worker, (args,), timeout)
+def launch_two_ranks(target: Callable[..., Any], args: tuple, timeout: float,
+                     lost: tuple = ()) -> tuple[dict[int, Any], bool]:
+    """launch_ranks with two ranks."""
+    return launch_ranks(target, args, timeout, lost, world_size=2)
+
+
+def run_ranks(worker: Callable[..., Any], args: Any, timeout: float, what: str, world_size: int = 2) -> Any:
+    """A benchmark's ranks: ``worker(rank, port, args, queue)`` on GPU ``rank`` each, ``world_size``
+    of them; returns what rank 0 put on the queue, or exits naming ``what`` when it failed or timed
+    out."""
+    results, _ = launch_ranks(worker, (args,), timeout, world_size=world_size)
     if 0 not in results:
         raise SystemExit(f"{what} failed or timed out (see worker output above)")
     return results[0]
+
+
+def run_two_ranks(worker: Callable[..., Any], args: Any, timeout: float, what: str) -> Any:
+    """run_ranks with two ranks."""
+    return run_ranks(worker, args, timeout, what, world_size=2)
 
 
 def group_alive(pgid: int) -> bool:

@@ -21,6 +21,7 @@
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/core/ScalarType.h>
 
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -32,6 +33,7 @@
 
 #include "yali/config.h"
 #include "yali/overlap.h"
+#include "yali/plan.h"
 #include "yali/rank.h"
 
 #ifdef YALI_LEGACY_KERNELS
@@ -145,14 +147,16 @@ yali::KernelMode to_mode(int64_t mode, const yali::Rank& r) {
 std::string after_abort(const yali::Rank& r) { return r.aborted() ? " <- " + r.abort_message() : std::string(); }
 
 // ------------------------------------------------------------------ ops
-int64_t create(int64_t device, int64_t rank) {
+int64_t create(int64_t device, int64_t rank, int64_t world) {
   const yali::Config c = config_from_env();
+  YALI_CHECK_VALUE(world >= 2 && world <= yali::kMaxRanks, "world size ", world, " is not in [2, ", yali::kMaxRanks, "]");
+  YALI_CHECK_VALUE(rank >= 0 && rank < world, "rank ", rank, " is not in [0, ", world, ")");
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
   YALI_CHECK(e == cudaSuccess && count > 0, "no CUDA device is available (",
              e == cudaSuccess ? "0 devices" : cudaGetErrorString(e), ")");
   YALI_CHECK_VALUE(device >= 0 && device < count, "device ", device, " does not exist (", count, " visible)");
-  yali::Rank* r = core([&] { return new yali::Rank(int(device), int(rank), c); });
+  yali::Rank* r = core([&] { return new yali::Rank(int(device), int(rank), int(world), c); });
   std::lock_guard<std::mutex> lock(g_mu);
   g_live.insert(r);
   return reinterpret_cast<int64_t>(r);
@@ -179,7 +183,8 @@ std::vector<int64_t> ipc_handle(int64_t handle) {
   return std::vector<int64_t>(h.begin(), h.end());
 }
 
-void open_peer(int64_t handle, std::vector<int64_t> peer) {
+// Maps rank `peer_rank`'s buffer (-1: the other rank of a two-rank communicator).
+void open_peer(int64_t handle, std::vector<int64_t> peer, int64_t peer_rank) {
   yali::IpcHandleBytes h;
   YALI_CHECK_VALUE(peer.size() == h.size(), "open_peer expects the peer's ", h.size(), "-byte IPC handle, got ",
                    peer.size(), " bytes");
@@ -188,7 +193,10 @@ void open_peer(int64_t handle, std::vector<int64_t> peer) {
     h[i] = uint8_t(peer[i]);
   }
   yali::Rank* r = get(handle);
-  core([&] { r->open_peer(h); });
+  YALI_CHECK_VALUE(peer_rank >= -1 && peer_rank < r->world() && peer_rank != r->rank() &&
+                       (peer_rank >= 0 || r->world() == 2),
+                   "open_peer: rank ", peer_rank, " is not another rank of this ", r->world(), "-rank communicator");
+  core([&] { peer_rank < 0 ? r->open_peer(h) : r->open_peer(int(peer_rank), h); });
 }
 
 void attach_peer(int64_t handle, int64_t peer_handle) {
@@ -259,16 +267,28 @@ void fused_allreduce_rmsnorm(int64_t handle, const Tensor& input, const std::opt
              r->aborted() ? after_abort(*r) : std::string(" (tensors must be 16-byte aligned)"));
 }
 
-std::vector<int64_t> plan(int64_t nbytes, int64_t mode) {
+std::vector<int64_t> plan(int64_t nbytes, int64_t mode, int64_t world) {
   yali::Config c = config_from_env();
   YALI_CHECK_VALUE(mode >= -1 && mode <= 2, "kernel mode ", mode, " is not -1, 0, 1 or 2");
+  YALI_CHECK_VALUE(world >= 2 && world <= yali::kMaxRanks, "world size ", world, " is not in [2, ", yali::kMaxRanks, "]");
   if (mode >= 0) c.mode = yali::KernelMode(int(mode));
-  const yali::Plan p = yali::plan_for(c, size_t(nbytes));
+  const yali::Plan p = yali::plan_for(c, size_t(nbytes), int(world));
   return {int64_t(p.kernel), int64_t(p.blocks), int64_t(p.chunk_bytes)};
 }
 
 std::string config_string() { return config_from_env().to_string(); }
-int64_t shared_bytes_for_env() { return int64_t(yali::shared_buffer_bytes(config_from_env())); }
+// The N-rank table's limits for `world` ranks: [push one-shot up to, the largest message served,
+// one rank's slot of the push area].
+std::vector<int64_t> ranks_table(int64_t world) {
+  YALI_CHECK_VALUE(world > 2 && world <= yali::kMaxRanks, "world size ", world, " is not in [3, ", yali::kMaxRanks, "]");
+  const yali::Config c = config_from_env();
+  return {int64_t(yali::ranks_oneshot_max(c, int(world))), int64_t(std::min(c.ranks_max, c.max_bytes)),
+          int64_t(yali::ranks_slot_bytes(c, int(world)))};
+}
+int64_t shared_bytes_for_env(int64_t world) {
+  YALI_CHECK_VALUE(world >= 2 && world <= yali::kMaxRanks, "world size ", world, " is not in [2, ", yali::kMaxRanks, "]");
+  return int64_t(yali::shared_buffer_bytes(config_from_env(), int(world)));
+}
 int64_t buffer_bytes(int64_t handle) { return int64_t(get(handle)->buffer_bytes()); }
 int64_t device_calls(int64_t handle) {
   const yali::Rank* r = get(handle);
@@ -432,19 +452,20 @@ std::string overlap_abort_message(int64_t handle) { return get_overlap(handle)->
 }  // namespace
 
 STABLE_TORCH_LIBRARY(yali, m) {
-  m.def("create(int device, int rank) -> int");
+  m.def("create(int device, int rank, int world=2) -> int");
   m.def("destroy(int comm) -> ()");
   m.def("close_peer(int comm) -> ()");
   m.def("ipc_handle(int comm) -> int[]");
-  m.def("open_peer(int comm, int[] peer_handle) -> ()");
+  m.def("open_peer(int comm, int[] peer_handle, int peer_rank=-1) -> ()");
   m.def("attach_peer(int comm, int peer_comm) -> ()");
   m.def("all_reduce(int comm, Tensor input, Tensor(a!) out, int kernel_mode=-1) -> ()");
   m.def(
       "fused_allreduce_rmsnorm(int comm, Tensor input, Tensor? residual, Tensor weight, float eps, "
       "Tensor(a!) norm_out, Tensor(b!) residual_out) -> ()");
-  m.def("plan(int nbytes, int mode=-1) -> int[]");
+  m.def("plan(int nbytes, int mode=-1, int world=2) -> int[]");
   m.def("config_string() -> str");
-  m.def("shared_bytes_for_env() -> int");
+  m.def("ranks_table(int world) -> int[]");
+  m.def("shared_bytes_for_env(int world=2) -> int");
   m.def("buffer_bytes(int comm) -> int");
   m.def("device_calls(int comm) -> int");
   m.def("device_fused_calls(int comm) -> int");
@@ -478,6 +499,7 @@ STABLE_TORCH_LIBRARY_IMPL(yali, CompositeExplicitAutograd, m) {
   m.impl("attach_peer", TORCH_BOX(&attach_peer));
   m.impl("plan", TORCH_BOX(&plan));
   m.impl("config_string", TORCH_BOX(&config_string));
+  m.impl("ranks_table", TORCH_BOX(&ranks_table));
   m.impl("shared_bytes_for_env", TORCH_BOX(&shared_bytes_for_env));
   m.impl("buffer_bytes", TORCH_BOX(&buffer_bytes));
   m.impl("device_calls", TORCH_BOX(&device_calls));

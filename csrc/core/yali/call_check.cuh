@@ -55,9 +55,10 @@ __device__ __forceinline__ uint32_t* call_begin(const CallCheck& c, LocalState* 
   return c.my_slots + 4 * slot;
 }
 
-// Step 2, by the same thread (or one that synchronised with it since).
-__device__ __forceinline__ void call_verify(const CallCheck& c, uint32_t* slot, uint64_t timeout_ns, AbortInfo* abort,
-                                            Kernel kernel) {
+// Waits for the descriptor in `slot` (the peer's, or rank `peer`'s with N ranks), compares it
+// with mine, and gives the slot back.
+__device__ __forceinline__ void verify_slot(const CallDesc& mine, uint32_t* slot, uint64_t timeout_ns,
+                                            AbortInfo* abort, Kernel kernel, int peer) {
   CallDesc v = load_call(slot);
   if (!call_arrived(v)) {
     const uint64_t start = global_timer_ns();
@@ -65,12 +66,45 @@ __device__ __forceinline__ void call_verify(const CallCheck& c, uint32_t* slot, 
       v = load_call(slot);
       if (call_arrived(v)) break;
       if (timeout_ns != 0 && (spins & 1023u) == 0 && global_timer_ns() - start > timeout_ns)
-        abort_kernel(abort, kernel, 8, 0, 0);
+        abort_waiting(abort, kernel, 8, 0, 0, nullptr, peer);
     }
   }
-  if (v.w[0] != c.desc.w[0] || v.w[1] != c.desc.w[1] || v.w[2] != c.desc.w[2] || v.w[3] != c.desc.w[3])
-    abort_kernel(abort, kernel, 9, 0, 0, &v);
+  if (v.w[0] != mine.w[0] || v.w[1] != mine.w[1] || v.w[2] != mine.w[2] || v.w[3] != mine.w[3])
+    abort_waiting(abort, kernel, 9, 0, 0, &v, peer);
   store_call(slot, CallDesc{{kCallEmpty, kCallEmpty, kCallEmpty, kCallEmpty}});
+}
+
+// Step 2, by the same thread (or one that synchronised with it since).
+__device__ __forceinline__ void call_verify(const CallCheck& c, uint32_t* slot, uint64_t timeout_ns, AbortInfo* abort,
+                                            Kernel kernel) {
+  verify_slot(c.desc, slot, timeout_ns, abort, kernel, -1);
+}
+
+// N ranks (ranks.cuh): the same check with every other rank. Each rank's buffer holds slots
+// [2][world][4]: rank r's descriptor of call n lands in [n & 1][r]. The checker stores mine into
+// every other rank's buffer, then waits for, compares and gives back every other rank's, in rank
+// order. The two-slot argument holds per pair of ranks as above: every rank's call n + 1 waits for
+// every other rank's descriptor of call n + 1.
+__device__ __forceinline__ uint32_t* ranks_call_slot(char* buf, size_t off, int parity, int rank, int world) {
+  return reinterpret_cast<uint32_t*>(buf + off) + 4 * (parity * world + rank);
+}
+
+// Step 1 for N ranks; returns my slots of this call ([world][4], slot [r] for rank r).
+__device__ __forceinline__ uint32_t* ranks_call_begin(const CallDesc& d, char* const* bufs, size_t off, int me,
+                                                      int world, LocalState* state, uint64_t n) {
+  state->call_seq = n;
+  state->current_call = d;
+  const int parity = int(n & 1);
+  for (int p = 0; p < world; ++p)
+    if (p != me) store_call(ranks_call_slot(bufs[p], off, parity, me, world), d);
+  return ranks_call_slot(bufs[me], off, parity, 0, world);
+}
+
+// Step 2 for N ranks.
+__device__ __forceinline__ void ranks_call_verify(const CallDesc& d, uint32_t* mine, int me, int world,
+                                                  uint64_t timeout_ns, AbortInfo* abort, Kernel kernel) {
+  for (int p = 0; p < world; ++p)
+    if (p != me) verify_slot(d, mine + 4 * p, timeout_ns, abort, kernel, p);
 }
 
 }  // namespace yali

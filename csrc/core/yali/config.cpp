@@ -21,6 +21,8 @@ const char* kernel_name(Kernel k) {
     case Kernel::Stream: return "stream";
     case Kernel::FlashLL: return "flash-ll";
     case Kernel::FlashPush: return "flash-push";
+    case Kernel::PushOneShot: return "push-oneshot";
+    case Kernel::PushTwoShot: return "push-twoshot";
     default: return "none";
   }
 }
@@ -136,6 +138,8 @@ Config Config::from_env() {
   dev_bytes("YALI_DEV_FUSED_CTA_BYTES", 0, size_t(16) << 20, 16, &c.fused_cta_bytes);
   dev_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", -1, 1, &c.fused_row_loads_early);
   dev_int("YALI_DEV_FUSED_CLUSTER", -1, 8, &c.fused_cluster);
+  dev_bytes("YALI_DEV_RANKS_MAX", 4096, size_t(64) << 20, 4096, &c.ranks_max);
+  dev_bytes("YALI_DEV_RANKS_ONESHOT_MAX", 0, size_t(64) << 20, 4096, &c.ranks_oneshot_max);
   refuse_unknown_dev_knobs(dev_knobs);
   // Limits that depend on the flash buffer: a default follows a smaller YALI_DEV_FLASH_BYTES; a
   // value the user set that does not fit is refused naming both variables.
@@ -182,6 +186,10 @@ void Config::validate() const {
   if (fused_cta_bytes != 0) check_range("YALI_DEV_FUSED_CTA_BYTES", fused_cta_bytes, 256, size_t(16) << 20, 16);
   check_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", fused_row_loads_early, -1, 1);
   check_int("YALI_DEV_FUSED_CLUSTER", fused_cluster, -1, 8);
+  check_range("YALI_DEV_RANKS_MAX", ranks_max, 4096, size_t(64) << 20, 4096);
+  // One-shot messages are at least 4 KiB: every rank's kernel then receives data from every
+  // other rank in every call, which the buffer reuse argument of ranks.cuh needs.
+  if (ranks_oneshot_max != 0) check_range("YALI_DEV_RANKS_ONESHOT_MAX", ranks_oneshot_max, 4096, ranks_max, 4096);
   if (!(timeout_s == 0.0 || (timeout_s >= kMinTimeoutS && timeout_s <= 86400.0)))
     bad("YALI_TIMEOUT_S", std::to_string(timeout_s), "0 (no watchdog) or seconds in [0.001, 86400]");
   if (!kLegacyKernels && selects_legacy_kernels(*this))
@@ -201,10 +209,11 @@ std::string Config::to_string() const {
     << " lanes=" << lanes << " slots=" << slots << " slot_bytes=" << slot_bytes << " pdl=" << pdl << " fused_batch_poll_min=" << fused_batch_poll_min
     << " fused_cta_bytes=" << fused_cta_bytes
     << " fused_row_loads_early=" << fused_row_loads_early << " fused_cluster=" << fused_cluster
+    << " ranks_max=" << ranks_max << " ranks_oneshot_max=" << ranks_oneshot_max
     << " timeout_s=" << timeout_s;
   return o.str();
 }
 
-size_t shared_buffer_bytes(const Config& c) { return SharedLayout(c).total; }
+size_t shared_buffer_bytes(const Config& c, int world) { return SharedLayout(c, world).total; }
 
 }  // namespace yali

@@ -13,7 +13,10 @@
 namespace yali {
 
 enum class KernelMode : int { Auto = 0, Flash = 1, Stream = 2 };
-enum class Kernel : int { None = 0, FlashOneShot = 1, FlashTwoShot = 2, Stream = 3, FlashLL = 4, FlashPush = 5 };
+enum class Kernel : int {
+  None = 0, FlashOneShot = 1, FlashTwoShot = 2, Stream = 3, FlashLL = 4, FlashPush = 5,
+  PushOneShot = 6, PushTwoShot = 7  // N ranks (ranks.cuh)
+};
 enum class DType : int { F32 = 0, F16 = 1, BF16 = 2 };
 
 const char* kernel_name(Kernel k);
@@ -21,6 +24,8 @@ size_t dtype_size(DType t);
 
 // Hard limits of the kernels (array sizes in the shared flag region).
 constexpr int kMaxFlashCtas = 128;
+// Most ranks of one communicator: the N-rank kernels (ranks.cuh) keep one pointer per rank.
+constexpr int kMaxRanks = 8;
 constexpr int kMaxLanes = 128;
 constexpr int kMaxSlots = 16;
 constexpr int kFlashThreads = 512;
@@ -73,6 +78,11 @@ struct Config {
   // this many CTAs (the largest power of two <= it that divides the grid); 0 = never clusters,
   // -1 = by message size (fused_launch_for, which says why).
   int fused_cluster = -1;
+  // N ranks (world size above 2, ranks.cuh; plan.cpp gives the table):
+  // YALI_DEV_RANKS_MAX: the largest message the N-rank kernels take; above it vLLM's chain serves.
+  size_t ranks_max = 8u << 20;
+  // YALI_DEV_RANKS_ONESHOT_MAX: push one-shot up to here, push two-shot above; 0 = by world size.
+  size_t ranks_oneshot_max = 0;
   double timeout_s = 300.0;            // YALI_TIMEOUT_S: a kernel waiting longer aborts (0 = never)
 
   static Config from_env();  // throws std::invalid_argument naming the bad variable
@@ -81,7 +91,7 @@ struct Config {
   bool operator==(const Config& o) const { return to_string() == o.to_string(); }
 };
 
-// Bytes of the IPC-shared buffer one rank allocates for this config.
-size_t shared_buffer_bytes(const Config& c);
+// Bytes of the IPC-shared buffer one rank of a `world`-rank communicator allocates for this config.
+size_t shared_buffer_bytes(const Config& c, int world = 2);
 
 }  // namespace yali

@@ -44,20 +44,23 @@ struct ExchangeArgs {
   CallCheck call;        // this call, checked against the peer's (call_check.cuh)
 };
 
-// Advances this CTA's epoch; returns it (same value in all threads).
-__device__ __forceinline__ uint64_t exchange_begin(const ExchangeArgs& a) {
+// Advances this CTA's epoch; returns it (same value in all threads). CTA 0 also advances the
+// epochs of CTAs [gridDim.x, total_ctas) and counts the launch.
+__device__ __forceinline__ uint64_t advance_epochs(LocalState* state, int total_ctas) {
   __shared__ uint64_t s_epoch;
   if (threadIdx.x == 0) {
-    const uint64_t e = a.state->flash_epoch[blockIdx.x] + 1;
-    a.state->flash_epoch[blockIdx.x] = e;
-    if (blockIdx.x == 0) atomicAdd(reinterpret_cast<unsigned long long*>(&a.state->calls), 1ull);  // no return: a RED, no stall
+    const uint64_t e = state->flash_epoch[blockIdx.x] + 1;
+    state->flash_epoch[blockIdx.x] = e;
+    if (blockIdx.x == 0) atomicAdd(reinterpret_cast<unsigned long long*>(&state->calls), 1ull);  // no return: a RED, no stall
     s_epoch = e;
   }
   if (blockIdx.x == 0)
-    for (int i = int(gridDim.x) + threadIdx.x; i < a.total_ctas; i += blockDim.x) a.state->flash_epoch[i] += 1;
+    for (int i = int(gridDim.x) + threadIdx.x; i < total_ctas; i += blockDim.x) state->flash_epoch[i] += 1;
   __syncthreads();
   return s_epoch;
 }
+
+__device__ __forceinline__ uint64_t exchange_begin(const ExchangeArgs& a) { return advance_epochs(a.state, a.total_ctas); }
 
 // v[u] = load(k) for k = i + u * kFlashThreads < end (u < kU): one batch of kU
 // independent loads, issued together so that their latencies overlap. The
@@ -130,15 +133,16 @@ __device__ __forceinline__ Vec16 load_push(const Vec16* p) {
 __device__ __forceinline__ void clear_push(Vec16* p) { store_vec(p, Vec16{kPushEmpty, kPushEmpty, kPushEmpty, kPushEmpty}); }
 
 // Spins until every word of *p arrived (v holds a first load already).
+// `peer`: the rank that writes *p (N ranks; -1: the peer of a two-rank communicator).
 __device__ __forceinline__ void wait_push(const Vec16* p, Vec16& v, uint64_t timeout_ns, AbortInfo* abort,
-                                          Kernel kernel) {
+                                          Kernel kernel, int peer = -1) {
   if (push_arrived(v)) return;
   const uint64_t start = global_timer_ns();
   for (uint32_t spins = 1;; ++spins) {
     v = load_push(p);
     if (push_arrived(v)) return;
     if (timeout_ns != 0 && (spins & 1023u) == 0 && global_timer_ns() - start > timeout_ns)
-      abort_kernel(abort, kernel, 6, kPushEmpty, v.x);
+      abort_waiting(abort, kernel, 6, kPushEmpty, v.x, nullptr, peer);
   }
 }
 

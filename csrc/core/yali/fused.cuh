@@ -28,9 +28,8 @@
 
 namespace yali {
 
-struct FusedArgs {
-  ExchangeArgs x;         // exchange: x.in is the input, x.nbytes = rows * row bytes
-  const void* sum;        // add_rmsnorm_kernel: the all-reduced input (may be norm_out)
+// The epilogue's operands (also those of the N-rank fused kernel, ranks.cuh).
+struct RowNorm {
   const void* residual;   // nullptr: no residual
   const void* weight;     // [hidden]
   void* norm_out;
@@ -39,6 +38,12 @@ struct FusedArgs {
   int row_vecs;           // 16-byte vectors per row
   int hidden;             // elements per row
   float eps;
+};
+
+struct FusedArgs {
+  ExchangeArgs x;         // exchange: x.in is the input, x.nbytes = rows * row bytes
+  const void* sum;        // add_rmsnorm_kernel: the all-reduced input (may be norm_out)
+  RowNorm n;
 };
 
 // Sum of v over the CTA, the same bits in every thread and on both ranks
@@ -62,7 +67,7 @@ __device__ __forceinline__ float block_sum(float v) {
 // residual) and of the weight in w[u]: every load was issued before the wait
 // that precedes this, so no memory latency is left in here but the stores.
 template <typename T, int kV>
-__device__ __forceinline__ void rmsnorm_row(const FusedArgs& a, int row, const Vec16 (&s)[kV], const Vec16 (&r)[kV],
+__device__ __forceinline__ void rmsnorm_row(const RowNorm& a, int row, const Vec16 (&s)[kV], const Vec16 (&r)[kV],
                                             const Vec16 (&w)[kV]) {
   constexpr int kN = 16 / sizeof(T);
   const size_t base = size_t(row) * a.row_vecs;
@@ -100,7 +105,7 @@ __device__ __forceinline__ void rmsnorm_row(const FusedArgs& a, int row, const V
 // `base` (row 0 for the weight) into v; nothing for base == nullptr or a CTA
 // that owns no row (row >= rows).
 template <int kV>
-__device__ __forceinline__ void load_row(Vec16 (&v)[kV], const void* base, int row, const FusedArgs& a) {
+__device__ __forceinline__ void load_row(Vec16 (&v)[kV], const void* base, int row, const RowNorm& a) {
   if (base == nullptr || row >= a.rows) return;
   const Vec16* q = static_cast<const Vec16*>(base) + size_t(row) * a.row_vecs;
 #pragma unroll
@@ -125,9 +130,9 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kern
   const auto input = [&](size_t k) { return load_local_input(in + k); };  // rows are whole vectors: no tail
   Vec16 p[kU], w[kV], x[kV], r[kV];
   const auto load_first_row = [&] {
-    load_row(w, a.weight, 0, a);
-    load_row(x, a.x.in, first, a);
-    load_row(r, a.residual, first, a);
+    load_row(w, a.n.weight, 0, a.n);
+    load_row(x, a.x.in, first, a.n);
+    load_row(r, a.n.residual, first, a.n);
   };
   load_batch(p, chunk.begin + t, chunk.end, input);
   if constexpr (kRowLoadsEarly) load_first_row();
@@ -146,35 +151,35 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kern
   if constexpr (!kRowLoadsEarly) load_first_row();  // in flight while the peer's data crosses the link
   // 2. per row of mine: receive the peer's partial sums, add mine, normalise.
   //    A later row's input and residual loads go out together with its polls.
-  for (int row = first; row < a.rows; row += gridDim.x) {
-    const size_t base = size_t(row) * a.row_vecs;
+  for (int row = first; row < a.n.rows; row += gridDim.x) {
+    const size_t base = size_t(row) * a.n.row_vecs;
     if (row != first) {
-      load_row(x, a.x.in, row, a);
-      load_row(r, a.residual, row, a);
+      load_row(x, a.x.in, row, a.n);
+      load_row(r, a.n.residual, row, a.n);
     }
     Vec16 theirs[kV];
 #pragma unroll
     for (int u = 0; u < kV; ++u) {
       const int j = t + u * kFlashThreads;
-      if (j < a.row_vecs) theirs[u] = load_push(from_peer + base + j);
+      if (j < a.n.row_vecs) theirs[u] = load_push(from_peer + base + j);
     }
     if constexpr (kBatchPoll) {  // see wait_push_batch
       const auto at = [&](int u) -> const Vec16* {
         const int j = t + u * kFlashThreads;
-        return j < a.row_vecs ? from_peer + base + j : nullptr;
+        return j < a.n.row_vecs ? from_peer + base + j : nullptr;
       };
       wait_push_batch(theirs, at, a.x.timeout_ns, a.x.abort, Kernel::FlashPush);
     }
 #pragma unroll
     for (int u = 0; u < kV; ++u) {
       const int j = t + u * kFlashThreads;
-      if (j < a.row_vecs) {
+      if (j < a.n.row_vecs) {
         if constexpr (!kBatchPoll) wait_push(from_peer + base + j, theirs[u], a.x.timeout_ns, a.x.abort, Kernel::FlashPush);
         x[u] = add_vec<T>(canonical<T>(x[u]), theirs[u]);
         clear_push(from_peer + base + j);
       }
     }
-    rmsnorm_row<T, kV>(a, row, x, r, w);
+    rmsnorm_row<T, kV>(a.n, row, x, r, w);
   }
 }
 
@@ -186,11 +191,11 @@ __global__ void __launch_bounds__(kFlashThreads, 1) add_rmsnorm_kernel(FusedArgs
   if (blockIdx.x == 0 && threadIdx.x == 0)
     atomicAdd(reinterpret_cast<unsigned long long*>(&a.x.state->fused_calls), 1ull);
   Vec16 w[kV], s[kV], r[kV];
-  load_row(w, a.weight, 0, a);
-  for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    load_row(s, a.sum, row, a);
-    load_row(r, a.residual, row, a);
-    rmsnorm_row<T, kV>(a, row, s, r, w);
+  load_row(w, a.n.weight, 0, a.n);
+  for (int row = blockIdx.x; row < a.n.rows; row += gridDim.x) {
+    load_row(s, a.sum, row, a.n);
+    load_row(r, a.n.residual, row, a.n);
+    rmsnorm_row<T, kV>(a.n, row, s, r, w);
   }
 }
 

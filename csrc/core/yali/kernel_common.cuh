@@ -14,15 +14,19 @@ namespace yali {
 // it after the context is lost) and traps.
 // `theirs` (what = 9, a call mismatch): the peer's descriptor; otherwise the record takes this
 // rank's current call from LocalState and the peer's unread descriptor, if any, from its slots.
-__device__ __noinline__ static void abort_kernel(AbortInfo* abort, Kernel kernel, int what, uint64_t expected,
-                                          uint64_t seen, const CallDesc* theirs = nullptr) {
+// `peer`: the rank waited for or disagreeing (N ranks; -1: the peer of a two-rank communicator).
+__device__ __noinline__ static void abort_from(AbortInfo* abort, Kernel kernel, int what, uint64_t expected,
+                                        uint64_t seen, const CallDesc* theirs, int peer) {
   volatile AbortInfo* a = abort;
   const volatile LocalState* st = abort->state;
   for (int i = 0; i < 4; ++i) a->mine.w[i] = st ? st->current_call.w[i] : kCallEmpty;
   for (int i = 0; i < 4; ++i) a->theirs.w[i] = theirs ? theirs->w[i] : kCallEmpty;
-  if (!theirs && abort->call_slots)
+  // The unread descriptor of the peer: two slots with two ranks, slot [parity][peer] with more.
+  const int stride = abort->world > 2 ? 4 * abort->world : 4;
+  const int first = abort->world > 2 ? 4 * (peer >= 0 ? peer : 0) : 0;
+  if (!theirs && abort->call_slots && (abort->world <= 2 || peer >= 0))
     for (int slot = 0; slot < 2; ++slot) {
-      const volatile uint32_t* p = abort->call_slots + 4 * slot;
+      const volatile uint32_t* p = abort->call_slots + slot * stride + first;
       if (p[0] != kCallEmpty)
         for (int i = 0; i < 4; ++i) a->theirs.w[i] = p[i];
     }
@@ -31,10 +35,24 @@ __device__ __noinline__ static void abort_kernel(AbortInfo* abort, Kernel kernel
   a->what = what;
   a->expected = expected;
   a->seen = seen;
+  a->peer = peer;
   __threadfence_system();
   a->magic = kAbortMagic;
   __threadfence_system();
   __trap();
+}
+
+// The two-rank kernels' entry (their call sites stay as they were before N ranks existed).
+__device__ __noinline__ static void abort_kernel(AbortInfo* abort, Kernel kernel, int what, uint64_t expected,
+                                          uint64_t seen, const CallDesc* theirs = nullptr) {
+  abort_from(abort, kernel, what, expected, seen, theirs, -1);
+}
+
+// Either entry: `peer` is a compile-time -1 in the two-rank kernels.
+__device__ __forceinline__ void abort_waiting(AbortInfo* abort, Kernel kernel, int what, uint64_t expected,
+                                              uint64_t seen, const CallDesc* theirs, int peer) {
+  if (peer < 0) abort_kernel(abort, kernel, what, expected, seen, theirs);
+  else abort_from(abort, kernel, what, expected, seen, theirs, peer);
 }
 
 // Spins until *flag >= target. A peer that never arrives (crashed process,

@@ -1,6 +1,7 @@
-// Byte layout of the buffer each rank allocates once and shares with its peer
+// Byte layout of the buffer each rank allocates once and shares with its peers
 // by CUDA IPC. The peer writes the push area, the stream flag words and the
-// stream slots (remote stores over NVLink). The areas of the legacy flash
+// stream slots (remote stores over NVLink); with more than two ranks, every other
+// rank writes its slots of the N-rank push area and of the call slots instead. The areas of the legacy flash
 // kernels (legacy/flash.cuh: arrive / gather flags, LL words, stage, reduced)
 // have size 0 unless the build has them and the Config selects them.
 #pragma once
@@ -32,7 +33,7 @@ struct SharedLayout {
   size_t stream_ready;   // [kMaxLanes * kMaxSlots]  "slot holds my chunk with sequence g"
   size_t stream_credit;  // [kMaxLanes * kMaxSlots]  "I consumed your chunk with sequence g"
   size_t call_slots;     // [2][4] 32-bit words: the peer's descriptor of its current call (call_check.cuh);
-                         // kCallEmpty wherever no unread descriptor is
+                         // kCallEmpty wherever no unread descriptor is. N ranks: [2][N][4], rank r's in [.][r]
   // Data areas.
   size_t flash_stage;    // legacy: 2 parities x flash_bytes: my input, staged for the peer to read
   size_t flash_reduced;  // legacy: 2 parities x flash_bytes: two-shot, my reduced half for the peer
@@ -40,30 +41,40 @@ struct SharedLayout {
   size_t flash_push;     // 2 parities x flash_bytes: flash-push / fused data, written by the peer;
                          // holds kPushEmpty words wherever no unread data is (see exchange.cuh)
   size_t stream_slots;   // lanes x slots x slot_bytes: the peer's chunks land here
+  size_t ranks_push;     // N ranks: 2 parities x 2 phases x N x ranks_slot_bytes (ranks.cuh), written by
+                         // the other ranks (rank r into slot r); kPushEmpty wherever no unread data is
+  size_t ranks_slot;     // ranks_slot_bytes(c, world); 0 with two ranks
   size_t total;
 
-  explicit SharedLayout(const Config& c) {
+  // `world` ranks: two use the two-rank areas (flash-push, stream), more use only the N-rank push
+  // area and the N-rank call slots (every other area takes no bytes).
+  explicit SharedLayout(const Config& c, int world = 2) {
     const size_t legacy = selects_legacy_kernels(c) ? 1 : 0;  // 0: the legacy areas take no bytes
+    const size_t pair = world == 2 ? 1 : 0;                   // 0: the two-rank areas take no bytes
     size_t off = 0;
     auto take = [&off](size_t bytes) {
       size_t at = off;
       off = (off + bytes + 255) / 256 * 256;  // keep every area 256-byte aligned
       return at;
     };
-    flash_arrive = take(legacy * sizeof(uint64_t) * kMaxFlashCtas);
-    flash_gather = take(legacy * sizeof(uint64_t) * kMaxFlashCtas);
-    stream_ready = take(sizeof(uint64_t) * kMaxLanes * kMaxSlots);
-    stream_credit = take(sizeof(uint64_t) * kMaxLanes * kMaxSlots);
-    call_slots = take(2 * sizeof(CallDesc));
-    flash_ll = take(legacy * 2 * 2 * c.ll_max);
+    flash_arrive = take(pair * legacy * sizeof(uint64_t) * kMaxFlashCtas);
+    flash_gather = take(pair * legacy * sizeof(uint64_t) * kMaxFlashCtas);
+    stream_ready = take(pair * sizeof(uint64_t) * kMaxLanes * kMaxSlots);
+    stream_credit = take(pair * sizeof(uint64_t) * kMaxLanes * kMaxSlots);
+    call_slots_bytes = 2 * size_t(pair ? 1 : world) * sizeof(CallDesc);
+    call_slots = take(call_slots_bytes);
+    flash_ll = take(pair * legacy * 2 * 2 * c.ll_max);
     flags_end = off;  // the LL words are flags too: they must start zeroed
-    flash_push = take(2 * c.flash_bytes);
-    flash_stage = take(legacy * 2 * c.flash_bytes);
-    flash_reduced = take(legacy * 2 * c.flash_bytes);
-    stream_slots = take(size_t(c.lanes) * c.slots * c.slot_bytes);
+    flash_push = take(pair * 2 * c.flash_bytes);
+    flash_stage = take(pair * legacy * 2 * c.flash_bytes);
+    flash_reduced = take(pair * legacy * 2 * c.flash_bytes);
+    stream_slots = take(pair * size_t(c.lanes) * c.slots * c.slot_bytes);
+    ranks_slot = pair ? 0 : ranks_slot_bytes(c, world);
+    ranks_push = take(2 * 2 * size_t(world) * ranks_slot);
     total = off;
   }
   size_t flags_end;  // [0, flags_end) must be zeroed before the peer may write
+  size_t call_slots_bytes;  // all ones before the peer may write (call_check.cuh: kCallEmpty)
 };
 
 // State only the owning GPU touches; it persists across calls and is advanced
@@ -90,9 +101,11 @@ struct AbortInfo {
   CallDesc mine;    // this rank's call (what = 9), or the call running when the kernel gave up
   CallDesc theirs;  // the peer's call (what = 9), or its unread descriptor; kCallEmpty words: none seen
   // Set by the host before any launch: where abort_kernel finds the call running now and the
-  // peer's descriptors (device pointers).
+  // peer's descriptors (device pointers), and the communicator's size.
   const LocalState* state;
   const uint32_t* call_slots;
+  int32_t world;
+  int32_t peer;  // the rank waited for or disagreeing (-1: the peer of a two-rank communicator)
 };
 constexpr uint32_t kAbortMagic = 0x59414c49;  // "YALI"
 

@@ -14,7 +14,7 @@ uint64_t* words(char* base, size_t off) { return reinterpret_cast<uint64_t*>(bas
 
 template <typename T>
 cudaError_t launch_consume(const OverlapConsumeArgs& c, int grid, cudaStream_t stream) {
-  const int per_thread = (c.a.row_vecs + kFlashThreads - 1) / kFlashThreads;
+  const int per_thread = (c.a.n.row_vecs + kFlashThreads - 1) / kFlashThreads;
   if (per_thread <= 1) overlap_consume_kernel<T, 1><<<grid, kFlashThreads, 0, stream>>>(c);
   else if (per_thread <= 2) overlap_consume_kernel<T, 2><<<grid, kFlashThreads, 0, stream>>>(c);
   else if (per_thread <= 4) overlap_consume_kernel<T, 4><<<grid, kFlashThreads, 0, stream>>>(c);
@@ -121,14 +121,14 @@ cudaError_t Overlap::consume(const void* partial, const void* residual, const vo
     return cudaErrorInvalidValue;
   OverlapConsumeArgs c{};
   c.a.sum = partial;
-  c.a.residual = residual;
-  c.a.weight = weight;
-  c.a.norm_out = norm_out;
-  c.a.residual_out = residual_out;
-  c.a.rows = int(rows);
-  c.a.row_vecs = int(row_bytes / 16);
-  c.a.hidden = int(hidden);
-  c.a.eps = eps;
+  c.a.n.residual = residual;
+  c.a.n.weight = weight;
+  c.a.n.norm_out = norm_out;
+  c.a.n.residual_out = residual_out;
+  c.a.n.rows = int(rows);
+  c.a.n.row_vecs = int(row_bytes / 16);
+  c.a.n.hidden = int(hidden);
+  c.a.n.eps = eps;
   c.theirs = shared_ + layout_.slots + size_t(slot) * slot_bytes_;
   c.ready = words(shared_, layout_.ready) + slot * kOverlapMaxChunks;
   c.peer_credit = words(peer_shared_, layout_.credit) + slot;

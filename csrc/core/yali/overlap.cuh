@@ -54,11 +54,11 @@ __global__ void __launch_bounds__(kFlashThreads, 1) overlap_consume_kernel(Overl
   const uint64_t n = c.state->recvs[c.slot] + 1;  // this call's count; advanced below by the last CTA
   const Vec16* theirs = static_cast<const Vec16*>(c.theirs);
   Vec16 w[kV], s[kV], r[kV];
-  load_row(w, a.weight, 0, a);
+  load_row(w, a.n.weight, 0, a.n);
   int arrived = -1;  // chunks up to this one are in my slot
-  for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    load_row(s, a.sum, row, a);
-    load_row(r, a.residual, row, a);
+  for (int row = blockIdx.x; row < a.n.rows; row += gridDim.x) {
+    load_row(s, a.sum, row, a.n);
+    load_row(r, a.n.residual, row, a.n);
     const int chunk = row / c.chunk_rows;
     if (chunk > arrived) {  // the same for every thread of the CTA
       if (threadIdx.x == 0)
@@ -66,13 +66,13 @@ __global__ void __launch_bounds__(kFlashThreads, 1) overlap_consume_kernel(Overl
       __syncthreads();  // thread 0's acquire orders the CTA's reads of the chunk after it
       arrived = chunk;
     }
-    const size_t base = size_t(row) * a.row_vecs;
+    const size_t base = size_t(row) * a.n.row_vecs;
 #pragma unroll
     for (int u = 0; u < kV; ++u) {
       const int j = threadIdx.x + u * kFlashThreads;
-      if (j < a.row_vecs) s[u] = add_vec<T>(s[u], load_shared_buffer(theirs + base + j));
+      if (j < a.n.row_vecs) s[u] = add_vec<T>(s[u], load_shared_buffer(theirs + base + j));
     }
-    rmsnorm_row<T, kV>(a, row, s, r, w);
+    rmsnorm_row<T, kV>(a.n, row, s, r, w);
   }
   // The last CTA to finish gives the slot back to the peer: every CTA's reads of it are done.
   __syncthreads();

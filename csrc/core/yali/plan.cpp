@@ -29,9 +29,50 @@ size_t largest_flash_message(const Config& c) { return std::min(c.flash_bytes, c
 //    (current/allreduce/20261122-pdl).
 //  * programmatic dependent launch (YALI_DEV_PDL=1): 0.1-0.5 us faster up to 8 MiB, equal
 //    above (current/tune/20261122-pdl).
-Plan plan_for(const Config& c, size_t nbytes) {
+namespace {
+
+// N ranks, every rank pushing into every other rank's push area (ranks.cuh). No table here is
+// measured on 4 or 8 GPUs yet: the boundaries start where vLLM's custom all-reduce switches from
+// its one-stage to its two-stage kernel (csrc/custom_all_reduce.cuh: below 512 KiB up to 4 ranks,
+// below 256 KiB up to 8), and the N-rank kernels stop at 8 MiB, where vLLM's custom all-reduce
+// stops too (its default buffer); the YALI_DEV_RANKS_* knobs move both for the 4/8-GPU tuning run.
+//  * push one-shot: each rank sends its whole input to every other rank, which adds the N inputs
+//    in rank order: one NVLink trip, N - 1 times the message out of every GPU.
+//  * push two-shot: reduce-scatter then all-gather, both by pushes: two trips, about twice the
+//    message out of every GPU whatever N is.
+//  * CTAs: 1 KiB of each rank's share per CTA, as flash-push (YALI_DEV_PUSH_CTA_BYTES), at most
+//    YALI_DEV_FLASH_CTAS.
+Plan ranks_plan(const Config& c, size_t nbytes, int world) {
+  Plan p;
+  if (nbytes > c.ranks_max || c.mode == KernelMode::Stream) return p;  // no N-rank bandwidth kernel
+  const size_t vecs = ceil_div(nbytes, 16);
+  if (nbytes <= ranks_oneshot_max(c, world)) {
+    p.kernel = Kernel::PushOneShot;
+    p.blocks = int(std::min<size_t>(c.flash_ctas, ceil_div(nbytes, c.push_cta_bytes)));
+  } else {
+    p.kernel = Kernel::PushTwoShot;
+    const size_t segment_bytes = ceil_div(vecs, size_t(world)) * 16;
+    p.blocks = int(std::min<size_t>(c.flash_ctas, ceil_div(segment_bytes, c.push_cta_bytes)));
+  }
+  return p;
+}
+
+}  // namespace
+
+size_t ranks_oneshot_max(const Config& c, int world) {
+  if (c.ranks_oneshot_max != 0) return std::min(c.ranks_oneshot_max, c.ranks_max);
+  return std::min<size_t>(world <= 4 ? 512u << 10 : 256u << 10, c.ranks_max);
+}
+
+size_t ranks_slot_bytes(const Config& c, int world) {
+  const size_t segment = ceil_div(ceil_div(c.ranks_max, 16), size_t(world)) * 16;
+  return (std::max(ranks_oneshot_max(c, world), segment) + 255) / 256 * 256;
+}
+
+Plan plan_for(const Config& c, size_t nbytes, int world) {
   Plan p;
   if (nbytes == 0 || nbytes > c.max_bytes) return p;
+  if (world > 2) return ranks_plan(c, nbytes, world);
   const bool flash_fits = nbytes <= c.flash_bytes;
   bool use_stream;
   switch (c.mode) {
@@ -74,7 +115,7 @@ Plan plan_for(const Config& c, size_t nbytes) {
 
 bool selects_legacy_kernels(const Config& c) { return c.push_max < largest_flash_message(c); }
 
-FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType dtype) {
+FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType dtype, int world) {
   FusedLaunch l;
   const size_t row_bytes = hidden * dtype_size(dtype), nbytes = rows * row_bytes;
   const size_t per_thread = ceil_div(row_bytes / 16, kFlashThreads);  // a row lives in registers
@@ -82,7 +123,10 @@ FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType 
   l.pdl = c.pdl != 0;
   // One launch while the message fits the push area; above it the all-reduce table's kernel
   // (stream) and then the epilogue alone, one CTA per row, up to 1024 CTAs.
-  l.one_launch = nbytes <= c.flash_bytes;
+  // N ranks: one launch while the message fits one rank's slot of the push area (1 MiB at 8 ranks,
+  // 2 MiB at 4: 64 and 128 tokens of hidden 8192 in bf16), exchanged as push one-shot exchanges;
+  // not measured on 4 or 8 GPUs yet (the decode sizes the fused op is for are far below it).
+  l.one_launch = world > 2 ? nbytes <= ranks_slot_bytes(c, world) : nbytes <= c.flash_bytes;
   if (!l.one_launch) {
     l.grid = int(std::min<size_t>(rows, 1024));
     return l;
@@ -123,7 +167,8 @@ FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType 
   // The receivers poll a row's vectors batched from 512 KiB (32 tokens) on
   // (YALI_DEV_FUSED_BATCH_POLL_MIN): 0.1-0.3 us faster there, 0.2-0.7 us slower at 1-16 tokens
   // (archive/fused/20261122-variants-batch-poll).
-  l.batch_poll = nbytes >= c.fused_batch_poll_min;
+  // N ranks: the receivers wait for each rank's row in turn (ranks.cuh), never batched.
+  l.batch_poll = world == 2 && nbytes >= c.fused_batch_poll_min;
   return l;
 }
 

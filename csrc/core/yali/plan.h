@@ -15,8 +15,16 @@ struct Plan {
   size_t chunk_bytes = 0;        // stream only: bytes per ring slot use
 };
 
-// The size -> kernel table. `nbytes` is the message size in bytes.
-Plan plan_for(const Config& c, size_t nbytes);
+// The size -> kernel table of a `world`-rank communicator. `nbytes` is the message size in bytes.
+// Two ranks: flash-push and stream. More: push one-shot and push two-shot up to
+// Config::ranks_max, nothing above (vLLM's chain serves those messages).
+Plan plan_for(const Config& c, size_t nbytes, int world = 2);
+
+// N ranks: the largest push one-shot message (Config::ranks_oneshot_max, or the world size's default).
+size_t ranks_oneshot_max(const Config& c, int world);
+// N ranks: the bytes of one rank's slot in each phase of the push area (layout.h): a whole one-shot
+// message, or one rank's segment of the largest two-shot message.
+size_t ranks_slot_bytes(const Config& c, int world);
 
 // Whether the table can pick a legacy flash kernel for some message and mode:
 // flash messages above push_max exist. A default build refuses such a Config.
@@ -36,8 +44,8 @@ struct FusedLaunch {
 };
 
 // The fused op's launch table for `rows` rows of `hidden` elements of `dtype`
-// (rows * hidden * dtype size bytes). The YALI_DEV_FUSED_* knobs override it.
-// Rows must be 16-byte multiples of at most kFusedMaxRowBytes (the caller checks).
-FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType dtype);
+// (rows * hidden * dtype size bytes) on a `world`-rank communicator. The YALI_DEV_FUSED_* knobs
+// override it. Rows must be 16-byte multiples of at most kFusedMaxRowBytes (the caller checks).
+FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType dtype, int world = 2);
 
 }  // namespace yali

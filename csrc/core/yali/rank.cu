@@ -7,6 +7,7 @@
 #include "cuda_check.h"
 #include "fused.cuh"
 #include "push.cuh"
+#include "ranks.cuh"
 #include "stream.cuh"
 #ifdef YALI_LEGACY_KERNELS
 #include "legacy/flash.cuh"
@@ -66,9 +67,21 @@ cudaError_t with_element_type(DType dtype, F&& f) {
 
 }  // namespace
 
-Rank::Rank(int device, int rank, const Config& config)
-    : device_(device), rank_(rank), config_(config), layout_(config) {
-  if (rank != 0 && rank != 1) throw std::invalid_argument("yali: rank must be 0 or 1");
+namespace {
+
+int checked_world(int rank, int world) {
+  if (world < 2 || world > kMaxRanks)
+    throw std::invalid_argument("yali: world size " + std::to_string(world) + " is not in [2, " +
+                                std::to_string(kMaxRanks) + "]");
+  if (rank < 0 || rank >= world)
+    throw std::invalid_argument("yali: rank " + std::to_string(rank) + " is not in [0, " + std::to_string(world) + ")");
+  return world;
+}
+
+}  // namespace
+
+Rank::Rank(int device, int rank, int world, const Config& config)
+    : device_(device), rank_(rank), world_(checked_world(rank, world)), config_(config), layout_(config, world) {
   config_.validate();
   ScopedDevice guard(device);
   int major = 0;
@@ -77,11 +90,13 @@ Rank::Rank(int device, int rank, const Config& config)
   check_cuda(cudaMalloc(&shared_, layout_.total), "cudaMalloc(shared buffer)");
   check_cuda(cudaMemset(shared_, 0, layout_.flags_end), "cudaMemset(flags)");
   // The call descriptor slots start empty (call_check.cuh: kCallEmpty is all ones).
-  check_cuda(cudaMemset(shared_ + layout_.call_slots, 0xff, 2 * sizeof(CallDesc)), "cudaMemset(call slots)");
-  // The flash-push area starts empty (exchange.cuh).
-  fill_words<<<256, 256>>>(reinterpret_cast<uint32_t*>(shared_ + layout_.flash_push), 2 * config_.flash_bytes / 4,
-                           kPushEmpty);
+  check_cuda(cudaMemset(shared_ + layout_.call_slots, 0xff, layout_.call_slots_bytes), "cudaMemset(call slots)");
+  // The push areas (flash-push's with two ranks, the N-rank one with more) start empty (exchange.cuh).
+  for (const auto& [off, bytes] : {std::pair<size_t, size_t>{layout_.flash_push, layout_.flash_stage - layout_.flash_push},
+                                   std::pair<size_t, size_t>{layout_.ranks_push, layout_.total - layout_.ranks_push}})
+    if (bytes > 0) fill_words<<<256, 256>>>(reinterpret_cast<uint32_t*>(shared_ + off), bytes / 4, kPushEmpty);
   check_cuda(cudaGetLastError(), "fill(push area)");
+  bufs_[rank_] = shared_;
   check_cuda(cudaMalloc(&state_, sizeof(LocalState)), "cudaMalloc(local state)");
   check_cuda(cudaMemset(state_, 0, sizeof(LocalState)), "cudaMemset(local state)");
   check_cuda(cudaHostAlloc(&abort_host_, sizeof(AbortInfo), cudaHostAllocMapped | cudaHostAllocPortable),
@@ -89,6 +104,8 @@ Rank::Rank(int device, int rank, const Config& config)
   std::memset(abort_host_, 0, sizeof(AbortInfo));
   abort_host_->state = state_;
   abort_host_->call_slots = reinterpret_cast<const uint32_t*>(shared_ + layout_.call_slots);
+  abort_host_->world = world_;
+  abort_host_->peer = -1;
   check_cuda(cudaHostGetDevicePointer(&abort_dev_, abort_host_, 0), "cudaHostGetDevicePointer");
   // The peer may write our flags as soon as it has our handle: they must be zero by then.
   check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
@@ -100,7 +117,9 @@ Rank::~Rank() {
   cudaSetDevice(device_);
   // Nothing may still be using the buffers; errors here are ignored (destructor).
   cudaDeviceSynchronize();
-  if (peer_shared_ && peer_is_ipc_) cudaIpcCloseMemHandle(peer_shared_);
+  if (peer_is_ipc_)
+    for (int r = 0; r < world_; ++r)
+      if (r != rank_ && bufs_[r]) cudaIpcCloseMemHandle(bufs_[r]);
   if (shared_) cudaFree(shared_);
   if (state_) cudaFree(state_);
   if (abort_host_) cudaFreeHost(abort_host_);
@@ -117,17 +136,38 @@ IpcHandleBytes Rank::ipc_handle() const {
 }
 
 void Rank::open_peer(const IpcHandleBytes& peer) {
-  if (peer_shared_) throw std::runtime_error("yali: peer already connected");
+  if (world_ != 2)
+    throw std::invalid_argument("yali: a communicator of " + std::to_string(world_) +
+                                " ranks maps each other rank's buffer by its rank (open_peer(rank, handle))");
+  open_peer(1 - rank_, peer);
+}
+
+void Rank::open_peer(int peer_rank, const IpcHandleBytes& peer) {
+  if (peer_rank < 0 || peer_rank >= world_ || peer_rank == rank_)
+    throw std::invalid_argument("yali: rank " + std::to_string(rank_) + " of " + std::to_string(world_) +
+                                " cannot map rank " + std::to_string(peer_rank) + "'s buffer");
+  if (bufs_[peer_rank]) throw std::runtime_error("yali: rank " + std::to_string(peer_rank) + " already connected");
+  if (!peer_is_ipc_ && peer_shared_) throw std::runtime_error("yali: peer already attached in this process");
   ScopedDevice guard(device_);
   cudaIpcMemHandle_t h;
   std::memcpy(&h, peer.data(), sizeof(h));
   void* p = nullptr;
-  check_cuda(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle(peer buffer)");
-  peer_shared_ = static_cast<char*>(p);
+  check_cuda(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess),
+             ("cudaIpcOpenMemHandle(rank " + std::to_string(peer_rank) + "'s buffer)").c_str());
+  bufs_[peer_rank] = static_cast<char*>(p);
   peer_is_ipc_ = true;
+  if (world_ == 2) peer_shared_ = bufs_[peer_rank];
+}
+
+bool Rank::connected() const {
+  for (int r = 0; r < world_; ++r)
+    if (!bufs_[r]) return false;
+  return true;
 }
 
 void Rank::attach_peer(Rank& peer) {
+  if (world_ != 2 || peer.world_ != 2 || peer.rank_ == rank_)
+    throw std::invalid_argument("yali: attach_peer joins the two ranks of a two-rank communicator");
   if (peer_shared_) throw std::runtime_error("yali: peer already connected");
   if (!(peer.config_ == config_)) throw std::invalid_argument("yali: both ranks need the same Config");
   int can = 0;
@@ -140,22 +180,29 @@ void Rank::attach_peer(Rank& peer) {
   if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
   else check_cuda(e, "cudaDeviceEnablePeerAccess");
   peer_shared_ = peer.shared_;
+  bufs_[peer.rank_] = peer.shared_;
   peer_is_ipc_ = false;
 }
 
 void Rank::close_peer() {
-  if (!peer_shared_) return;
+  bool any = false;
+  for (int r = 0; r < world_; ++r) any |= r != rank_ && bufs_[r] != nullptr;
+  if (!any) return;
   ScopedDevice guard(device_);
   cudaDeviceSynchronize();  // errors ignored: a trapped context still unmaps below
-  if (peer_is_ipc_) cudaIpcCloseMemHandle(peer_shared_);
+  for (int r = 0; r < world_; ++r) {
+    if (r == rank_ || !bufs_[r]) continue;
+    if (peer_is_ipc_) cudaIpcCloseMemHandle(bufs_[r]);
+    bufs_[r] = nullptr;
+  }
   peer_shared_ = nullptr;
 }
 
 Plan Rank::plan(size_t nbytes, KernelMode mode) const {
-  if (mode == config_.mode) return plan_for(config_, nbytes);
+  if (mode == config_.mode) return plan_for(config_, nbytes, world_);
   Config c = config_;
   c.mode = mode;
-  return plan_for(c, nbytes);
+  return plan_for(c, nbytes, world_);
 }
 
 namespace {
@@ -187,7 +234,7 @@ std::string describe_call(const CallDesc& d) {
 cudaError_t Rank::all_reduce(const void* in, void* out, size_t nbytes, DType dtype, cudaStream_t stream,
                              KernelMode mode, const CallDesc* fused) const {
   const Plan p = plan(nbytes, mode);
-  if (p.kernel == Kernel::None || !peer_shared_ || nbytes % dtype_size(dtype) != 0 ||
+  if (p.kernel == Kernel::None || !connected() || nbytes % dtype_size(dtype) != 0 ||
       (reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(out)) % 16 != 0)
     return cudaErrorInvalidValue;
   const bool pdl = config_.pdl != 0;
@@ -211,6 +258,10 @@ cudaError_t Rank::all_reduce(const void* in, void* out, size_t nbytes, DType dty
         sa.call = call_check(desc);
         return launch(stream_kernel<T>, p.blocks, kStreamThreads, stream, pdl, sa);
       }
+      case Kernel::PushOneShot:
+        return launch(push_oneshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, ranks_args(in, out, nbytes, desc));
+      case Kernel::PushTwoShot:
+        return launch(push_twoshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, ranks_args(in, out, nbytes, desc));
 #ifdef YALI_LEGACY_KERNELS
       case Kernel::FlashLL:
         return launch(flash_ll_kernel<T>, p.blocks, kFlashThreads, stream, pdl, legacy_args(in, out, nbytes));
@@ -245,6 +296,25 @@ CallCheck Rank::call_check(const CallDesc& desc) const {
   c.my_slots = reinterpret_cast<uint32_t*>(shared_ + layout_.call_slots);
   c.peer_slots = reinterpret_cast<uint32_t*>(peer_shared_ + layout_.call_slots);
   return c;
+}
+
+RanksArgs Rank::ranks_args(const void* in, void* out, size_t nbytes, const CallDesc& desc) const {
+  RanksArgs a{};
+  a.in = in;
+  a.out = out;
+  a.nbytes = nbytes;
+  a.rank = rank_;
+  a.world = world_;
+  a.total_ctas = config_.flash_ctas;
+  a.slot_bytes = layout_.ranks_slot;
+  a.push_off = layout_.ranks_push;
+  a.call_off = layout_.call_slots;
+  for (int r = 0; r < world_; ++r) a.bufs[r] = bufs_[r];
+  a.state = state_;
+  a.timeout_ns = uint64_t(config_.timeout_s * 1e9);
+  a.abort = abort_dev_;
+  a.call = desc;
+  return a;
 }
 
 StreamArgs Rank::stream_args(const void* in, void* out, size_t nbytes, const Plan& p) const {
@@ -308,7 +378,7 @@ bool Rank::fused_one_launch(size_t rows, size_t hidden, DType dtype) const {
 }
 
 FusedLaunch Rank::fused_launch(size_t rows, size_t hidden, DType dtype) const {
-  return fused_launch_for(config_, rows, hidden, dtype);
+  return fused_launch_for(config_, rows, hidden, dtype, world_);
 }
 
 cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, const void* weight, float eps,
@@ -318,20 +388,21 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
   const uintptr_t any = reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(residual) |
                         reinterpret_cast<uintptr_t>(weight) | reinterpret_cast<uintptr_t>(norm_out) |
                         reinterpret_cast<uintptr_t>(residual_out);
-  if (!peer_shared_ || rows == 0 || hidden == 0 || row_bytes % 16 != 0 || row_bytes > kFusedMaxRowBytes ||
+  if (!connected() || rows == 0 || hidden == 0 || row_bytes % 16 != 0 || row_bytes > kFusedMaxRowBytes ||
       any % 16 != 0 || rows > size_t(INT32_MAX))
     return cudaErrorInvalidValue;
+  if (world_ > 2) return ranks_fused(in, residual, weight, eps, norm_out, residual_out, rows, hidden, dtype, stream);
   const size_t nbytes = rows * row_bytes;
   FusedArgs a{};
   a.x = exchange_args(in, nullptr, nbytes);
-  a.residual = residual;
-  a.weight = weight;
-  a.norm_out = norm_out;
-  a.residual_out = residual_out;
-  a.rows = int(rows);
-  a.row_vecs = int(row_bytes / 16);
-  a.hidden = int(hidden);
-  a.eps = eps;
+  a.n.residual = residual;
+  a.n.weight = weight;
+  a.n.norm_out = norm_out;
+  a.n.residual_out = residual_out;
+  a.n.rows = int(rows);
+  a.n.row_vecs = int(row_bytes / 16);
+  a.n.hidden = int(hidden);
+  a.n.eps = eps;
   const FusedLaunch l = fused_launch(rows, hidden, dtype);
   const CallDesc desc = call_desc(CallOp::Fused, Kernel::FlashPush, nbytes, dtype, l.grid, hidden);
   if (l.one_launch) {
@@ -343,6 +414,48 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
     if (e != cudaSuccess) return e;
     a.sum = norm_out;
   }
+  return with_element_type(dtype, [&](auto zero) { return launch_fused<decltype(zero)>(a, l, stream); });
+}
+
+namespace {
+
+template <typename T, int kV>
+cudaError_t launch_fused_ranks_with(const FusedRanksArgs& a, const FusedLaunch& l, cudaStream_t stream) {
+  return launch(l.row_loads_early ? fused_ranks_kernel<T, kV, true> : fused_ranks_kernel<T, kV, false>, l.grid,
+                kFlashThreads, stream, l.pdl, a, l.cluster);
+}
+
+template <typename T>
+cudaError_t launch_fused_ranks(const FusedRanksArgs& a, const FusedLaunch& l, cudaStream_t stream) {
+  switch (l.row_vecs_per_thread) {
+    case 1: return launch_fused_ranks_with<T, 1>(a, l, stream);
+    case 2: return launch_fused_ranks_with<T, 2>(a, l, stream);
+    case 4: return launch_fused_ranks_with<T, 4>(a, l, stream);
+    case 8: return launch_fused_ranks_with<T, 8>(a, l, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+// N ranks: one launch of fused_ranks_kernel while the message fits one rank's slot, else the
+// N-rank all-reduce into norm_out and the epilogue alone (add_rmsnorm_kernel), as with two ranks.
+cudaError_t Rank::ranks_fused(const void* in, const void* residual, const void* weight, float eps, void* norm_out,
+                              void* residual_out, size_t rows, size_t hidden, DType dtype, cudaStream_t stream) const {
+  const size_t row_bytes = hidden * dtype_size(dtype), nbytes = rows * row_bytes;
+  const RowNorm n{residual, weight, norm_out, residual_out, int(rows), int(row_bytes / 16), int(hidden), eps};
+  const FusedLaunch l = fused_launch(rows, hidden, dtype);
+  const CallDesc desc = call_desc(CallOp::Fused, Kernel::PushOneShot, nbytes, dtype, l.grid, hidden);
+  if (l.one_launch) {
+    const FusedRanksArgs a{ranks_args(in, nullptr, nbytes, desc), n};
+    return with_element_type(dtype, [&](auto zero) { return launch_fused_ranks<decltype(zero)>(a, l, stream); });
+  }
+  const cudaError_t e = all_reduce(in, norm_out, nbytes, dtype, stream, config_.mode, &desc);
+  if (e != cudaSuccess) return e;
+  FusedArgs a{};
+  a.x.state = state_;  // the epilogue counts the fused call there
+  a.sum = norm_out;
+  a.n = n;
   return with_element_type(dtype, [&](auto zero) { return launch_fused<decltype(zero)>(a, l, stream); });
 }
 
@@ -372,18 +485,21 @@ std::string Rank::abort_message() const {
     mine.w[i] = a->mine.w[i];
     theirs.w[i] = a->theirs.w[i];
   }
-  const std::string calls = "this rank: " + describe_call(mine) + "; peer: " + describe_call(theirs);
-  const std::string who =
-      "yali: rank " + std::to_string(rank_) + " " + kernel_name(Kernel(a->kernel)) + " kernel, block " + std::to_string(a->block);
+  // With N ranks the record names the rank it waited for or disagreed with.
+  const int peer = a->peer;
+  const std::string them = peer >= 0 ? "rank " + std::to_string(peer) : std::string("peer");
+  const std::string calls = "this rank: " + describe_call(mine) + "; " + them + ": " + describe_call(theirs);
+  const std::string who = "yali: rank " + std::to_string(rank_) + (world_ > 2 ? " of " + std::to_string(world_) : "") +
+                          " " + kernel_name(Kernel(a->kernel)) + " kernel, block " + std::to_string(a->block);
   if (a->what == 9)
-    return who + ": the two ranks issued different calls (" + calls +
+    return who + ": the ranks issued different calls (" + calls +
            "): every rank must issue the same YALI calls, in the same order";
   static const char* whats[] = {"?", "flash arrive flag", "flash gather flag", "stream credit", "stream ready",
-                                "flash-ll data", "flash-push data", "?", "call descriptor"};
+                                "flash-ll data", "push data", "?", "call descriptor"};
   const int w = (a->what >= 1 && a->what <= 8) ? a->what : 0;
-  return who + ", gave up after YALI_TIMEOUT_S=" + std::to_string(config_.timeout_s) + "s waiting for the peer's " +
-         whats[w] + " (expected >= " + std::to_string(a->expected) + ", saw " + std::to_string(a->seen) + "; " + calls +
-         "): the peer process died or the two ranks issued different all-reduces";
+  return who + ", gave up after YALI_TIMEOUT_S=" + std::to_string(config_.timeout_s) + "s waiting for the " + them +
+         "'s " + whats[w] + " (expected >= " + std::to_string(a->expected) + ", saw " + std::to_string(a->seen) + "; " +
+         calls + "): the " + them + "'s process died or the ranks issued different all-reduces";
 }
 
 }  // namespace yali

@@ -1,5 +1,5 @@
-// One GPU's side of a 2-GPU YALI communicator: the buffers it owns, the
-// peer's buffer it has mapped, and the launch of one all-reduce. No torch here:
+// One GPU's side of a YALI communicator of 2 to kMaxRanks GPUs: the buffers it owns, the
+// other ranks' buffers it has mapped, and the launch of one all-reduce. No torch here:
 // the torch op layer (csrc/bindings) and the C++ API (yali.h) both sit on this.
 #pragma once
 #include <cuda_runtime.h>
@@ -18,25 +18,29 @@ struct ExchangeArgs;
 struct CallCheck;
 struct StreamArgs;
 struct LegacyArgs;
+struct RanksArgs;
 
 using IpcHandleBytes = std::array<uint8_t, sizeof(cudaIpcMemHandle_t)>;
 
 class Rank {
  public:
-  // Allocates and zeroes this rank's buffers on `device`. Throws std::runtime_error.
-  Rank(int device, int rank, const Config& config);
+  // Allocates and zeroes this rank's buffers on `device`, as rank `rank` of `world` ranks
+  // (2 to kMaxRanks). Throws std::invalid_argument for a bad rank or world, std::runtime_error else.
+  Rank(int device, int rank, int world, const Config& config);
+  Rank(int device, int rank, const Config& config) : Rank(device, rank, 2, config) {}
   ~Rank();
   Rank(const Rank&) = delete;
   Rank& operator=(const Rank&) = delete;
 
-  // Multi-process: export my shared buffer, then map the peer's.
+  // Multi-process: export my shared buffer, then map every other rank's.
   IpcHandleBytes ipc_handle() const;
-  void open_peer(const IpcHandleBytes& peer);
+  void open_peer(const IpcHandleBytes& peer);  // two ranks: the other one
+  void open_peer(int peer_rank, const IpcHandleBytes& peer);
   // Single process driving both GPUs: use the other Rank's buffer directly (P2P).
   void attach_peer(Rank& peer);
-  // Waits for this GPU's work, then unmaps the peer's buffer (nothing of this rank reads or
-  // writes it any more). The first step of a coordinated close: each rank frees its own buffer
-  // (the destructor) only once the peer has unmapped it too.
+  // Waits for this GPU's work, then unmaps the other ranks' buffers (nothing of this rank reads or
+  // writes them any more). The first step of a coordinated close: each rank frees its own buffer
+  // (the destructor) only once every other rank has unmapped it too.
   void close_peer();
 
   // Launches one all-reduce of `nbytes` bytes of `dtype` on `stream`.
@@ -70,22 +74,28 @@ class Rank {
   size_t buffer_bytes() const { return layout_.total; }
   int device() const { return device_; }
   int rank() const { return rank_; }
-  bool connected() const { return peer_shared_ != nullptr; }
+  int world() const { return world_; }
+  bool connected() const;  // every other rank's buffer is mapped
 
  private:
   ExchangeArgs exchange_args(const void* in, void* out, size_t nbytes) const;
   CallCheck call_check(const CallDesc& desc) const;
   StreamArgs stream_args(const void* in, void* out, size_t nbytes, const Plan& p) const;
+  RanksArgs ranks_args(const void* in, void* out, size_t nbytes, const CallDesc& desc) const;
+  cudaError_t ranks_fused(const void* in, const void* residual, const void* weight, float eps, void* norm_out,
+                          void* residual_out, size_t rows, size_t hidden, DType dtype, cudaStream_t stream) const;
 #ifdef YALI_LEGACY_KERNELS
   LegacyArgs legacy_args(const void* in, void* out, size_t nbytes) const;
 #endif
 
   int device_;
   int rank_;
+  int world_;
   Config config_;
   SharedLayout layout_;
   char* shared_ = nullptr;       // mine, IPC-exported
-  char* peer_shared_ = nullptr;  // the peer's, mapped
+  char* peer_shared_ = nullptr;  // two ranks: the peer's, mapped
+  std::array<char*, kMaxRanks> bufs_{};  // every rank's buffer as mapped here (bufs_[rank_] = shared_)
   bool peer_is_ipc_ = false;
   LocalState* state_ = nullptr;
   AbortInfo* abort_host_ = nullptr;

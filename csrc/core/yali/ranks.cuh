@@ -1,0 +1,272 @@
+// The N-rank all-reduce (world sizes 3 to kMaxRanks; the communicator serves 4, 6 and 8) and the
+// N-rank fused all-reduce + residual add + RMSNorm. Two ranks use flash-push and stream instead.
+//
+// Every rank maps every other rank's buffer (RanksArgs::bufs) and writes into it with 16-byte
+// stores over NVLink; nothing is ever read across the link. Arrival is seen in the data, as in
+// flash-push (exchange.cuh: kPushEmpty, canonical(), the reader gives every word back).
+//
+//  * push one-shot: every rank sends its whole input into slot `me` of every other rank's push
+//    area, then adds the N inputs. One NVLink trip; every GPU sends N - 1 times the message.
+//  * push two-shot: the message is cut into N segments, segment s reduced by rank s. Reduce-
+//    scatter: every rank sends segment s of its input into slot `me` (phase 0) of rank s; rank s
+//    adds the N contributions and sends the sum into slot s (phase 1) of every other rank, which
+//    copies it out (all-gather). Two trips; every GPU sends about twice the message.
+//  * fused: the exchange of push one-shot; CTA b owns rows b, b + grid, ... as in fused.cuh, adds
+//    the N copies of each row it owns and runs the fused op's epilogue (rmsnorm_row) on the sum.
+//
+// Bitwise identical on every rank: every element is the sum of the N inputs (each made
+// canonical) in rank order 0, 1, ..., N - 1, accumulated in fp32 and rounded once to T, on
+// whichever rank computes it; in two-shot only the segment's owner computes it and the others
+// copy its bits.
+//
+// Buffer reuse (two parities, no reset, no end barrier): rank p writes into my slots of parity
+// q in its calls e and e + 2. It starts call e + 2 after its call e + 1 completed, and that call
+// waited for my call descriptor of call e + 1 (call_check.cuh: every rank checks every other
+// rank's call), which my call e + 1 sends only after my call e, with the clearing of parity q,
+// completed. The epochs are flash-push's (advance_epochs), per CTA, shared by every kernel.
+#pragma once
+#include "fused.cuh"
+
+namespace yali {
+
+struct RanksArgs {
+  const void* in;
+  void* out;
+  size_t nbytes;
+  int rank;               // mine
+  int world;
+  int total_ctas;         // Config::flash_ctas (advance_epochs)
+  size_t slot_bytes;      // one rank's slot of one phase (SharedLayout::ranks_slot)
+  size_t push_off;        // SharedLayout::ranks_push, the same in every rank's buffer
+  size_t call_off;        // SharedLayout::call_slots
+  char* bufs[kMaxRanks];  // every rank's shared buffer as mapped in this process (bufs[rank]: mine)
+  LocalState* state;
+  uint64_t timeout_ns;    // YALI_TIMEOUT_S (0 = no watchdog)
+  AbortInfo* abort;
+  CallDesc call;          // this call, checked against every other rank's (call_check.cuh)
+};
+
+// Rank `from`'s slot of phase `phase` (0: one-shot data, two-shot reduce-scatter; 1: two-shot
+// all-gather) and parity `parity` in rank `owner`'s push area.
+__device__ __forceinline__ Vec16* ranks_slot(const RanksArgs& a, int owner, int parity, int phase, int from) {
+  const size_t slot = size_t((parity * 2 + phase) * a.world + from);
+  return reinterpret_cast<Vec16*>(a.bufs[owner] + a.push_off + slot * a.slot_bytes);
+}
+
+// The rank-order sum of one 16-byte vector position over the ranks, in fp32.
+template <typename T>
+struct RankSum {
+  static constexpr int kN = 16 / sizeof(T);
+  float f[kN];
+  __device__ __forceinline__ void add(const Vec16& v, bool first) {
+    float g[kN];
+    unpack<T>(v, g);
+#pragma unroll
+    for (int i = 0; i < kN; ++i) f[i] = first ? g[i] : f[i] + g[i];
+  }
+  __device__ __forceinline__ Vec16 result() const { return pack<T>(f); }  // rounded once to T
+};
+
+// The start of every N-rank kernel, by all threads: advances the epochs and returns the parity of
+// this call; the checker thread (CTA 0's last) sends this call's descriptor to every other rank.
+__device__ __forceinline__ int ranks_begin(const RanksArgs& a, bool checker, uint64_t call_n, uint32_t** call_slots) {
+  const uint64_t e = advance_epochs(a.state, a.total_ctas);
+  if (checker) *call_slots = ranks_call_begin(a.call, a.bufs, a.call_off, a.rank, a.world, a.state, call_n);
+  return int(e & 1);
+}
+
+// Sends vectors [r.begin, r.end) of my input (this thread's: r.begin + t, + kFlashThreads, ...)
+// into my slot of phase 0 in every other rank's push area, kU at a time; v holds the first batch
+// already, `load` fetches the later ones. Ranks are visited from my right neighbour on, so that
+// the N - 1 links of a GPU start busy together.
+template <typename T, int kU, typename Load>
+__device__ __forceinline__ void send_to_ranks(const RanksArgs& a, int parity, Vec16 (&v)[kU], Range r, Load load) {
+  const int t = threadIdx.x;
+  for (size_t i = r.begin + t; i < r.end; i += size_t(kU) * kFlashThreads) {
+    if (i != r.begin + t) load_batch(v, i, r.end, load);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) v[u] = canonical<T>(v[u]);
+    for (int d = 1; d < a.world; ++d) {
+      const int p = (a.rank + d) % a.world;
+      Vec16* to = ranks_slot(a, p, parity, 0, a.rank);
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const size_t k = i + size_t(u) * kFlashThreads;
+        if (k < r.end) store_push(to + k, v[u]);
+      }
+    }
+  }
+}
+
+// The rank-order sum of vector j of phase-0 slots in my push area (every other rank's copy) and
+// `mine` (my own, canonical already); gives the slots' words back.
+template <typename T>
+__device__ __forceinline__ Vec16 sum_ranks(const RanksArgs& a, int parity, size_t j, const Vec16& mine, Kernel kernel) {
+  Vec16 got[kMaxRanks];
+#pragma unroll
+  for (int p = 0; p < kMaxRanks; ++p)  // every load first: their latencies overlap
+    if (p < a.world && p != a.rank) got[p] = load_push(ranks_slot(a, a.rank, parity, 0, p) + j);
+  RankSum<T> s;
+#pragma unroll
+  for (int p = 0; p < kMaxRanks; ++p) {
+    if (p >= a.world) break;
+    if (p == a.rank) {
+      s.add(mine, p == 0);
+      continue;
+    }
+    Vec16* at = ranks_slot(a, a.rank, parity, 0, p) + j;
+    wait_push(at, got[p], a.timeout_ns, a.abort, kernel, p);
+    s.add(got[p], p == 0);
+    clear_push(at);
+  }
+  return s.result();
+}
+
+// out = the sum over the ranks of in. CTA b owns vectors split_range(b) of the message on every
+// rank: it sends them to every other rank, then adds the N copies of the same vectors.
+template <typename T>
+__global__ void __launch_bounds__(kFlashThreads, 1) push_oneshot_kernel(RanksArgs a) {
+  wait_prior_grids();
+  constexpr int kU = 4;  // vectors in flight per thread
+  const int t = threadIdx.x;
+  const Range r = split_range(0, (a.nbytes + 15) / 16, gridDim.x, blockIdx.x);
+  const auto input = [&](size_t k) { return load_input_vector<T>(a.in, k, a.nbytes); };
+  Vec16 v[kU];
+  load_batch(v, r.begin + t, r.end, input);  // while thread 0 fetches the epoch
+  const bool checker = blockIdx.x == 0 && t == kFlashThreads - 1;
+  const uint64_t call_n = checker ? a.state->call_seq + 1 : 0;
+  uint32_t* call_slots = nullptr;
+  const int parity = ranks_begin(a, checker, call_n, &call_slots);
+
+  send_to_ranks<T>(a, parity, v, r, input);
+  if (checker) ranks_call_verify(a.call, call_slots, a.rank, a.world, a.timeout_ns, a.abort, Kernel::PushOneShot);
+  for (size_t k = r.begin + t; k < r.end; k += kFlashThreads) {
+    const Vec16 mine = canonical<T>(load_input_vector<T>(a.in, k, a.nbytes));  // in L2: sent above
+    store_output_vector<T>(a.out, k, a.nbytes, sum_ranks<T>(a, parity, k, mine, Kernel::PushOneShot));
+  }
+}
+
+// out = the sum over the ranks of in, by reduce-scatter and all-gather. The message's V vectors
+// are cut into N segments of S = ceil(V / N) vectors (the last ones shorter or empty); CTA b owns
+// positions split_range(b) of every segment, on every rank, and a thread the same positions in
+// every phase, so each element is read (phase A or B) by the thread that later writes it: in-place
+// is safe.
+template <typename T>
+__global__ void __launch_bounds__(kFlashThreads, 1) push_twoshot_kernel(RanksArgs a) {
+  wait_prior_grids();
+  constexpr int kU = 4;
+  const int t = threadIdx.x;
+  const size_t vecs = (a.nbytes + 15) / 16;
+  const size_t seg = (vecs + a.world - 1) / a.world;
+  const Range r = split_range(0, seg, gridDim.x, blockIdx.x);
+  const bool checker = blockIdx.x == 0 && t == kFlashThreads - 1;
+  const uint64_t call_n = checker ? a.state->call_seq + 1 : 0;
+  uint32_t* call_slots = nullptr;
+  const int parity = ranks_begin(a, checker, call_n, &call_slots);
+
+  // A. reduce-scatter: segment p of my input to rank p
+  for (int d = 1; d < a.world; ++d) {
+    const int p = (a.rank + d) % a.world;
+    Vec16* to = ranks_slot(a, p, parity, 0, a.rank);
+    const size_t at = size_t(p) * seg;
+    for (size_t i = r.begin + t; i < r.end; i += size_t(kU) * kFlashThreads) {
+      Vec16 v[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const size_t j = i + size_t(u) * kFlashThreads;
+        if (j < r.end && at + j < vecs) v[u] = load_input_vector<T>(a.in, at + j, a.nbytes);
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const size_t j = i + size_t(u) * kFlashThreads;
+        if (j < r.end && at + j < vecs) store_push(to + j, canonical<T>(v[u]));
+      }
+    }
+  }
+  if (checker) ranks_call_verify(a.call, call_slots, a.rank, a.world, a.timeout_ns, a.abort, Kernel::PushTwoShot);
+  // B. my segment: add the N contributions, keep the sum, send it to every other rank
+  const size_t mine_at = size_t(a.rank) * seg;
+  for (size_t j = r.begin + t; j < r.end && mine_at + j < vecs; j += kFlashThreads) {
+    const Vec16 mine = canonical<T>(load_input_vector<T>(a.in, mine_at + j, a.nbytes));
+    const Vec16 sum = canonical<T>(sum_ranks<T>(a, parity, j, mine, Kernel::PushTwoShot));  // sent: never empty
+    for (int d = 1; d < a.world; ++d) {
+      const int p = (a.rank + d) % a.world;
+      store_push(ranks_slot(a, p, parity, 1, a.rank) + j, sum);
+    }
+    store_output_vector<T>(a.out, mine_at + j, a.nbytes, sum);
+  }
+  // C. all-gather: every other rank's summed segment
+  for (int d = 1; d < a.world; ++d) {
+    const int p = (a.rank + a.world - d) % a.world;  // the rank whose sends started with me
+    Vec16* from = ranks_slot(a, a.rank, parity, 1, p);
+    const size_t at = size_t(p) * seg;
+    for (size_t i = r.begin + t; i < r.end; i += size_t(kU) * kFlashThreads) {
+      Vec16 v[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const size_t j = i + size_t(u) * kFlashThreads;
+        if (j < r.end && at + j < vecs) v[u] = load_push(from + j);
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const size_t j = i + size_t(u) * kFlashThreads;
+        if (j < r.end && at + j < vecs) {
+          wait_push(from + j, v[u], a.timeout_ns, a.abort, Kernel::PushTwoShot, p);
+          store_output_vector<T>(a.out, at + j, a.nbytes, v[u]);
+          clear_push(from + j);
+        }
+      }
+    }
+  }
+}
+
+struct FusedRanksArgs {
+  RanksArgs x;  // x.in is the input, x.nbytes = rows * row bytes; x.out unused
+  RowNorm n;
+};
+
+// The fused all-reduce + residual add + RMSNorm for N ranks, one launch: push one-shot's exchange
+// (the message cut into one chunk per CTA, sent to every other rank), then per row of mine the
+// rank-order sum (as push one-shot returns it) and fused.cuh's epilogue. kRowLoadsEarly as there.
+template <typename T, int kV, bool kRowLoadsEarly>
+__global__ void __launch_bounds__(kFlashThreads, 1) fused_ranks_kernel(FusedRanksArgs a) {
+  wait_prior_grids();
+  constexpr int kU = 4;
+  const int t = threadIdx.x;
+  const int first = blockIdx.x;  // CTA b owns rows b, b + grid, ...
+  const Range chunk = split_range(0, a.x.nbytes / 16, gridDim.x, blockIdx.x);  // what this CTA sends
+  const Vec16* in = static_cast<const Vec16*>(a.x.in);
+  const auto input = [&](size_t k) { return load_local_input(in + k); };  // rows are whole vectors
+  Vec16 p[kU], w[kV], x[kV], r[kV];
+  const auto load_first_row = [&] {
+    load_row(w, a.n.weight, 0, a.n);
+    load_row(x, a.x.in, first, a.n);
+    load_row(r, a.n.residual, first, a.n);
+  };
+  load_batch(p, chunk.begin + t, chunk.end, input);
+  if constexpr (kRowLoadsEarly) load_first_row();
+  const bool checker = blockIdx.x == 0 && t == kFlashThreads - 1;
+  const uint64_t call_n = checker ? a.x.state->call_seq + 1 : 0;
+  uint32_t* call_slots = nullptr;
+  const int parity = ranks_begin(a.x, checker, call_n, &call_slots);
+  if (blockIdx.x == 0 && t == 0) atomicAdd(reinterpret_cast<unsigned long long*>(&a.x.state->fused_calls), 1ull);
+
+  send_to_ranks<T>(a.x, parity, p, chunk, input);
+  if (checker) ranks_call_verify(a.x.call, call_slots, a.x.rank, a.x.world, a.x.timeout_ns, a.x.abort, Kernel::PushOneShot);
+  if constexpr (!kRowLoadsEarly) load_first_row();
+  for (int row = first; row < a.n.rows; row += gridDim.x) {
+    const size_t base = size_t(row) * a.n.row_vecs;
+    if (row != first) {
+      load_row(x, a.x.in, row, a.n);
+      load_row(r, a.n.residual, row, a.n);
+    }
+#pragma unroll
+    for (int u = 0; u < kV; ++u) {
+      const int j = t + u * kFlashThreads;
+      if (j < a.n.row_vecs) x[u] = sum_ranks<T>(a.x, parity, base + j, canonical<T>(x[u]), Kernel::PushOneShot);
+    }
+    rmsnorm_row<T, kV>(a.n, row, x, r, w);
+  }
+}
+
+}  // namespace yali

@@ -1,0 +1,138 @@
+"""CPU tests of the N-rank side of the core (world sizes above 2): the size -> kernel table, the
+buffer it allocates, its knobs and their errors, and the world-size checks of the ops and the
+communicator. They need the compiled extension, not a GPU."""
+import os
+
+import pytest
+import torch
+
+from benchmarks.common.processes import launch_ranks
+from yali_vllm import _ext, config
+
+pytestmark = pytest.mark.skipif(_ext.library_error() is not None, reason=f"extension not built: {_ext.library_error()}")
+KiB, MiB = 1 << 10, 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for k in list(os.environ):
+        if k.startswith("YALI_"):
+            monkeypatch.delenv(k)
+
+
+@pytest.mark.parametrize("world, oneshot_max", [(4, 512 * KiB), (6, 256 * KiB), (8, 256 * KiB)])
+def test_table_one_shot_then_two_shot_then_the_chain(world, oneshot_max):
+    assert config.plan(16, world_size=world)[0] == "push-oneshot"
+    assert config.plan(oneshot_max, world_size=world) == ("push-oneshot", 128, 0)  # 1 KiB per CTA, at most 128
+    assert config.plan(2 * KiB, world_size=world) == ("push-oneshot", 2, 0)
+    assert config.plan(oneshot_max + 16, world_size=world)[0] == "push-twoshot"
+    assert config.plan(8 * MiB, world_size=world)[0] == "push-twoshot"
+    assert config.plan(8 * MiB + 16, world_size=world)[0] is None  # vLLM's chain
+    # two-shot CTAs: 1 KiB of each rank's segment per CTA
+    assert config.plan(oneshot_max + 16 * KiB, world_size=world)[1] == min(128, -(-(oneshot_max + 16 * KiB) // world // KiB))
+
+
+def test_table_is_monotone_per_world():
+    order = {"push-oneshot": 0, "push-twoshot": 1, None: 2}
+    for world in (3, 4, 5, 6, 7, 8):
+        kernels = [config.plan(n, world_size=world)[0] for n in (16, 4 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 8 * MiB, 9 * MiB)]
+        assert [order[k] for k in kernels] == sorted(order[k] for k in kernels), (world, kernels)
+
+
+def test_two_ranks_keep_their_table():
+    assert config.plan(8 * MiB, world_size=2)[0] == "flash-push"
+    assert config.plan(8 * MiB + 16, world_size=2)[0] == "stream"
+
+
+def test_knobs_move_the_boundaries(monkeypatch):
+    monkeypatch.setenv("YALI_DEV_RANKS_ONESHOT_MAX", "64K")
+    monkeypatch.setenv("YALI_DEV_RANKS_MAX", "1M")
+    assert config.plan(64 * KiB, world_size=8)[0] == "push-oneshot"
+    assert config.plan(64 * KiB + 16, world_size=8)[0] == "push-twoshot"
+    assert config.plan(1 * MiB + 16, world_size=8)[0] is None
+    assert list(torch.ops.yali.ranks_table(8)) == [64 * KiB, 1 * MiB, 128 * KiB]  # slot: 1 MiB / 8
+
+
+def test_stream_mode_has_no_n_rank_kernel(monkeypatch):
+    monkeypatch.setenv("YALI_KERNEL_MODE", "stream")
+    assert config.plan(1 * MiB, world_size=4)[0] is None
+    monkeypatch.setenv("YALI_KERNEL_MODE", "flash")
+    assert config.plan(1 * MiB, world_size=4)[0] == "push-twoshot"
+
+
+@pytest.mark.parametrize("var, value, fragment", [
+    ("YALI_DEV_RANKS_MAX", "1000", "YALI_DEV_RANKS_MAX=1000 is invalid"),
+    ("YALI_DEV_RANKS_MAX", "128M", "[4096, 67108864]"),
+    ("YALI_DEV_RANKS_ONESHOT_MAX", "16M", "YALI_DEV_RANKS_ONESHOT_MAX"),
+    ("YALI_DEV_RANKS_ONESHOT_MAX", "100", "multiple of 4096"),
+])
+def test_bad_knobs_name_the_variable(monkeypatch, var, value, fragment):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError) as e:
+        config.kernel_config()
+    assert fragment in str(e.value)
+
+
+@pytest.mark.parametrize("world", [4, 6, 8])
+def test_buffer_is_the_push_area_and_call_slots(world):
+    # 2 parities x 2 phases x N slots of max(one-shot limit, 8 MiB / N) (256-byte multiples), and
+    # the call slots (2 x N x 16 B in one 256-byte area): about 32 MiB whatever N is, no two-rank area.
+    slot = torch.ops.yali.ranks_table(world)[2]
+    assert slot == -(-max(torch.ops.yali.ranks_table(world)[0], -(-8 * MiB // 16 // world) * 16) // 256) * 256
+    assert torch.ops.yali.shared_bytes_for_env(world) == 256 + 4 * world * slot
+    assert 32 * MiB <= torch.ops.yali.shared_bytes_for_env(world) <= 32 * MiB + 8 * KiB
+
+
+@pytest.mark.parametrize("world", [0, 1, 9, 16])
+def test_ops_refuse_world_sizes_outside_2_to_8(world):
+    with pytest.raises(ValueError, match=f"world size {world} is not in"):
+        _ext.call(torch.ops.yali.plan, 4096, -1, world)
+    with pytest.raises(ValueError, match=f"world size {world} is not in"):
+        _ext.call(torch.ops.yali.create, 0, 0, world)
+
+
+def test_create_refuses_a_rank_outside_the_world():
+    with pytest.raises(ValueError, match="rank 4 is not in \\[0, 4\\)"):
+        _ext.call(torch.ops.yali.create, 0, 4, 4)
+
+
+@pytest.mark.parametrize("world, served", [(1, False), (2, True), (3, False), (4, True), (5, False), (6, True),
+                                           (7, False), (8, True), (16, False)])
+def test_world_size_refusal(world, served):
+    reason = config.world_size_refusal(world)
+    assert (reason is None) == served
+    if not served:
+        assert reason == f"world size is {world}; YALI serves 2, 4, 6 or 8 ranks"
+
+
+def _rank(rank, port, world, q):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from yali_vllm.communicator import YaliCommunicator, YaliUnavailable
+
+    try:
+        YaliCommunicator(dist.group.WORLD, torch.device("cuda", 0))
+        q.put((rank, "created"))
+    except YaliUnavailable as e:
+        q.put((rank, f"unavailable: {e}"))
+    except Exception as e:  # anything else is a bug
+        q.put((rank, f"{type(e).__name__}: {e}"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [3, 4])
+def test_every_rank_of_a_group_refuses_together(world):
+    """A world size YALI does not serve (3) is refused on every rank before any collective; a served
+    one (4) on a machine without a GPU fails in set-up on every rank with every rank's reason, and
+    no rank is left waiting."""
+    got, timed_out = launch_ranks(_rank, (world,), 200, world_size=world)
+    assert not timed_out and len(got) == world, f"a rank hung in YaliCommunicator start-up (reported: {got})"
+    for r in range(world):
+        assert got[r].startswith("unavailable:"), got
+        if world == 3:
+            assert "world size is 3; YALI serves 2, 4, 6 or 8 ranks" in got[r]
+        else:
+            assert all(f"rank {q}:" in got[r] for q in range(world)), got[r]
