@@ -1,4 +1,5 @@
-"""yali-vllm: fast 2-GPU NVLink all-reduce (YALI flash + stream kernels) for vLLM."""
+"""yali-vllm: an NVLink all-reduce for 2, 4, 6 or 8 GPUs of one node (YALI push kernels), and a fused
+all-reduce + residual add + RMSNorm, for vLLM."""
 from ._ext import available, unavailable_reason
 from ._version import TESTED_VLLM_VERSION, __version__
 

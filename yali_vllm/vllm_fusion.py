@@ -54,13 +54,16 @@ def fusion_enabled(environ=None) -> bool:
 def fusion_decision(environ=None) -> tuple[bool, str]:
     """Whether this process should build YALI's fusion pass, and why (not).
 
-    True only when YALI_FUSION is on and this process's TP group has 2 ranks
-    and the plugin attached a YaliCommunicator to its device communicator.
-    Both ranks reach the same answer (the YALI decision is agreed over the
+    True only when YALI_FUSION is on, this process's TP group has a world
+    size YALI serves (yali_vllm.config.WORLD_SIZES: 2, 4, 6 or 8 ranks) and
+    the plugin attached a YaliCommunicator to its device communicator.
+    Every rank reaches the same answer (the YALI decision is agreed over the
     group, the environment is inherited), which matters: one rank in YALI's
-    fused kernel and the other in FlashInfer's would wait for each other.
+    fused kernel and another in FlashInfer's would wait for each other.
     Raises ValueError naming YALI_FUSION for an invalid value.
     """
+    from yali_vllm.config import world_size_refusal
+
     if not fusion_enabled(environ):
         return False, f"disabled by {FUSION_VAR}"
     try:
@@ -70,11 +73,12 @@ def fusion_decision(environ=None) -> tuple[bool, str]:
     except Exception as e:  # no TP group in this process (not a worker)
         return False, f"no tensor-parallel group in this process ({type(e).__name__})"
     name = getattr(group, "unique_name", "?")
-    if getattr(group, "world_size", None) != 2:
-        return False, f"TP world size is {getattr(group, 'world_size', '?')}, YALI serves exactly 2 ranks"
+    refusal = world_size_refusal(getattr(group, "world_size", None))
+    if refusal is not None:
+        return False, f"TP group '{name}': {refusal}"
     if getattr(getattr(group, "device_communicator", None), "yali_comm", None) is None:
         return False, f"YALI all-reduce is OFF for group '{name}'"
-    return True, f"YALI serves TP group '{name}'"
+    return True, f"YALI serves TP group '{name}' ({group.world_size} ranks)"
 
 
 # --------------------------------------------------------------------------
@@ -98,7 +102,7 @@ def unfused(group, input: torch.Tensor, residual, weight: torch.Tensor, eps: flo
 def run_on_group(group, input: torch.Tensor, residual, weight: torch.Tensor, eps: float):
     """YALI's fused kernel when the group's YaliCommunicator takes the tensors,
     else the unfused sequence.  Every rank decides alike (same shapes, dtypes
-    and layouts), so both run the same collective."""
+    and layouts), so all run the same collective."""
     yc = getattr(getattr(group, "device_communicator", None), "yali_comm", None)
     if yc is not None and yc.can_fuse(input, residual, weight):
         return yc.fused_allreduce_rmsnorm(input, residual, weight, eps)

@@ -17,6 +17,10 @@ the communicator refuses the tensors, the GEMM and then exactly the fused op's p
 the same path. Logs once which layers (module paths where the graph records them, else the
 GEMM's shape) it serves.
 
+The overlap serves TP groups of WORLD_SIZE (2) ranks: the copy engine pushes each chunk's
+partial sums into the one peer's receive slot (overlap.py). At 4, 6 or 8 ranks the plugin builds
+the fusion pass alone (overlap_refusal), and the communicator keeps the overlap off.
+
 Nothing here imports CUDA-only modules: the pass loads and runs on a CPU machine.
 """
 
@@ -34,6 +38,15 @@ logger = logging.getLogger("vllm.yali")
 
 OP_NAME = "yali_gemm_allreduce_rmsnorm"
 MIN_TOKENS = overlap.MIN_TOKENS
+# The TP world size the overlap serves (one peer per rank).
+WORLD_SIZE = 2
+
+
+def overlap_refusal(world_size: int) -> str | None:
+    """Why the overlap pass is not built for a TP group of `world_size` ranks, or None when it is."""
+    if world_size == WORLD_SIZE:
+        return None
+    return f"TP world size is {world_size}; the overlap serves {WORLD_SIZE} ranks"
 
 
 def run_on_group(group, x: torch.Tensor, weight_t: torch.Tensor, residual, norm_weight: torch.Tensor, eps: float):

@@ -1,6 +1,6 @@
-"""Two spawned CPU ranks for tests that need a real 2-rank torch.distributed (gloo)
-group with real vLLM objects: each rank runs `worker(rank, port, *args, outdir)` and writes
-its result to OUTDIR/rank<r>.json."""
+"""Spawned CPU ranks for tests that need a real torch.distributed (gloo) group of N ranks with
+real vLLM objects: each rank runs `worker(rank, port, *args, outdir)` and writes its result to
+OUTDIR/rank<r>.json."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.common.processes import launch_two_ranks
+from benchmarks.common.processes import launch_ranks
 
 TIMEOUT_S = 300
 
@@ -18,17 +18,22 @@ def _rank(rank: int, port: int, worker, args: tuple, outdir: str, q) -> None:
     q.put((rank, "done"))
 
 
-def run_two_cpu_ranks(worker, *args, outdir: Path) -> list[dict]:
-    """Runs `worker(rank, port, *args, str(outdir))` on 2 spawned processes, bounded
-    (300 s, then both are killed); returns both ranks' JSON results and fails on an
-    "error" key in either."""
-    done, timed_out = launch_two_ranks(_rank, (worker, args, str(outdir)), TIMEOUT_S)
+def run_cpu_ranks(worker, *args, outdir: Path, world_size: int = 2) -> list[dict]:
+    """Runs `worker(rank, port, *args, str(outdir))` on `world_size` spawned processes, bounded
+    (300 s, then all are killed); returns every rank's JSON result, in rank order, and fails on
+    an "error" key in any of them."""
+    done, timed_out = launch_ranks(_rank, (worker, args, str(outdir)), TIMEOUT_S, world_size=world_size)
     if timed_out:
-        pytest.fail(f"two-rank CPU workers did not finish in {TIMEOUT_S} s")
-    missing = [r for r in range(2) if not (outdir / f"rank{r}.json").exists()]
+        pytest.fail(f"{world_size}-rank CPU workers did not finish in {TIMEOUT_S} s")
+    missing = [r for r in range(world_size) if not (outdir / f"rank{r}.json").exists()]
     if missing:
         pytest.fail(f"rank(s) {missing} wrote no result (finished: {sorted(done)}; see their output above)")
-    results = [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(2)]
+    results = [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(world_size)]
     for r in results:
         assert "error" not in r, r["error"]
     return results
+
+
+def run_two_cpu_ranks(worker, *args, outdir: Path) -> list[dict]:
+    """run_cpu_ranks with two ranks."""
+    return run_cpu_ranks(worker, *args, outdir=outdir, world_size=2)

@@ -2,15 +2,15 @@
 the plugin's wiring of it (yali_vllm/plugin/fusion_patch.py), against the real vLLM.
 
 Real vLLM throughout: its IR norm ops, its pattern matcher pass base class, its
-PostGradPassManager, and, in the two-rank tests, its distributed set-up (a TP
-group of two spawned CPU processes over gloo) with vLLM's own
+PostGradPassManager, and, in the multi-rank tests, its distributed set-up (a TP
+group of 2 or 4 spawned CPU processes over gloo) with vLLM's own
 ``torch.ops.vllm.all_reduce`` in the traced graphs.  Stand-ins, each named
 where used:
 
 * ``StandInPass`` for vLLM's ``AllReduceFusionPass``: the real class lives in
   a module that needs vLLM's CUDA ops (``torch.ops._C``) to import, and vLLM's
   pass manager only imports it on a CUDA platform.
-* ``StandInYali`` for a YaliCommunicator (needs two GPUs): it says whether it
+* ``StandInYali`` for a YaliCommunicator (needs GPUs): it says whether it
   fuses and records the calls; its "fused" result is vLLM's unfused sequence.
 * ``StandInGroup`` (single-process op tests): an object with ``all_reduce``.
 
@@ -32,9 +32,9 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 import vllm.ir.ops  # noqa: E402
 
-from yali_vllm import plugin, vllm_fusion  # noqa: E402
+from yali_vllm import config, plugin, vllm_fusion  # noqa: E402
 from yali_vllm.plugin import fusion_patch  # noqa: E402
-from .cpu_ranks import run_two_cpu_ranks  # noqa: E402
+from .cpu_ranks import run_cpu_ranks  # noqa: E402
 
 EPS = 1e-5
 
@@ -291,7 +291,13 @@ def test_install_hooks_follow_vllm_config(pass_manager_module, monkeypatch):
     assert envs.compile_factors()[fusion_patch.CACHE_FACTOR] == "invalid (ValueError)"
 
 
-# ------------------------------------------- two real ranks on CPU (gloo)
+# ------------------------------------------- N real ranks on CPU (gloo)
+# The TP world sizes of the multi-rank tests: YALI's two-rank path and its N-rank one; and one
+# it does not serve.
+CPU_WORLD_SIZES = (2, 4)
+UNSERVED_WORLD_SIZE = 3
+
+
 def _write_model_config(path: Path) -> str:
     from yali_vllm.models import model_config
 
@@ -308,152 +314,169 @@ def _count(targets: list[str], name: str) -> int:
     return sum(1 for t in targets if t == name)
 
 
-def _two_rank_worker(rank: int, port: int, model_dir: str, outdir: str) -> None:
-    """Spawned twice: a real vLLM TP group of 2 CPU ranks (gloo).  Records the
-    factory's choices, what vLLM's pass manager builds, and what YALI's pass
-    does to traced graphs; written to rank<N>.json."""
+def _tp_setup(rank: int, port: int, world_size: int, model_dir: str):
+    """In a spawned rank: a real vLLM TP group of `world_size` CPU ranks (gloo), with
+    the plugin registered.  Returns (its VllmConfig, the TP GroupCoordinator)."""
     os.environ["VLLM_DISABLE_PYNCCL"] = "1"  # no NCCL library on a CPU box
     os.environ.pop("YALI_FUSION", None)
+    os.environ.pop("YALI_OVERLAP", None)
+    from vllm.config import CompilationConfig, DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config.compilation import CompilationMode, PassConfig
+    from vllm.distributed.parallel_state import get_tp_group, init_distributed_environment, initialize_model_parallel
+
+    cfg = VllmConfig(
+        model_config=ModelConfig(model=model_dir, dtype="bfloat16", skip_tokenizer_init=True),
+        device_config=DeviceConfig(device="cpu"),
+        compilation_config=CompilationConfig(
+            mode=CompilationMode.VLLM_COMPILE, pass_config=PassConfig(fuse_allreduce_rms=True)
+        ),
+    )
+    with set_current_vllm_config(cfg):
+        init_distributed_environment(
+            world_size=world_size, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
+            local_rank=rank, backend="gloo",
+        )
+        initialize_model_parallel(tensor_model_parallel_size=world_size)
+    tp = get_tp_group()
+    # As on the CUDA platform (use_custom_op_collectives): collectives are
+    # traced as torch.ops.vllm.all_reduce, the op vLLM's patterns match.
+    tp.use_custom_op_call = True
+    plugin.register()  # registers the op, as in every vLLM process
+    return cfg, tp
+
+
+def _factory_choices(cfg, tp) -> dict:
+    """What the plugin's pass factory and vLLM's pass manager build for `tp`, with
+    and without a (stand-in) YALI communicator, YALI_FUSION=0 and YALI_OVERLAP=1,
+    and the lines the factory logs."""
+    from vllm.compilation.passes import pass_manager
+
+    res: dict = {}
+    comm = tp.device_communicator
+    factory = fusion_patch.fusion_pass_factory(StandInPass)
+    handler_lines: list[str] = []
+
+    class H(logging.Handler):
+        def emit(self, record):
+            handler_lines.append(record.getMessage())
+
+    logging.getLogger("vllm.yali").addHandler(H())
+    logging.getLogger("vllm.yali").setLevel(logging.INFO)
+
+    comm.yali_comm = None
+    res["off_decision"] = list(vllm_fusion.fusion_decision())
+    res["off_pass"] = type(factory(cfg)).__name__
+    res["off_factor"] = fusion_patch.fusion_cache_factor()
+    comm.yali_comm = StandInYali(fuse=False, group=tp)
+    res["on_decision"] = list(vllm_fusion.fusion_decision())
+    res["on_pass"] = type(factory(cfg)).__name__
+    res["on_factor"] = fusion_patch.fusion_cache_factor()
+    os.environ["YALI_FUSION"] = "0"
+    res["disabled_pass"] = type(factory(cfg)).__name__
+    res["disabled_factor"] = fusion_patch.fusion_cache_factor()
+    del os.environ["YALI_FUSION"]
+    res["log"] = [ln for ln in handler_lines if ln.startswith(("YALI fusion pass ON", "YALI fusion pass OFF"))]
+    res["patterns_log"] = [ln for ln in handler_lines if ln.startswith("YALI fusion pass: patterns")]
+    # YALI_OVERLAP=1: the overlap pass joins the fusion pass at the world size it serves.
+    os.environ["YALI_OVERLAP"] = "1"
+    del handler_lines[:]
+    res["overlap_pass"] = type(factory(cfg)).__name__
+    res["overlap_log"] = [ln for ln in handler_lines if ln.startswith("YALI fusion pass ON")]
+    del os.environ["YALI_OVERLAP"]
+
+    # vLLM's own pass manager, with the symbol patched (a stand-in original:
+    # see the module docstring), builds one of the two passes.
+    pass_manager.AllReduceFusionPass = StandInPass
+    fusion_patch.patch_fusion_pass()
+    pm = pass_manager.PostGradPassManager()
+    pm.configure(cfg)
+    res["configured"] = [type(p).__name__ for p in pm.passes]
+    return res
+
+
+def _rewrite_results(cfg, tp, rank: int) -> dict:
+    """What YALI's pass does to traced graphs with vLLM's all-reduce and norm ops, and
+    what the rewritten graphs compute over the real group."""
+    import copy
+
+    import vllm.ir.ops
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    res: dict = {}
+    comm = tp.device_communicator
+    # A three-norm stretch of a decoder: embedding all-reduce -> rms_norm, then
+    # all_reduce -> fused_add_rms_norm twice, the last with its residual output
+    # dead (as at the final norm).
+    yali_pass = vllm_fusion.YaliAllReduceFusionPass(cfg)
+
+    def model(x, w0, w1, w2):
+        a = tensor_model_parallel_all_reduce(x)
+        h = vllm.ir.ops.rms_norm(a, w0, 1e-5)
+        res_ = a
+        b = tensor_model_parallel_all_reduce(h * 2)
+        h, res_ = vllm.ir.ops.fused_add_rms_norm(b, res_, w1, 1e-5)
+        c = tensor_model_parallel_all_reduce(h + 1)
+        h, _ = vllm.ir.ops.fused_add_rms_norm(c, res_, w2, 1e-6)
+        return h, res_
+
+    g = torch.Generator().manual_seed(rank)  # different per rank: a real sum
+    hidden = 64
+    args = [torch.randn(5, hidden, generator=g).bfloat16()]
+    args += [torch.randn(hidden, generator=torch.Generator().manual_seed(10 + i)).bfloat16() for i in range(3)]
+
+    def fresh():  # vLLM's CPU device communicator all-reduces in place
+        return [a.clone() for a in args]
+
+    expected = model(*fresh())
+
+    def trace(fn):
+        gm = make_fx(fn, tracing_mode="fake")(*fresh())
+        gm.graph.eliminate_dead_code()  # the unused residual of the last norm goes
+        gm.recompile()
+        return gm
+
+    gm = trace(model)
+    res["before"] = _node_targets(gm)
+    unchanged = copy.deepcopy(gm)
+    yali_pass(gm.graph)
+    gm.recompile()
+    res["after"] = _node_targets(gm)
+    res["matched"] = yali_pass.matched_count
+    res["uuid"] = yali_pass.uuid()  # part of Inductor's cache key
+
+    comm.yali_comm = StandInYali(fuse=False, group=tp)  # refuses: unfused fallback
+    out = gm(*fresh())
+    res["fallback_equal"] = [torch.equal(o, e) for o, e in zip(out, expected)]
+    res["unchanged_equal"] = [torch.equal(o, e) for o, e in zip(unchanged(*fresh()), expected)]
+    yali = StandInYali(fuse=True, group=tp)
+    comm.yali_comm = yali
+    out = gm(*fresh())
+    res["fused_equal"] = [torch.equal(o, e) for o, e in zip(out, expected)]
+    res["fused_calls"] = yali.calls
+
+    # What stays unfused: an eps vLLM has no pattern for, and a Gemma-style
+    # fp32 weight (input/weight dtypes differ).
+    def odd(x, w):
+        a = tensor_model_parallel_all_reduce(x)
+        return vllm.ir.ops.rms_norm(a, w, 1e-4), a
+
+    def gemma(x, w):
+        a = tensor_model_parallel_all_reduce(x)
+        return vllm.ir.ops.rms_norm(a, w.float() + 1.0, 1e-6), a
+
+    for name, fn in (("odd_eps", odd), ("gemma", gemma)):
+        gm2 = make_fx(fn, tracing_mode="fake")(args[0].clone(), args[1])
+        yali_pass(gm2.graph)
+        res[name] = [yali_pass.matched_count, _node_targets(gm2)]
+    return res
+
+
+def _record(rank: int, outdir: str, body) -> None:
+    """Runs `body()` in a spawned rank and writes its dict, or the error, to rank<N>.json."""
     res: dict = {}
     try:
-        import copy
-
-        import vllm.ir.ops
-        from torch.fx.experimental.proxy_tensor import make_fx
-        from vllm.compilation.passes import pass_manager
-        from vllm.config import (
-            CompilationConfig,
-            DeviceConfig,
-            ModelConfig,
-            VllmConfig,
-            set_current_vllm_config,
-        )
-        from vllm.config.compilation import CompilationMode, PassConfig
-        from vllm.distributed import tensor_model_parallel_all_reduce
-        from vllm.distributed.parallel_state import (
-            get_tp_group,
-            init_distributed_environment,
-            initialize_model_parallel,
-        )
-
-        cfg = VllmConfig(
-            model_config=ModelConfig(model=model_dir, dtype="bfloat16", skip_tokenizer_init=True),
-            device_config=DeviceConfig(device="cpu"),
-            compilation_config=CompilationConfig(
-                mode=CompilationMode.VLLM_COMPILE, pass_config=PassConfig(fuse_allreduce_rms=True)
-            ),
-        )
-        with set_current_vllm_config(cfg):
-            init_distributed_environment(
-                world_size=2, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
-                local_rank=rank, backend="gloo",
-            )
-            initialize_model_parallel(tensor_model_parallel_size=2)
-        tp = get_tp_group()
-        # As on the CUDA platform (use_custom_op_collectives): collectives are
-        # traced as torch.ops.vllm.all_reduce, the op vLLM's patterns match.
-        tp.use_custom_op_call = True
-        comm = tp.device_communicator
-        plugin.register()  # registers the op, as in every vLLM process
-
-        factory = fusion_patch.fusion_pass_factory(StandInPass)
-        handler_lines: list[str] = []
-
-        class H(logging.Handler):
-            def emit(self, record):
-                handler_lines.append(record.getMessage())
-
-        logging.getLogger("vllm.yali").addHandler(H())
-        logging.getLogger("vllm.yali").setLevel(logging.INFO)
-
-        # 1. The factory's choice.
-        comm.yali_comm = None
-        res["off_decision"] = list(vllm_fusion.fusion_decision())
-        res["off_pass"] = type(factory(cfg)).__name__
-        res["off_factor"] = fusion_patch.fusion_cache_factor()
-        comm.yali_comm = StandInYali(fuse=False, group=tp)
-        res["on_decision"] = list(vllm_fusion.fusion_decision())
-        res["on_pass"] = type(factory(cfg)).__name__
-        res["on_factor"] = fusion_patch.fusion_cache_factor()
-        os.environ["YALI_FUSION"] = "0"
-        res["disabled_pass"] = type(factory(cfg)).__name__
-        res["disabled_factor"] = fusion_patch.fusion_cache_factor()
-        del os.environ["YALI_FUSION"]
-        res["log"] = [ln for ln in handler_lines if ln.startswith(("YALI fusion pass ON", "YALI fusion pass OFF"))]
-        res["patterns_log"] = [ln for ln in handler_lines if ln.startswith("YALI fusion pass: patterns")]
-
-        # 2. vLLM's own pass manager, with the symbol patched (a stand-in
-        # original: see the module docstring), builds YALI's pass only.
-        pass_manager.AllReduceFusionPass = StandInPass
-        fusion_patch.patch_fusion_pass()
-        pm = pass_manager.PostGradPassManager()
-        pm.configure(cfg)
-        res["configured"] = [type(p).__name__ for p in pm.passes]
-
-        # 3. The rewrite.  A three-norm stretch of a decoder: embedding
-        # all-reduce -> rms_norm, then all_reduce -> fused_add_rms_norm twice,
-        # the last with its residual output dead (as at the final norm).
-        yali_pass = vllm_fusion.YaliAllReduceFusionPass(cfg)
-
-        def model(x, w0, w1, w2):
-            a = tensor_model_parallel_all_reduce(x)
-            h = vllm.ir.ops.rms_norm(a, w0, 1e-5)
-            res_ = a
-            b = tensor_model_parallel_all_reduce(h * 2)
-            h, res_ = vllm.ir.ops.fused_add_rms_norm(b, res_, w1, 1e-5)
-            c = tensor_model_parallel_all_reduce(h + 1)
-            h, _ = vllm.ir.ops.fused_add_rms_norm(c, res_, w2, 1e-6)
-            return h, res_
-
-        g = torch.Generator().manual_seed(rank)  # different per rank: a real sum
-        hidden = 64
-        args = [torch.randn(5, hidden, generator=g).bfloat16()]
-        args += [torch.randn(hidden, generator=torch.Generator().manual_seed(10 + i)).bfloat16() for i in range(3)]
-
-        def fresh():  # vLLM's CPU device communicator all-reduces in place
-            return [a.clone() for a in args]
-
-        expected = model(*fresh())
-
-        def trace(fn):
-            gm = make_fx(fn, tracing_mode="fake")(*fresh())
-            gm.graph.eliminate_dead_code()  # the unused residual of the last norm goes
-            gm.recompile()
-            return gm
-
-        gm = trace(model)
-        res["before"] = _node_targets(gm)
-        unchanged = copy.deepcopy(gm)
-        yali_pass(gm.graph)
-        gm.recompile()
-        res["after"] = _node_targets(gm)
-        res["matched"] = yali_pass.matched_count
-        res["uuid"] = yali_pass.uuid()  # part of Inductor's cache key
-
-        comm.yali_comm = StandInYali(fuse=False, group=tp)  # refuses: unfused fallback
-        out = gm(*fresh())
-        res["fallback_equal"] = [torch.equal(o, e) for o, e in zip(out, expected)]
-        res["unchanged_equal"] = [torch.equal(o, e) for o, e in zip(unchanged(*fresh()), expected)]
-        yali = StandInYali(fuse=True, group=tp)
-        comm.yali_comm = yali
-        out = gm(*fresh())
-        res["fused_equal"] = [torch.equal(o, e) for o, e in zip(out, expected)]
-        res["fused_calls"] = yali.calls
-
-        # 4. What stays unfused: an eps vLLM has no pattern for, and a
-        # Gemma-style fp32 weight (input/weight dtypes differ).
-        def odd(x, w):
-            a = tensor_model_parallel_all_reduce(x)
-            return vllm.ir.ops.rms_norm(a, w, 1e-4), a
-
-        def gemma(x, w):
-            a = tensor_model_parallel_all_reduce(x)
-            return vllm.ir.ops.rms_norm(a, w.float() + 1.0, 1e-6), a
-
-        for name, fn in (("odd_eps", odd), ("gemma", gemma)):
-            gm2 = make_fx(fn, tracing_mode="fake")(args[0].clone(), args[1])
-            yali_pass(gm2.graph)
-            res[name] = [yali_pass.matched_count, _node_targets(gm2)]
+        res = body()
     except Exception as e:  # reported to the parent
         import traceback
 
@@ -466,25 +489,45 @@ def _two_rank_worker(rank: int, port: int, model_dir: str, outdir: str) -> None:
             dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    outdir = tmp_path_factory.mktemp("fusion_two_ranks")
+def _rank_worker(rank: int, port: int, world_size: int, model_dir: str, outdir: str) -> None:
+    """Spawned `world_size` times: a real vLLM TP group of that many CPU ranks
+    (gloo).  Records the factory's choices, what vLLM's pass manager builds,
+    and what YALI's pass does to traced graphs."""
+
+    def body() -> dict:
+        cfg, tp = _tp_setup(rank, port, world_size, model_dir)
+        return {**_factory_choices(cfg, tp), **_rewrite_results(cfg, tp, rank)}
+
+    _record(rank, outdir, body)
+
+
+def _choices_worker(rank: int, port: int, world_size: int, model_dir: str, outdir: str) -> None:
+    """Spawned `world_size` times: the factory's choices only, on a real vLLM TP group."""
+    _record(rank, outdir, lambda: _factory_choices(*_tp_setup(rank, port, world_size, model_dir)))
+
+
+@pytest.fixture(scope="module", params=CPU_WORLD_SIZES, ids=lambda n: f"tp{n}")
+def tp_ranks(request, tmp_path_factory):
+    """Every rank's result of _rank_worker on a vLLM TP group of `request.param` ranks."""
+    world_size = request.param
+    outdir = tmp_path_factory.mktemp(f"fusion_tp{world_size}")
     model_dir = _write_model_config(outdir / "model")
-    return run_two_cpu_ranks(_two_rank_worker, model_dir, outdir=outdir)
+    return run_cpu_ranks(_rank_worker, world_size, model_dir, outdir=outdir, world_size=world_size)
 
 
-def test_two_ranks_factory_follows_yali_and_yali_fusion(two_ranks):
-    for res in two_ranks:
+def test_ranks_factory_follows_yali_and_yali_fusion(tp_ranks):
+    n = len(tp_ranks)
+    served = f"YALI serves TP group 'tp:0' ({n} ranks)"
+    for res in tp_ranks:
         assert res["off_decision"] == [False, "YALI all-reduce is OFF for group 'tp:0'"]
         assert res["off_pass"] == "StandInPass" and res["off_factor"] == "vllm"
-        assert res["on_decision"] == [True, "YALI serves TP group 'tp:0'"]
+        assert res["on_decision"] == [True, served]
         assert res["on_pass"] == "YaliAllReduceFusionPass" and res["on_factor"] == "yali"
         assert res["disabled_pass"] == "StandInPass" and res["disabled_factor"] == "vllm"
         assert res["log"] == [
             "YALI fusion pass OFF: YALI all-reduce is OFF for group 'tp:0'; "
             "using vLLM's FlashInfer all-reduce+RMSNorm fusion",
-            "YALI fusion pass ON (replaces vLLM's FlashInfer all-reduce+RMSNorm fusion): "
-            "YALI serves TP group 'tp:0'",
+            f"YALI fusion pass ON (replaces vLLM's FlashInfer all-reduce+RMSNorm fusion): {served}",
             "YALI fusion pass OFF: disabled by YALI_FUSION; "
             "using vLLM's FlashInfer all-reduce+RMSNorm fusion",
         ]
@@ -493,15 +536,57 @@ def test_two_ranks_factory_follows_yali_and_yali_fusion(two_ranks):
         assert "eps 1e-05, 1e-06" in res["patterns_log"][0]
 
 
-def test_two_ranks_vllm_pass_manager_builds_yali_pass_only(two_ranks):
-    for res in two_ranks:
+@pytest.fixture(scope="module")
+def unserved_tp_ranks(tmp_path_factory):
+    """Every rank's factory choices on a vLLM TP group of UNSERVED_WORLD_SIZE ranks."""
+    outdir = tmp_path_factory.mktemp(f"fusion_tp{UNSERVED_WORLD_SIZE}")
+    model_dir = _write_model_config(outdir / "model")
+    return run_cpu_ranks(_choices_worker, UNSERVED_WORLD_SIZE, model_dir, outdir=outdir,
+                         world_size=UNSERVED_WORLD_SIZE)
+
+
+def test_unserved_tp_world_size_keeps_vllms_fusion_pass(unserved_tp_ranks):
+    """Even with a YALI communicator on the group, a TP world size YALI does not serve gets
+    vLLM's pass, on every rank, with the reason naming the world size."""
+    refusal = config.world_size_refusal(UNSERVED_WORLD_SIZE)
+    assert refusal is not None and f"world size is {UNSERVED_WORLD_SIZE}" in refusal
+    why = f"TP group 'tp:0': {refusal}"
+    for res in unserved_tp_ranks:
+        assert res["off_decision"] == res["on_decision"] == [False, why]
+        assert res["off_pass"] == res["on_pass"] == res["overlap_pass"] == "StandInPass"
+        assert res["on_factor"] == "vllm"
+        assert res["log"] == [
+            f"YALI fusion pass OFF: {why}; using vLLM's FlashInfer all-reduce+RMSNorm fusion",
+            "YALI fusion pass OFF: disabled by YALI_FUSION; using vLLM's FlashInfer all-reduce+RMSNorm fusion",
+        ]
+        assert res["overlap_log"] == []
+        assert "StandInPass" in res["configured"] and "YaliAllReduceFusionPass" not in res["configured"]
+
+
+def test_ranks_overlap_pass_serves_two_ranks_only(tp_ranks):
+    n = len(tp_ranks)
+    served = f"YALI serves TP group 'tp:0' ({n} ranks)"
+    for res in tp_ranks:
+        if n == 2:
+            assert res["overlap_pass"] == "YaliFusionWithOverlap"
+            note = "prefill GEMM + all-reduce + RMSNorm overlapped (YALI_OVERLAP=1)"
+        else:
+            assert res["overlap_pass"] == "YaliAllReduceFusionPass"
+            note = f"YALI_OVERLAP=1 is not applied: TP world size is {n}; the overlap serves 2 ranks"
+        assert res["overlap_log"] == [
+            f"YALI fusion pass ON (replaces vLLM's FlashInfer all-reduce+RMSNorm fusion): {served}; {note}"
+        ]
+
+
+def test_ranks_vllm_pass_manager_builds_yali_pass_only(tp_ranks):
+    for res in tp_ranks:
         assert "YaliAllReduceFusionPass" in res["configured"], res["configured"]
         assert "StandInPass" not in res["configured"]
 
 
-def test_two_ranks_rewrite_replaces_all_reduce_and_norms(two_ranks):
+def test_ranks_rewrite_replaces_all_reduce_and_norms(tp_ranks):
     op = "vllm.yali_fused_allreduce_rmsnorm.default"
-    for res in two_ranks:
+    for res in tp_ranks:
         before, after = res["before"], res["after"]
         assert _count(before, "vllm.all_reduce.default") == 3
         assert _count(before, "vllm_ir.rms_norm.default") == 1
@@ -511,15 +596,15 @@ def test_two_ranks_rewrite_replaces_all_reduce_and_norms(two_ranks):
         # (rms_norm), the second (fused add, both outputs used) and the third
         # (fused add, residual dead: the first-return-only pattern, eps 1e-6).
         assert res["matched"] == 3
-        assert len(res["uuid"]) == 64 and res["uuid"] == two_ranks[0]["uuid"]
+        assert len(res["uuid"]) == 64 and res["uuid"] == tp_ranks[0]["uuid"]
         assert _count(after, op) == 3
         for gone in ("vllm.all_reduce.default", "vllm_ir.rms_norm.default",
                      "vllm_ir.fused_add_rms_norm.default"):
             assert _count(after, gone) == 0, after
 
 
-def test_two_ranks_rewritten_graph_computes_the_same(two_ranks):
-    for res in two_ranks:
+def test_ranks_rewritten_graph_computes_the_same(tp_ranks):
+    for res in tp_ranks:
         assert res["unchanged_equal"] == [True, True]
         assert res["fallback_equal"] == [True, True]  # op's unfused fallback, real gloo sums
         assert res["fused_equal"] == [True, True]  # stand-in YALI called with the right arguments
@@ -530,8 +615,8 @@ def test_two_ranks_rewritten_graph_computes_the_same(two_ranks):
         ]
 
 
-def test_two_ranks_unmatched_variants_stay_unfused(two_ranks):
-    for res in two_ranks:
+def test_ranks_unmatched_variants_stay_unfused(tp_ranks):
+    for res in tp_ranks:
         for name in ("odd_eps", "gemma"):
             matched, targets = res[name]
             assert matched == 0, name

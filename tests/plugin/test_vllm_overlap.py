@@ -177,3 +177,10 @@ def test_fusion_with_overlap_runs_both_in_order():
     p(gm.graph)
     assert sum(n.target == vllm_overlap.overlap_op() for n in gm.graph.nodes) == 1
     assert p.uuid().startswith("fusion")
+
+
+@pytest.mark.parametrize("world_size", [1, 3, 4, 6, 8])
+def test_overlap_serves_two_ranks_only(world_size):
+    assert vllm_overlap.overlap_refusal(2) is None
+    assert vllm_overlap.overlap_refusal(world_size) == (
+        f"TP world size is {world_size}; the overlap serves 2 ranks")

@@ -2,10 +2,10 @@
 
 Everything here uses vLLM's real classes: the plugin patches vLLM's own
 CudaCommunicator, and the multi-rank tests build real CudaCommunicators over
-real gloo process groups in two spawned CPU processes (vLLM's CUDA-only
+real gloo process groups of 2 and 4 spawned CPU processes (vLLM's CUDA-only
 members stay off on a CPU machine).  The only stand-ins are fake YALI
 communicator objects in test_dispatch_* (to drive the dispatch wrapper on CPU
-tensors) and in the two-rank checkpoint case (to drive the decision over a
+tensors) and in the multi-rank checkpoint case (to drive the decision over a
 real gloo group): a real YaliCommunicator needs a GPU; see
 tests/gpu/test_vllm_e2e.py for the real thing.
 """
@@ -30,10 +30,10 @@ from vllm.distributed.device_communicators.cuda_communicator import (  # noqa: E
 )
 
 from benchmarks.common.processes import free_port  # noqa: E402
-from yali_vllm import plugin  # noqa: E402
+from yali_vllm import config, plugin  # noqa: E402
 from yali_vllm.plugin import fusion_patch, gate, group_setup, patch, stats  # noqa: E402
 from yali_vllm.plugin.gate import yali_gate  # noqa: E402
-from .cpu_ranks import run_two_cpu_ranks  # noqa: E402
+from .cpu_ranks import run_cpu_ranks  # noqa: E402
 
 ENTRY_POINT = "yali_vllm.plugin:register"
 
@@ -80,9 +80,26 @@ def test_enable_bad_value_names_variable(raw):
 
 
 # ----------------------------------------------------------------------- gating
-def test_gate_on_for_two_rank_tp_group_on_one_host():
-    assert yali_gate("tp:0", 2, ["gpu-a", "gpu-a"], True, True) == (True, "ok")
-    assert yali_gate("tp:3", 2, ["h", "h"], True, True, p2p=True)[0]
+@pytest.mark.parametrize("world_size", [2, 4, 6, 8])
+def test_gate_on_for_served_world_sizes_on_one_host(world_size):
+    assert world_size in config.WORLD_SIZES
+    assert yali_gate("tp:0", world_size, ["gpu-a"] * world_size, True, True) == (True, "ok")
+    assert yali_gate("tp:3", world_size, ["h"] * world_size, True, True, p2p=True) == (True, "ok")
+
+
+@pytest.mark.parametrize("world_size", [1, 3, 5, 7, 16])
+def test_gate_refuses_other_world_sizes_with_the_reason(world_size):
+    ok, reason = yali_gate("tp:0", world_size, ["h"] * world_size, True, True, p2p=True)
+    assert not ok
+    assert reason == config.world_size_refusal(world_size)
+    assert reason == f"world size is {world_size}; YALI serves 2, 4, 6 or 8 ranks"
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_gate_p2p_refusal_names_every_pair(world_size):
+    ok, reason = yali_gate("tp:0", world_size, ["h"] * world_size, True, True, p2p=False)
+    assert not ok
+    assert reason == f"no CUDA peer-to-peer access between every pair of the group's {world_size} GPUs"
 
 
 @pytest.mark.parametrize(
@@ -95,10 +112,10 @@ def test_gate_on_for_two_rank_tp_group_on_one_host():
         (dict(unique_name="world:0"), "not a tensor-parallel group"),
         (dict(unique_name=""), "not a tensor-parallel group"),
         (dict(world_size=1, hostnames=["h"]), "world size is 1"),
-        (dict(world_size=4, hostnames=["h"] * 4), "world size is 4"),
-        (dict(world_size=8, hostnames=["h"] * 8), "world size is 8"),
+        (dict(world_size=3, hostnames=["h"] * 3), "world size is 3"),
         (dict(hostnames=["node-a", "node-b"]), "not on one host"),
         (dict(hostnames=["h"]), "not on one host"),
+        (dict(world_size=4, hostnames=["h", "h", "h", "node-b"]), "not on one host"),
         (dict(enabled=False), "disabled by YALI_ENABLE"),
         (dict(platform_is_cuda=False), "platform is not CUDA"),
         (dict(custom_ar_enabled=False), "custom all-reduce is disabled"),
@@ -282,7 +299,7 @@ def test_unrecognised_internals_left_untouched(cls, caplog):
 
 # ------------------------------------------------- dispatch wrapper (CPU, fake)
 class FakeYali:
-    """Stand-in for a YaliCommunicator (which needs two GPUs): records calls."""
+    """Stand-in for a YaliCommunicator (which needs GPUs): records calls."""
 
     def __init__(self, use: bool):
         self.use = use
@@ -375,12 +392,13 @@ def test_dispatch_prefers_yali_over_custom_ar_at_every_size(single_rank_comm):
 def test_dispatch_logs_backend_once_per_size_class(single_rank_comm, caplog, monkeypatch):
     """Fakes (stated above): the first all-reduce of each dtype and size class
     logs which backend served it; repeats do not, and do not ask the library for the
-    kernel's name either (the dispatch path stays a set lookup)."""
+    kernel's name either (the dispatch path stays a set lookup). The library is asked
+    for the group's world size."""
     comm = single_rank_comm
     comm.yali_comm = FakeYali(use=True)
     asked = []
     real = stats._yali_kernel
-    monkeypatch.setattr(stats, "_yali_kernel", lambda n: asked.append(n) or real(n))
+    monkeypatch.setattr(stats, "_yali_kernel", lambda n, w: asked.append((n, w)) or real(n, w))
     with caplog.at_level(logging.INFO, logger="vllm.yali"):
         for _ in range(3):
             comm.all_reduce(torch.ones(1000))  # 4000 bytes: size class 2048..4095
@@ -392,7 +410,7 @@ def test_dispatch_logs_backend_once_per_size_class(single_rank_comm, caplog, mon
     assert "torch.float32 all-reduces of 2048..4095 bytes -> yali" in lines[0]
     assert "torch.bfloat16 all-reduces of 16..31 bytes -> yali" in lines[1]
     assert lines[2].endswith("-> vLLM's all-reduce chain")
-    assert asked == [4000, 20]  # once per new YALI line, never on a repeat
+    assert asked == [(4000, 1), (20, 1)]  # once per new YALI line, never on a repeat
 
 
 def test_dispatch_below_info_logs_later_when_info_is_on(single_rank_comm, caplog):
@@ -418,6 +436,16 @@ def test_destroy_closes_yali(single_rank_comm):
     assert fake.closed == 1 and comm.yali_comm is None
     comm.destroy()  # vLLM may call destroy again at shutdown
     assert fake.closed == 1
+
+
+@pytest.mark.parametrize("failed, world_size, reason", [
+    ([(0, "no GPU"), (1, "no GPU"), (2, "no GPU"), (3, "no GPU")], 4, "no GPU"),
+    ([(2, "no GPU")], 4, "rank 2 of the group: no GPU"),
+    ([(0, "no GPU"), (1, "bad device")], 2, "rank 0 of the group: no GPU"),
+])
+def test_setup_failure_reason_is_one_text_for_every_rank(failed, world_size, reason):
+    # Every rank computes it from the same gathered results, so every rank logs this text.
+    assert group_setup._agreed_failure(failed, world_size) == reason
 
 
 def test_setup_refuses_unrecognised_communicator_object():
@@ -453,7 +481,11 @@ def test_fusion_note_follows_vllm_config():
     assert fusion_patch.fusion_note() is None  # no config set
 
 
-# ------------------------------------------- two real ranks on CPU (gloo)
+# ------------------------------------------- N real ranks on CPU (gloo)
+# The world sizes of the multi-rank tests: YALI's two-rank path and its N-rank one.
+CPU_WORLD_SIZES = (2, 4)
+
+
 class _ListHandler(logging.Handler):
     def __init__(self):
         super().__init__()
@@ -484,8 +516,8 @@ class _StandInYali:
 
 def _checkpoint_cases(comm, rank: int) -> dict:
     out = {}
-    for case, captured in {"none_captured": (False, False), "one_captured": (True, False)}.items():
-        yc = _StandInYali(captured[rank])
+    for case, captured_on in {"none_captured": (), "one_captured": (0,)}.items():
+        yc = _StandInYali(rank in captured_on)
         comm.yali_comm = yc
         what = group_setup.checkpoint_release(comm)
         out[case] = [comm.yali_comm is None, yc.closed, yc.synced, what]
@@ -493,39 +525,55 @@ def _checkpoint_cases(comm, rank: int) -> dict:
     return out
 
 
-def _two_rank_worker(rank: int, port: int, outdir: str) -> None:
-    """Spawned twice.  Builds real vLLM CudaCommunicators ("tp:0", 2 ranks) on
-    CPU and records what the plugin decided; written to rank<N>.json."""
+def _cpu_communicator(group, name: str) -> CudaCommunicator:
+    return CudaCommunicator(cpu_group=group, device=torch.device("cpu"), device_group=group, unique_name=name)
+
+
+def _unserved_group_case(group) -> dict:
+    """A "tp:1" CudaCommunicator over `group`, whose world size YALI does not serve: whether the
+    plugin gave it YALI, and the decision as if the platform were CUDA."""
+    comm = _cpu_communicator(group, "tp:1")
+    try:
+        return {"yali_comm": comm.yali_comm is not None, "cuda": _decision(comm)}
+    finally:
+        comm.destroy()
+
+
+def _rank_worker(rank: int, port: int, world_size: int, outdir: str) -> None:
+    """Spawned `world_size` times.  Builds real vLLM CudaCommunicators ("tp:0" over every
+    rank, "tp:1" over all ranks but the last) on CPU and records what the plugin decided;
+    written to rank<N>.json."""
     os.environ["VLLM_DISABLE_PYNCCL"] = "1"  # no NCCL library on a CPU box
     os.environ["YALI_ENABLE"] = "1"
     handler = _ListHandler()
     logging.getLogger("vllm.yali").addHandler(handler)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     res: dict = {}
     try:
         plugin.register()
-        group = dist.new_group([0, 1], backend="gloo")
+        ranks = list(range(world_size))
+        group = dist.new_group(ranks, backend="gloo")
+        unserved = dist.new_group(ranks[:-1], backend="gloo")  # every rank takes part in new_group
 
-        def make(name: str) -> CudaCommunicator:
-            return CudaCommunicator(
-                cpu_group=group, device=torch.device("cpu"), device_group=group, unique_name=name
-            )
-
-        comm = make("tp:0")
+        comm = _cpu_communicator(group, "tp:0")
         res["tp_yali_comm"] = comm.yali_comm is not None
         # vLLM's chain still reduces (gloo, through the patched all_reduce).
         res["sum"] = comm.all_reduce(torch.full((4,), float(rank + 1))).tolist()
-        pp = make("pp:0")
+        pp = _cpu_communicator(group, "pp:0")
         res["pp_yali_comm"] = pp.yali_comm is not None
+        if rank < world_size - 1:
+            res["unserved"] = _unserved_group_case(unserved)
         res["log"] = list(handler.lines)
 
         # Same group, as if the platform were CUDA: the per-rank inputs are
         # gathered and the real YaliCommunicator is asked (it refuses on CPU).
         res["info"] = group_setup.gather_group_info(comm)
         res["cuda_enabled"] = _decision(comm)
+        group_setup.log_off(comm, *res["cuda_enabled"])  # the line after_init logs on a CUDA platform
+        res["cuda_enabled_line"] = handler.lines[-1]
         os.environ["YALI_ENABLE"] = "0"
         res["cuda_disabled"] = _decision(comm)
-        # Off on one rank only: both ranks must agree on off.
+        # Off on one rank only: every rank must agree on off.
         os.environ["YALI_ENABLE"] = "0" if rank == 1 else "1"
         res["cuda_one_disabled"] = _decision(comm)
         os.environ["YALI_ENABLE"] = "sometimes"
@@ -549,63 +597,89 @@ def _two_rank_worker(rank: int, port: int, outdir: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    outdir = tmp_path_factory.mktemp("two_ranks")
-    return run_two_cpu_ranks(_two_rank_worker, outdir=outdir)
+@pytest.fixture(scope="module", params=CPU_WORLD_SIZES, ids=lambda n: f"{n}ranks")
+def cpu_ranks(request, tmp_path_factory):
+    """Every rank's result of _rank_worker on a gloo group of `request.param` ranks."""
+    world_size = request.param
+    outdir = tmp_path_factory.mktemp(f"ranks{world_size}")
+    return run_cpu_ranks(_rank_worker, world_size, outdir=outdir, world_size=world_size)
 
 
-def test_two_ranks_off_on_cpu_platform_and_vllm_chain_still_reduces(two_ranks):
-    for res in two_ranks:
+def _same_on_every_rank(results: list[dict], key: str):
+    """The value of `key` on rank 0, after checking every rank has the same."""
+    values = [res[key] for res in results]
+    assert all(v == values[0] for v in values), f"{key} differs between ranks: {values}"
+    return values[0]
+
+
+def test_ranks_off_on_cpu_platform_and_vllm_chain_still_reduces(cpu_ranks):
+    n = len(cpu_ranks)
+    for res in cpu_ranks:
         assert res["tp_yali_comm"] is False and res["pp_yali_comm"] is False
-        assert res["sum"] == [3.0] * 4
+        assert res["sum"] == [n * (n + 1) / 2] * 4
         tp_lines = [ln for ln in res["log"] if "group 'tp:0'" in ln]
-        assert tp_lines == ["YALI all-reduce OFF for group 'tp:0': vLLM platform is not CUDA"]
+        assert tp_lines == [f"YALI all-reduce OFF for group 'tp:0': vLLM platform is not CUDA (world size {n})"]
         assert any(
             "group 'pp:0'" in ln and "not a tensor-parallel group" in ln for ln in res["log"]
         )
 
 
-def test_two_ranks_checkpoint_releases_yali_only_when_no_graph_captured_it(two_ranks):
-    for res in two_ranks:
+def test_ranks_refuse_a_world_size_yali_does_not_serve(cpu_ranks):
+    n = len(cpu_ranks) - 1  # the "tp:1" group: every rank but the last
+    refusal = config.world_size_refusal(n)
+    assert refusal is not None and f"world size is {n}" in refusal
+    members = cpu_ranks[:-1]
+    assert _same_on_every_rank(members, "unserved") == {"yali_comm": False, "cuda": [refusal, False]}
+    for res in members:
+        tp1_lines = [ln for ln in res["log"] if "group 'tp:1'" in ln]
+        assert tp1_lines == [f"YALI all-reduce OFF for group 'tp:1': {refusal} (world size {n})"]
+    assert "unserved" not in cpu_ranks[-1]
+
+
+def test_ranks_checkpoint_releases_yali_only_when_no_graph_captured_it(cpu_ranks):
+    for res in cpu_ranks:
         off, closed, synced, what = res["checkpoint"]["none_captured"]
         assert off and closed and synced and "released" in what
-        # One rank's graph captured YALI: both ranks keep it (the decision is agreed).
+        # Rank 0's graph captured YALI: every rank keeps it (the decision is agreed).
         off, closed, synced, what = res["checkpoint"]["one_captured"]
         assert not off and not closed and synced and "CUDA graphs captured" in what
 
 
-def test_two_ranks_gather_identical_info(two_ranks):
-    a, b = (r["info"] for r in two_ranks)
-    assert a == b and len(a) == 2
-    assert a[0]["host"] == a[1]["host"] == socket.gethostname()
+def test_ranks_gather_identical_info(cpu_ranks):
+    info = _same_on_every_rank(cpu_ranks, "info")
+    assert len(info) == len(cpu_ranks)
+    assert {i["host"] for i in info} == {socket.gethostname()}
 
 
-def test_two_ranks_communicator_refusal_leaves_yali_off(two_ranks):
+def test_ranks_agree_on_the_communicator_refusal(cpu_ranks):
+    """The TP group passes the gate at every served world size; on a CPU machine the real
+    YaliCommunicator refuses, and every rank gives the same reason and falls back."""
     try:
         import yali_vllm.communicator  # noqa: F401
     except Exception:
         expected = "cannot be imported"
     else:
         expected = "YALI unavailable"  # YaliUnavailable raised on a CPU machine
-    for res in two_ranks:
-        reason, warn = res["cuda_enabled"]
-        assert expected in reason and warn, res["cuda_enabled"]
+    reason, warn = _same_on_every_rank(cpu_ranks, "cuda_enabled")
+    assert expected in reason and warn, reason
+    line = _same_on_every_rank(cpu_ranks, "cuda_enabled_line")
+    assert line == f"YALI all-reduce OFF for group 'tp:0': {reason} (world size {len(cpu_ranks)})"
 
 
-def test_two_ranks_agree_on_yali_enable(two_ranks):
-    for res in two_ranks:
-        assert res["cuda_disabled"] == ["disabled by YALI_ENABLE", False]
-        assert res["cuda_one_disabled"] == ["disabled by YALI_ENABLE", False]
-        reason, warn = res["cuda_bad_enable"]
-        assert "invalid YALI_* setting" in reason and warn
-        assert "invalid YALI_ENABLE='sometimes'" in reason
-        reason, warn = res["cuda_unknown_var"]
-        assert "unknown YALI_* variable(s) YALI_MAX_BYTE='1M'" in reason and warn
-        reason, warn = res["cuda_fusion_differs"]
-        assert "YALI_FUSION / YALI_OVERLAP settings differ: ['on, overlap off', 'off, overlap off']" in reason and warn
-        reason, warn = res["cuda_no_custom_ar"]
-        assert "custom all-reduce is disabled" in reason and not warn
+def test_ranks_agree_on_yali_enable(cpu_ranks):
+    n = len(cpu_ranks)
+    assert _same_on_every_rank(cpu_ranks, "cuda_disabled") == ["disabled by YALI_ENABLE", False]
+    assert _same_on_every_rank(cpu_ranks, "cuda_one_disabled") == ["disabled by YALI_ENABLE", False]
+    reason, warn = _same_on_every_rank(cpu_ranks, "cuda_bad_enable")
+    assert "invalid YALI_* setting" in reason and warn
+    assert "invalid YALI_ENABLE='sometimes'" in reason
+    reason, warn = _same_on_every_rank(cpu_ranks, "cuda_unknown_var")
+    assert "unknown YALI_* variable(s) YALI_MAX_BYTE='1M'" in reason and warn
+    reason, warn = _same_on_every_rank(cpu_ranks, "cuda_fusion_differs")
+    settings = ["on, overlap off"] + ["off, overlap off"] * (n - 1)
+    assert f"YALI_FUSION / YALI_OVERLAP settings differ: {settings}" in reason and warn
+    reason, warn = _same_on_every_rank(cpu_ranks, "cuda_no_custom_ar")
+    assert "custom all-reduce is disabled" in reason and not warn
 
 
 # ------------------------------------------- the plugin's lines in vLLM's log

@@ -1,4 +1,4 @@
-"""vLLM plugin: serve the tensor-parallel all-reduces of a 2-GPU group with YALI.
+"""vLLM plugin: serve the tensor-parallel all-reduces of a 2-, 4-, 6- or 8-GPU group with YALI.
 
 vLLM loads :func:`register` through the ``vllm.general_plugins`` entry point in
 every process it starts (API server, engine core, GPU workers), possibly more

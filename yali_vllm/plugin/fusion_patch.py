@@ -48,10 +48,8 @@ def fusion_pass_factory(original: Any) -> Any:
             try:
                 pass_ = vllm_fusion.YaliAllReduceFusionPass(config)
                 if env_flag("YALI_OVERLAP", False):  # opt-in until measured on two GPUs
-                    from yali_vllm import vllm_overlap
-
-                    pass_ = vllm_overlap.with_overlap(pass_, config)
-                    why += "; prefill GEMM + all-reduce + RMSNorm overlapped (YALI_OVERLAP=1)"
+                    pass_, note = _with_overlap(pass_, config)
+                    why += note
             except Exception as e:  # deterministic, so every rank falls back alike
                 logger.warning(
                     "YALI fusion pass OFF: building it failed (%s: %s); using vLLM's FlashInfer fusion",
@@ -70,6 +68,20 @@ def fusion_pass_factory(original: Any) -> Any:
 
     setattr(AllReduceFusionPass, _FACTORY_ORIGINAL, original)
     return AllReduceFusionPass
+
+
+def _with_overlap(fusion_pass: Any, config: Any) -> tuple[Any, str]:
+    """Under YALI_OVERLAP=1: the fusion pass followed by the overlap pass when the TP group has the
+    world size the overlap serves, else the fusion pass alone; and what the log line adds."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from yali_vllm import vllm_overlap
+
+    refusal = vllm_overlap.overlap_refusal(get_tp_group().world_size)
+    if refusal is not None:
+        return fusion_pass, f"; YALI_OVERLAP=1 is not applied: {refusal}"
+    return (vllm_overlap.with_overlap(fusion_pass, config),
+            "; prefill GEMM + all-reduce + RMSNorm overlapped (YALI_OVERLAP=1)")
 
 
 def patch_fusion_pass() -> bool:

@@ -51,9 +51,12 @@ def yali_gate(
     all-reduce switch for the group; YALI is a custom all-reduce and follows
     it (off under --disable-custom-all-reduce, multi-node, batch-invariant
     mode; from vLLM 0.32 batch-invariant mode keeps vLLM's custom all-reduce
-    on, so ``batch_invariant`` is checked on its own).  p2p: CUDA peer access between the two GPUs, None when it cannot
-    be told here (YaliCommunicator checks it again).  stateless: vLLM's
-    stateless (elastic) process groups, not supported.
+    on, so ``batch_invariant`` is checked on its own).  p2p: CUDA peer
+    access between every pair of the group's GPUs (both directions), None
+    when it cannot be told here (YaliCommunicator checks it again).
+    stateless: vLLM's stateless (elastic) process groups, not supported.
+    world_size: the group's ranks; YALI serves the sizes in
+    ``yali_vllm.config.WORLD_SIZES``.
 
     Returns (ok, reason); reason says why YALI stays off (or "ok").
     """
@@ -61,8 +64,12 @@ def yali_gate(
         return False, "not a tensor-parallel group"
     if not enabled:
         return False, f"disabled by {ENABLE_VAR}"
-    if world_size != 2:
-        return False, f"world size is {world_size}, YALI serves exactly 2 ranks"
+    # Imported here, as in parse_enable: importing this module needs no torch.
+    from yali_vllm.config import world_size_refusal
+
+    refusal = world_size_refusal(world_size)
+    if refusal is not None:
+        return False, refusal
     if not platform_is_cuda:
         return False, "vLLM platform is not CUDA"
     if stateless:
@@ -80,5 +87,5 @@ def yali_gate(
     if len(hostnames) != world_size or len(set(hostnames)) != 1:
         return False, f"ranks are not on one host: {list(hostnames)}"
     if p2p is False:
-        return False, "no CUDA peer-to-peer access between the two GPUs"
+        return False, f"no CUDA peer-to-peer access between every pair of the group's {world_size} GPUs"
     return True, "ok"

@@ -7,6 +7,7 @@ Nothing here raises into vLLM: a communicator that cannot be built leaves YALI o
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -77,6 +78,8 @@ def gather_group_info(comm: Any) -> list[dict[str, Any]]:
 
 
 def _p2p_from_info(infos: list[dict[str, Any]]) -> bool | None:
+    """CUDA peer access between every pair of the ranks' GPUs, in both directions; None when it
+    cannot be told here (YaliCommunicator checks it again)."""
     devices = [i["device"] for i in infos]
     if None in devices or len({i["visible"] for i in infos}) != 1:
         return None  # the ranks see different device sets: cannot tell here
@@ -84,10 +87,9 @@ def _p2p_from_info(infos: list[dict[str, Any]]) -> bool | None:
 
     if max(devices) >= torch.cuda.device_count():
         return None
-    a, b = devices
-    if a == b:
-        return None  # one GPU for both ranks: YaliCommunicator refuses it unless YALI_ALLOW_SHARED_GPU=1
-    return bool(torch.cuda.can_device_access_peer(a, b) and torch.cuda.can_device_access_peer(b, a))
+    if len(set(devices)) != len(devices):
+        return None  # ranks share a GPU: YaliCommunicator refuses it unless YALI_ALLOW_SHARED_GPU=1
+    return all(torch.cuda.can_device_access_peer(a, b) for a, b in itertools.permutations(devices, 2))
 
 
 def _create_communicator(comm: Any) -> tuple[Any, str]:
@@ -182,11 +184,18 @@ def setup_yali(comm: Any, *, platform_is_cuda: bool, stateless: bool = False) ->
     if failed:
         if yc is not None:
             close_quietly(yc)
-        rank, why = failed[0]
-        if rank != comm.rank_in_group:
-            why = f"rank {rank} of the group: {why}"
-        return Decision(None, why, True)
+        return Decision(None, _agreed_failure(failed, len(results)), True)
     return Decision(yc, "ok")
+
+
+def _agreed_failure(failed: list[tuple[int, str]], world_size: int) -> str:
+    """The one reason every rank gives when the communicator failed on the ranks ``failed``
+    ((rank, why) pairs, gathered from all of them): the shared reason when every rank failed
+    alike, else the first failing rank's, naming it."""
+    if len(failed) == world_size and len({why for _, why in failed}) == 1:
+        return failed[0][1]
+    rank, why = failed[0]
+    return f"rank {rank} of the group: {why}"
 
 
 def after_init(comm: Any, stateless: bool) -> None:
@@ -198,23 +207,33 @@ def after_init(comm: Any, stateless: bool) -> None:
         comm, platform_is_cuda=current_platform.is_cuda(), stateless=stateless
     )
     comm.yali_comm = yc
-    _log_decision(comm, yc, reason, warn)
+    if yc is None:
+        log_off(comm, reason, warn)
+    else:
+        _log_on(comm, yc)
     if current_platform.is_cuda() and is_tp_group(str(getattr(comm, "unique_name", ""))):
         # In the worker, before its model is compiled; which fusion pass is
         # built is decided when vLLM's pass manager asks for it.
         install_fusion_hooks()
 
 
-def _log_decision(comm: Any, yc: Any, reason: str, warn: bool) -> None:
-    name = getattr(comm, "unique_name", "") or "<unnamed>"
-    if yc is None:
-        log = logger.warning if warn else logger.info
-        log("YALI all-reduce OFF for group '%s': %s", name, reason)
-        return
+def _group_name(comm: Any) -> str:
+    return getattr(comm, "unique_name", "") or "<unnamed>"
+
+
+def log_off(comm: Any, reason: str, warn: bool, exc_info: bool = False) -> None:
+    """The line that says vLLM's chain serves ``comm``'s group, why, and the group's world size;
+    a warning when ``warn`` (YALI could run here but something is broken or misconfigured)."""
+    log = logger.warning if warn else logger.info
+    log("YALI all-reduce OFF for group '%s': %s (world size %s)", _group_name(comm), reason,
+        getattr(comm, "world_size", "?"), exc_info=exc_info)
+
+
+def _log_on(comm: Any, yc: Any) -> None:
     logger.info(
         "YALI all-reduce ON for group '%s' (rank %s of %s, %s): %s; "
         "tried first, other tensors use vLLM's all-reduce chain",
-        name,
+        _group_name(comm),
         getattr(comm, "rank_in_group", "?"),
         getattr(comm, "world_size", "?"),
         getattr(comm, "device", "?"),
@@ -229,7 +248,7 @@ def checkpoint_release(comm: Any) -> str:
     """Before a process checkpoint (vLLM 0.27+ ``checkpoint_prepare``): release YALI's CUDA IPC
     mappings and buffers, and leave the group to vLLM's chain from then on, unless a CUDA graph
     captured YALI's kernels (then they hold the buffers' addresses, and the buffers stay, as
-    vLLM's custom all-reduce's do). Collective over the group's CPU group; both ranks decide
+    vLLM's custom all-reduce's do). Collective over the group's CPU group; every rank decides
     alike. Returns what was done, for the log line."""
     yc = getattr(comm, "yali_comm", None)
     if yc is None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from yali_vllm.vllm_log import LOGGER
 
-from .group_setup import after_init, checkpoint_release, close_quietly
+from .group_setup import after_init, checkpoint_release, close_quietly, log_off
 from .stats import buffer_size, log_dispatch
 
 logger = logging.getLogger(LOGGER)
@@ -58,13 +58,7 @@ def wrap_init(orig_init: Any) -> Any:
             after_init(self, stateless)
         except Exception as e:
             self.yali_comm = None
-            logger.warning(
-                "YALI all-reduce OFF for group '%s': unexpected error (%s: %s)",
-                getattr(self, "unique_name", "") or "<unnamed>",
-                type(e).__name__,
-                e,
-                exc_info=True,
-            )
+            log_off(self, f"unexpected error ({type(e).__name__}: {e})", True, exc_info=True)
 
     return __init__
 

@@ -14,19 +14,22 @@ logger = logging.getLogger(LOGGER)
 def log_dispatch(comm: Any, key: tuple[Any, int, bool], nbytes: int) -> None:
     """The INFO line for a new dispatch class ``key`` = (dtype, power-of-two size class,
     served by YALI) of ``comm``, first seen with an ``nbytes`` tensor (hook.py keeps the
-    set of classes seen). The kernel's name is asked of the library only here."""
+    set of classes seen). The kernel's name is asked of the library only here, for the
+    group's world size."""
     dtype, size_class, yali = key
     lo = 1 << (size_class - 1)
-    backend = _yali_kernel(nbytes) if yali else "vLLM's all-reduce chain"
+    backend = _yali_kernel(nbytes, comm.world_size) if yali else "vLLM's all-reduce chain"
     logger.info("YALI dispatch on '%s': %s all-reduces of %d..%d bytes -> %s",
                 getattr(comm, "unique_name", "?"), dtype, lo, 2 * lo - 1, backend)
 
 
-def _yali_kernel(nbytes: int) -> str:
+def _yali_kernel(nbytes: int, world_size: int) -> str:
+    """The dispatch line's backend: "yali <kernel>", the kernel that serves an ``nbytes``
+    all-reduce of ``world_size`` ranks, or "yali" when the library cannot tell."""
     try:
         from yali_vllm.config import plan
 
-        return f"yali {plan(nbytes)[0]}"
+        return f"yali {plan(nbytes, world_size=world_size)[0]}"
     except Exception:
         return "yali"
 
