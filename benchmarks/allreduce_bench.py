@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""All-reduce microbenchmark on 2 GPUs: YALI against NCCL, vLLM's custom
-all-reduce and pynccl (when vLLM is importable) and torch symmetric memory, in the
-same process pair on the same machine.
+"""All-reduce microbenchmark on N GPUs (--world-size, 2, 4, 6 or 8; default 2): YALI against
+NCCL, vLLM's custom all-reduce and pynccl (when vLLM is importable) and torch symmetric
+memory's one-shot and two-shot all-reduce (multicast off), in the same N rank processes on
+the same machine.
 
 For every backend x dtype x size it records
   * graph: per-op time inside a CUDA graph of many back-to-back ops; one sample
@@ -11,15 +12,18 @@ For every backend x dtype x size it records
     EAGER_MIN_BYTES this is host launch pacing, not GPU time (every backend sits
     on the same 35-75 us floor there), so the report shows eager times only from
     that size on; the graph time is the per-op time;
-and busBW in NCCL's convention (bytes / time for 2 ranks), with the peer-copy
-bandwidth GPU0->GPU1 measured in the same run as the link ceiling. Every backend's
-output is checked against a reference once per size before it is timed.
+and busBW in NCCL's convention (bytes / time x 2(N-1)/N: bytes / time at 2 ranks), with the
+peer-copy bandwidth GPU0->GPU1 measured in the same run as the link ceiling. Every backend's
+output is checked against the fp32 sum of every rank's input once per size before it is timed.
+YALI's flash, stream and legacy modes (yali-flash, yali-stream, yali-prev) are its 2-rank
+kernels; at N > 2 ranks the backend yali runs the N-rank kernels.
 
 Writes <out>/<name>.json (kind allreduce-microbench), a markdown
-table and PNG plots.
+table and PNG plots, each naming the world size.
 
-  python -m benchmarks.allreduce_bench                 # full run
+  python -m benchmarks.allreduce_bench                 # full run, 2 ranks
   python -m benchmarks.allreduce_bench --quick         # a few sizes, bf16
+  python -m benchmarks.allreduce_bench --world-size 8  # 8 ranks, one GPU each
 """
 from __future__ import annotations
 
@@ -31,10 +35,19 @@ import statistics
 import time
 import traceback
 
-from benchmarks.common.cli_args import choice_list, positive_float, positive_int, sorted_unique
+from benchmarks.common.cli_args import (
+    add_world_size_arg,
+    choice_list,
+    place_ranks,
+    positive_float,
+    positive_int,
+    rank_device,
+    shared_gpu_note,
+    sorted_unique,
+)
 from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
-from benchmarks.common.processes import run_two_ranks
-from benchmarks.common.results import output_dir, results_header, write_json_and_markdown
+from benchmarks.common.processes import run_ranks
+from benchmarks.common.results import output_dir, results_header, world_size_of, write_json_and_markdown
 from benchmarks.common.sizes import GiB, MiB, fmt_size, parse_size
 from benchmarks.common.timing import pct, sleep_cycles_per_us, time_graph
 
@@ -42,6 +55,8 @@ os.environ.update(MULTICAST_OFF_ENV)
 
 ALL_BACKENDS = ["yali", "yali-flash", "yali-stream", "yali-prev", "nccl", "vllm-custom", "vllm-pynccl", "symm-one-shot",
                 "symm-two-shot"]
+# YALI's 2-rank kernel modes: at N > 2 ranks the backend yali runs the N-rank kernels.
+TWO_RANK_BACKENDS = ("yali-flash", "yali-stream", "yali-prev")
 DTYPE_NAMES = ["bf16", "fp16", "fp32"]
 DEFAULT_SIZES = "2K,16K,64K,256K,1M,4M,16M,64M,256M,1G"
 QUICK_SIZES = "2K,64K,1M,4M,64M"
@@ -64,6 +79,16 @@ def size_list(text: str) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- backends
+def backend_refusal(name: str, world_size: int, shared: bool) -> str | None:
+    """Why backend `name` is not measured in a run of `world_size` ranks (all on GPU 0 when
+    `shared`), or None."""
+    if name in TWO_RANK_BACKENDS and world_size != 2:
+        return f"a 2-rank kernel mode of YALI; at {world_size} ranks the backend yali runs the N-rank kernels"
+    if shared and not name.startswith("yali"):
+        return "the ranks share GPU 0: only YALI runs there (NCCL, vLLM and symmetric memory need a GPU per rank)"
+    return None
+
+
 @contextlib.contextmanager
 def _env_set(overrides: dict):
     """os.environ with `overrides` inside the block, restored after."""
@@ -83,13 +108,17 @@ class Backends:
     """Creates each backend once per rank; .ops[name](x) launches one all-reduce
     of x on the current stream and returns the output tensor."""
 
-    def __init__(self, rank, dev, gloo, names, max_bytes):
+    def __init__(self, rank, dev, gloo, names, max_bytes, shared=False):
         import torch
         import torch.distributed as dist
 
         self.ops, self.capture_ctx, self.skipped = {}, {}, {}
         self.max_bytes = {}
         for name in names:
+            refusal = backend_refusal(name, dist.get_world_size(gloo), shared)
+            if refusal:
+                self.skipped[name] = refusal
+                continue
             try:
                 self._make(name, rank, dev, gloo, max_bytes, torch, dist)
             except Exception as e:  # record why a comparison backend is missing
@@ -232,22 +261,58 @@ def link_bandwidth_gbps(torch):
     return GiB / statistics.median(ts) / 1e9
 
 
+# ----------------------------------------------------------------------------- checks
+def bus_bandwidth_gbps(nbytes: int, us: float, world_size: int) -> float:
+    """NCCL's busBW of an all-reduce of `nbytes` in `us` µs over `world_size` ranks:
+    bytes / time x 2(N-1)/N (bytes / time at 2 ranks)."""
+    return nbytes / us / 1e3 * 2 * (world_size - 1) / world_size
+
+
+def max_error(backend: str, dtype_name: str, world_size: int) -> float:
+    """The largest |output - reference| a backend's result may have (reference: the fp32 sum of
+    every rank's input, rounded once). YALI at 2 ranks adds in fp32 and rounds once: bitwise.
+    Otherwise each of the N-1 additions may round in the dtype (NCCL's ring, the chunked sums of
+    two-shot algorithms): per addition 0.07 for 16-bit inputs of this benchmark's magnitude
+    (standard normal per rank: a few bf16 ulps), 1e-5 for fp32."""
+    if backend.startswith("yali") and world_size == 2:
+        return 0.0
+    return (1e-5 if dtype_name == "fp32" else 0.07) * (world_size - 1)
+
+
+def rank_input(torch, n, rank, dtype, dev):
+    """Rank `rank`'s input of `n` elements (standard normal, seeded by the rank)."""
+    g = torch.Generator(device=dev).manual_seed(1000 + rank)
+    return torch.randn(n, generator=g, device=dev, dtype=torch.float32).to(dtype)
+
+
+def reference_sum(torch, n, world_size, dtype, dev):
+    """The all-reduce of every rank's rank_input: summed in fp32 in rank order, rounded once."""
+    acc = torch.zeros(n, device=dev, dtype=torch.float32)
+    for r in range(world_size):
+        acc += rank_input(torch, n, r, dtype, dev).float()
+    return acc.to(dtype)
+
+
 # ----------------------------------------------------------------------------- worker
 def worker(rank, port, args, q):
     os.environ.update(MULTICAST_OFF_ENV)
     import torch
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            device_id=dev)
+    dev = torch.device("cuda", rank_device(rank, args.shared_gpu))
+    torch.cuda.set_device(dev)
+    world = args.world_size
+    if args.shared_gpu:  # NCCL refuses two ranks on one GPU; YALI's communicator needs gloo only
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    else:
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                device_id=dev)
     gloo = dist.new_group(backend="gloo")
-    link = link_bandwidth_gbps(torch) if rank == 0 else None
+    link = link_bandwidth_gbps(torch) if rank == 0 and not args.shared_gpu else None
     dist.barrier(group=gloo)
     sizes = args.sizes
     max_bytes = max(sizes)
-    be = Backends(rank, dev, gloo, args.backends, max_bytes)
+    be = Backends(rank, dev, gloo, args.backends, max_bytes, args.shared_gpu)
     cyc = sleep_cycles_per_us(torch)
     rows, t_start = [], time.time()
     plan_total = len(args.dtypes) * len(sizes) * len(be.ops)
@@ -257,23 +322,19 @@ def worker(rank, port, args, q):
         esize = torch.empty(0, dtype=dtype).element_size()
         for nbytes in sizes:
             n = nbytes // esize
-            g = torch.Generator(device=dev).manual_seed(1000 + rank)
-            base = torch.randn(n, generator=g, device=dev, dtype=torch.float32).to(dtype)
-            peer = torch.randn(n, generator=torch.Generator(device=dev).manual_seed(1000 + 1 - rank), device=dev,
-                               dtype=torch.float32).to(dtype)
-            ref = (base.float() + peer.float()).to(dtype)
-            del peer
+            base = rank_input(torch, n, rank, dtype, dev)
+            ref = reference_sum(torch, n, world, dtype, dev)
             for name, op in be.ops.items():
                 done += 1
                 if nbytes > be.max_bytes[name]:
                     continue
                 x = base.clone()
-                ok = True
+                ok, err = True, None
                 try:
                     out = op(x)
                     torch.cuda.synchronize()
                     err = float((out.float() - ref.float()).abs().max())
-                    ok = err <= (0 if name.startswith("yali") else (1e-5 if dtype == torch.float32 else 0.07))
+                    ok = err <= max_error(name, dname, world)
                     x.copy_(base)
                     n_ops = max(2, min(args.graph_ops, int(64 * MiB // nbytes)))
                     graph = time_graph(torch, op, x, n_ops, args.replays, be.capture_ctx.get(name))
@@ -292,13 +353,15 @@ def worker(rank, port, args, q):
                     rows.append({
                         "backend": name, "dtype": dname, "bytes": nbytes, "timing": timing,
                         "us_p50": round(p50, 3), "us_p95": round(pct(xs, 95), 3), "us_p99": round(pct(xs, 99), 3),
-                        "samples": len(xs), "busbw_gbps": round(nbytes / p50 / 1e3, 2), "correct": ok,
+                        "samples": len(xs), "busbw_gbps": round(bus_bandwidth_gbps(nbytes, p50, world), 2),
+                        "correct": ok, "max_abs_err": err,
                     })
                 if rank == 0:
                     el = time.time() - t_start
                     print(f"[bench {done}/{plan_total} {el:5.0f}s] {name:14s} {dname} {fmt_size(nbytes):>5s}: "
                           f"graph {statistics.median(graph):9.2f} us  eager p50 {statistics.median(eager):9.2f} "
-                          f"p99 {pct(eager, 99):9.2f} us  {nbytes / statistics.median(graph) / 1e3:7.1f} GB/s"
+                          f"p99 {pct(eager, 99):9.2f} us  "
+                          f"{bus_bandwidth_gbps(nbytes, statistics.median(graph), world):7.1f} GB/s"
                           f"{'' if ok else '  WRONG RESULT'}", flush=True)
                 del x
             del base, ref
@@ -319,9 +382,10 @@ def write_outputs(args, res):
         "skipped_backends": res["skipped"],
         "method": "graph: per-op = graph replay time / ops per graph, p50/p99 over replays; eager: per-call "
                   "time between CUDA events, ops queued behind a GPU sleep (host-paced below "
-                  f"{EAGER_MIN_BYTES >> 20} MiB: not the GPU's time there); busbw = bytes / us_p50",
+                  f"{EAGER_MIN_BYTES >> 20} MiB: not the GPU's time there); busbw = bytes / us_p50 x 2(N-1)/N "
+                  "for N ranks (NCCL's convention)",
         "yali_config": _yali_config(),
-    })
+    }, world_size=args.world_size, shared_gpu=args.shared_gpu)
     hdr["records"] = res["rows"]
     md = markdown_table(hdr)
     path = write_json_and_markdown(args.out, args.name, hdr, md)
@@ -381,10 +445,14 @@ def markdown_table(res, dtype="bf16"):
     backends = [b for b in ALL_BACKENDS if any(r["backend"] == b for r in rows)]
     sizes = sorted({r["bytes"] for r in rows})
     get = {(r["backend"], r["bytes"], r["timing"]): r for r in rows}
-    out = [f"# All-reduce microbenchmark ({dtype}, {res['host']}, link {res.get('link_gbps')} GB/s GPU0->GPU1)\n",
-           f"{res['date']} · `{res['command']}`\n",
-           "\n## Per-op time inside CUDA graphs, µs (p50 over replays)\n",
-           "| size | " + " | ".join(backends) + " | yali vs best other |", "|---:|" + "---:|" * (len(backends) + 1)]
+    world = world_size_of(res)
+    out = [f"# All-reduce microbenchmark, {world} ranks ({dtype}, {res['host']}, link {res.get('link_gbps')} GB/s "
+           "GPU0->GPU1)\n",
+           f"{res['date']} · `{res['command']}`\n"]
+    if res.get("shared_gpu"):
+        out.append(f"**Not a timing: {shared_gpu_note(world)}.**\n")
+    out += ["\n## Per-op time inside CUDA graphs, µs (p50 over replays)\n",
+            "| size | " + " | ".join(backends) + " | yali vs best other |", "|---:|" + "---:|" * (len(backends) + 1)]
     for s in sizes:
         cells, others = [], []
         for b in backends:
@@ -395,7 +463,8 @@ def markdown_table(res, dtype="bf16"):
         y = get.get(("yali", s, "graph"))
         cells.append(f"{min(others) / y['us_p50']:.2f}×" if y and others else "–")
         out.append(f"| {fmt_size(s)} | " + " | ".join(cells) + " |")
-    out += ["\n## busBW (GB/s, graph p50)\n", "| size | " + " | ".join(backends) + " |",
+    out += [f"\n## busBW (GB/s, graph p50; NCCL's convention at {world} ranks)\n",
+            "| size | " + " | ".join(backends) + " |",
             "|---:|" + "---:|" * len(backends)]
     for s in sizes:
         out.append(f"| {fmt_size(s)} | " + " | ".join(
@@ -410,8 +479,9 @@ def markdown_table(res, dtype="bf16"):
             r = get.get((b, s, "eager"))
             cells.append(f"{r['us_p50']:.1f} / {r['us_p99']:.1f} ({r['us_p99'] / r['us_p50']:.2f})" if r else "–")
         out.append(f"| {fmt_size(s)} | " + " | ".join(cells) + " |")
-    out += ["\n## Targets (yali, " + dtype + ")\n", "| target | measured | verdict |", "|---|---|---|"]
-    out += [f"| {a} | {b} | {c} |" for a, b, c in target_rows(res, dtype)]
+    if world == 2:  # the all-reduce targets are those of 2 ranks
+        out += ["\n## Targets (yali, " + dtype + ")\n", "| target | measured | verdict |", "|---|---|---|"]
+        out += [f"| {a} | {b} | {c} |" for a, b, c in target_rows(res, dtype)]
     if res.get("skipped_backends"):
         out.append("\nSkipped backends: " + "; ".join(f"{k}: {v}" for k, v in res["skipped_backends"].items()))
     return "\n".join(out) + "\n"
@@ -443,10 +513,11 @@ def plot(res, out_dir, name, dtype="bf16"):
         axes[2].plot([p[0] for p in ep], [p[1]["us_p99"] / p[1]["us_p50"] for p in ep], marker="o", label=b)
     if res.get("link_gbps"):
         axes[0].axhline(res["link_gbps"], color="k", ls="--", lw=1, label="peer copy GPU0→GPU1")
-    axes[0].set(title=f"busBW vs size ({dtype}, CUDA graph)", ylabel="GB/s")
-    axes[1].set(title="speedup over NCCL (graph per-op time)", ylabel="× NCCL")
+    world = world_size_of(res)
+    axes[0].set(title=f"busBW vs size, {world} ranks ({dtype}, CUDA graph)", ylabel="GB/s")
+    axes[1].set(title=f"speedup over NCCL, {world} ranks (graph per-op time)", ylabel="× NCCL")
     axes[1].axhline(1.0, color="k", lw=0.8)
-    axes[2].set(title="eager per-op latency p99 / p50", ylabel="p99/p50")
+    axes[2].set(title=f"eager per-op latency p99 / p50, {world} ranks", ylabel="p99/p50")
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("bytes")
@@ -472,6 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=str(output_dir()))
     ap.add_argument("--name", default=None, help="result file stem (default allreduce-<date>)")
     ap.add_argument("--timeout", type=positive_float, default=1500, help="give up after this many seconds")
+    add_world_size_arg(ap)
     ap.add_argument("--quick", action="store_true", help="bf16, 5 sizes, fewer samples")
     ap.add_argument("--report-only", metavar="JSON", help="rebuild table and plots from a result file")
     return ap
@@ -491,7 +563,8 @@ def main(argv=None):
     if args.quick:
         args.sizes, args.dtypes, args.samples, args.replays = size_list(QUICK_SIZES), ["bf16"], 300, 10
     args.name = args.name or "allreduce-" + time.strftime("%Y%m%d-%H%M%S")
-    res = run_two_ranks(worker, args, args.timeout, "benchmark")
+    args.shared_gpu = place_ranks(args.world_size)
+    res = run_ranks(worker, args, args.timeout, "benchmark", world_size=args.world_size)
     write_outputs(args, res)
 
 

@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Fused all-reduce + residual add + RMSNorm on 2 GPUs: YALI's fused op against vLLM's
-FlashInfer fusion (trtllm backend) and the unfused sequence vLLM runs without the fusion, in
-the same process pair on the same machine.
+"""Fused all-reduce + residual add + RMSNorm on N GPUs (--world-size, 2, 4, 6 or 8; default 2):
+YALI's fused op against vLLM's FlashInfer fusion (trtllm backend) and the unfused sequence vLLM
+runs without the fusion, in the same N rank processes on the same machine.
 
-Backends (each op: x [tokens, hidden] summed over both ranks, + residual, RMSNorm):
+Backends (each op: x [tokens, hidden] summed over the N ranks, + residual, RMSNorm):
   yali-fused         YaliCommunicator.fused_allreduce_rmsnorm (residual updated in place)
   flashinfer-trtllm  torch.ops.vllm.flashinfer_trtllm_fused_allreduce_norm, called exactly as
-                     vLLM's AllReduceFusionPass does (kARResidualRMSNorm, FlashInfer workspace
-                     from get_fi_ar_workspace; backend trtllm only, never mnnvl)
+                     vLLM's AllReduceFusionPass does at TP=N (kARResidualRMSNorm, FlashInfer
+                     workspace for world size N from get_fi_ar_workspace, sized by vLLM's
+                     PassConfig.flashinfer_max_size(N); backend trtllm only, never mnnvl). Where
+                     vLLM has no FlashInfer fusion for N ranks on the GPU (e.g. 6), it is skipped
   unfused            get_tp_group().device_communicator.all_reduce(x) (vLLM's own dispatch: its
                      custom all-reduce below 8 MiB, PyNCCL above) + torch.ops._C.fused_add_rms_norm
 
@@ -19,12 +21,14 @@ graph of --graph-ops back-to-back ops, p50/p99 over --replays replays. The targe
 Per dtype and hidden size, YALI and the unfused sequence are measured first and FlashInfer after
 them: on a fresh host FlashInfer JIT-builds its kernels (minutes of CPU), in a background thread
 started at set-up. --budget-s bounds the run: no measurement starts after it (counted from the
-ranks' start); rank 0 checkpoints its rows, so a pair that hangs or is killed still leaves a
+ranks' start); rank 0 checkpoints its rows, so ranks that hang or are killed still leave a
 result file (marked incomplete).
 
-Writes <out>/<name>.json (kind fused-allreduce-rmsnorm), <name>.md and <name>.png.
+Writes <out>/<name>.json (kind fused-allreduce-rmsnorm), <name>.md and <name>.png, each naming
+the world size.
 
   python -m benchmarks.fused_bench                          # hidden 8192, bf16, 1..512 tokens
+  python -m benchmarks.fused_bench --world-size 8           # 8 ranks, one GPU each
   python -m benchmarks.fused_bench --hidden 4096,8192 --dtypes bf16,fp16 --budget-s 300
   python -m benchmarks.fused_bench --report-only benchmarks/results/archive/fused/20261122-first-kernel/fused.json
 """
@@ -40,11 +44,13 @@ import threading
 import time
 import traceback
 
-from benchmarks.common.cli_args import choice_list as parse_choice_list, positive_float, positive_int
+from benchmarks.common.cli_args import add_world_size_arg, place_ranks, positive_float, positive_int, rank_device
+from benchmarks.common.cli_args import choice_list as parse_choice_list
 from benchmarks.common.cli_args import positive_int_list as parse_int_list
+from benchmarks.common.cli_args import shared_gpu_note
 from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
-from benchmarks.common.processes import run_two_ranks
-from benchmarks.common.results import output_dir, results_header, write_json_and_markdown, write_results
+from benchmarks.common.processes import run_ranks
+from benchmarks.common.results import output_dir, results_header, world_size_of, write_json_and_markdown, write_results
 from benchmarks.common.timing import pct, time_graph
 
 os.environ.update(MULTICAST_OFF_ENV)
@@ -54,14 +60,18 @@ BACKENDS = ["yali-fused", "flashinfer-trtllm", "unfused"]
 DTYPE_NAMES = ["bf16", "fp16", "fp32"]
 ELEMENT_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 DEFAULT_TOKENS = "1,2,4,8,16,32,64,128,256,512"
-# vLLM serves the FlashInfer fusion up to this many bytes per input at TP=2 on Hopper
-# (FI_ALLREDUCE_FUSION_MAX_SIZE_MB[90][2]); its workspace is sized from it.
-FLASHINFER_MAX_BYTES = 64 << 20
-# Output tolerances for `correct` (norm_out and residual_out against the fp32 reference):
-# |out - ref| <= atol + rtol * |ref|. They admit the roundings the three implementations place
-# differently (vLLM's CUDA kernel normalises the rounded residual, FlashInfer adds in another
-# order), i.e. a couple of ulps of the dtype; a wrong sum or a missing residual is far outside.
+# Output tolerances for `correct` (norm_out and residual_out against the fp32 reference) at 2
+# ranks: |out - ref| <= atol + rtol * |ref|. They admit the roundings the three implementations
+# place differently (vLLM's CUDA kernel normalises the rounded residual, FlashInfer adds in
+# another order), i.e. a couple of ulps of the dtype; a wrong sum or a missing residual is far
+# outside. At N ranks each of the N-1 additions of the all-reduce may round (tolerance()).
 TOLERANCE = {"bf16": (2 ** -6, 2 ** -6), "fp16": (2 ** -9, 2 ** -8), "fp32": (1e-5, 1e-4)}
+
+
+def tolerance(dname: str, world_size: int = 2) -> tuple[float, float]:
+    """(atol, rtol) of `dname` at `world_size` ranks: TOLERANCE x (N - 1)."""
+    atol, rtol = TOLERANCE[dname]
+    return atol * (world_size - 1), rtol * (world_size - 1)
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -77,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                     type=lambda s: parse_choice_list(s, BACKENDS, "--backends"))
     ap.add_argument("--eps", type=positive_float, default=1e-5, help="RMSNorm epsilon (default %(default)s)")
     ap.add_argument("--fi-max-tokens", type=positive_int, default=2048,
-                    help="FlashInfer workspace max_token_num at least this (vLLM: min(64 MiB / row bytes, "
-                         "max_num_batched_tokens)); default %(default)s")
+                    help="FlashInfer workspace max_token_num at least this (vLLM: min(flashinfer_max_size(N) / "
+                         "row bytes, max_num_batched_tokens); flashinfer_max_size is 64 MiB at TP=2 on Hopper); "
+                         "default %(default)s")
     ap.add_argument("--graph-ops", type=positive_int, default=50, help="fused ops per CUDA graph (default %(default)s)")
     ap.add_argument("--replays", type=positive_int, default=200, help="timed graph replays = samples (default %(default)s)")
     ap.add_argument("--budget-s", type=positive_float, default=420.0,
@@ -88,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target-ratio", type=positive_float, default=0.8, help="YALI / FlashInfer target (default %(default)s)")
     ap.add_argument("--target-tokens", type=positive_int, default=32,
                     help="the target ratio applies up to this many tokens; above, YALI must not be slower")
+    add_world_size_arg(ap)
     ap.add_argument("--out", default=str(output_dir()))
     ap.add_argument("--name", default=None, help="result file stem (default fused-<date>)")
     ap.add_argument("--quick", action="store_true", help="tokens 1,8,32,128, 50 replays")
@@ -106,22 +118,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def flashinfer_max_tokens(hidden: int, dname: str, tokens_list, at_least: int = 2048) -> int:
+def flashinfer_max_tokens(hidden: int, dname: str, tokens_list, max_bytes: int, at_least: int = 2048) -> int:
     """max_token_num of the FlashInfer workspace: like vLLM's AllReduceFusionPass,
-    min(64 MiB / row bytes, a max_num_batched_tokens-like bound), and at least the largest
-    token count measured when that fits in 64 MiB."""
-    cap = FLASHINFER_MAX_BYTES // (hidden * ELEMENT_SIZE[dname])
+    min(max_bytes / row bytes, a max_num_batched_tokens-like bound), and at least the largest
+    token count measured when that fits in max_bytes (vLLM's flashinfer_max_size(N): 64 MiB at
+    TP=2 on Hopper, 2 MiB at TP=4, 0.5 MiB at TP=8)."""
+    cap = max_bytes // (hidden * ELEMENT_SIZE[dname])
     return max(1, min(max(max(tokens_list), at_least), cap))
 
 
 # ----------------------------------------------------------------------------- reference and checks
-def reference(x0, x1, residual, weight, eps: float):
+def reference(inputs, residual, weight, eps: float):
     """(norm_out, residual_out) of all_reduce -> vLLM's native fused_add_rms_norm, all-reduce
-    sum in fp32 rounded once (vllm/ir/ops/layernorm.py)."""
+    sum of every rank's input (`inputs`, in rank order) in fp32, rounded once
+    (vllm/ir/ops/layernorm.py)."""
     import torch
 
-    dtype = x0.dtype
-    s = (x0.float() + x1.float()).to(dtype)
+    dtype = inputs[0].dtype
+    s = sum(x.float() for x in inputs).to(dtype)
     z = s.float() + residual.float() if residual is not None else s.float()
     residual_out = z.to(dtype)
     variance = z.pow(2).mean(dim=-1, keepdim=True)
@@ -129,9 +143,9 @@ def reference(x0, x1, residual, weight, eps: float):
     return norm_out, residual_out
 
 
-def check_result(norm, residual_out, ref_norm, ref_residual, dname: str) -> dict:
-    """Compares one backend's outputs with the reference under TOLERANCE[dname]."""
-    atol, rtol = TOLERANCE[dname]
+def check_result(norm, residual_out, ref_norm, ref_residual, dname: str, world_size: int = 2) -> dict:
+    """Compares one backend's outputs with the reference under tolerance(dname, world_size)."""
+    atol, rtol = tolerance(dname, world_size)
     out = {}
     ok = True
     for key, got, ref in (("norm", norm, ref_norm), ("residual", residual_out, ref_residual)):
@@ -216,9 +230,12 @@ def markdown_table(res: dict) -> str:
     target = res.get("target", {"ratio": 0.8, "tokens": 32})
     rows = summarize(res["records"], target["ratio"], target["tokens"])
     summary = target_summary(rows)
-    out = [f"# Fused all-reduce + residual add + RMSNorm ({res.get('host')})\n",
-           f"{res.get('date')} · `{res.get('command')}`\n",
-           "Per-op time inside CUDA graphs, µs: p50 (p99) over replays; ✗ = output outside the tolerance.\n",
+    world = world_size_of(res)
+    out = [f"# Fused all-reduce + residual add + RMSNorm, {world} ranks ({res.get('host')})\n",
+           f"{res.get('date')} · `{res.get('command')}`\n"]
+    if res.get("shared_gpu"):
+        out.append(f"**Not a timing: {shared_gpu_note(world)}.**\n")
+    out += ["Per-op time inside CUDA graphs, µs: p50 (p99) over replays; ✗ = output outside the tolerance.\n",
            f"**Target: YALI ≤ {target['ratio']} × FlashInfer at ≤ {target['tokens']} tokens, never slower above: "
            f"{'met' if summary['met'] else 'NOT met'}** ({summary['passed']} of {summary['judged']} judged rows pass"
            f"{'; failing: ' + '; '.join(summary['failed']) if summary['failed'] else ''}).\n"]
@@ -279,7 +296,8 @@ def plot(res: dict, out_dir: str, name: str) -> str | None:
                 if bad:
                     ax_t.scatter([p[0] for p in bad], [p[1]["us_p50"] for p in bad], marker="x", color="r", s=80,
                                  zorder=5, label=f"{b}: wrong result")
-        ax_t.set(title=f"fused all-reduce + RMSNorm, {dname}, hidden {hidden} (CUDA graph p50)",
+        ax_t.set(title=f"fused all-reduce + RMSNorm, {world_size_of(res)} ranks, {dname}, hidden {hidden} "
+                       "(CUDA graph p50)",
                  xlabel="tokens", ylabel="µs per op")
         for key, label in (("yali_vs_flashinfer", "yali / flashinfer-trtllm"), ("yali_vs_unfused", "yali / unfused")):
             pts = [(r["tokens"], r[key]) for r in grows if r[key] is not None]
@@ -311,14 +329,14 @@ def write_outputs(args, res: dict) -> str:
         "method": "per-op time = CUDA graph replay time / ops per graph (back-to-back fused ops on the same "
                   "buffers), p50/p99 over replays; each backend checked once per size against the fp32 "
                   "reference before timing (correct: within tolerance of the dtype)",
-        "tolerance": {d: {"atol": a, "rtol": r} for d, (a, r) in TOLERANCE.items()},
+        "tolerance": {d: dict(zip(("atol", "rtol"), tolerance(d, args.world_size))) for d in TOLERANCE},
         "skipped_backends": res.get("skipped_backends", {}),
         "skipped": res.get("skipped", []),
         "budget_exhausted": res.get("budget_exhausted", False),
         "incomplete": res.get("incomplete"),
         "setup": res.get("setup", {}),
         "yali_config": res.get("yali_config"),
-    })
+    }, world_size=args.world_size, shared_gpu=args.shared_gpu)
     hdr["records"] = res["rows"]
     hdr["summary"] = target_summary(summarize(res["rows"], args.target_ratio, args.target_tokens))
     md = markdown_table(hdr)
@@ -363,7 +381,10 @@ class Backends:
     residual in place, as the backend does in vLLM), outputs() gives (norm_out, residual_out)."""
 
     def __init__(self, rank, dev, gloo, names, vllm_ok, agree, fi_min_tokens=2048):
+        import torch.distributed as dist
+
         self.rank, self.dev, self.gloo = rank, dev, gloo
+        self.world_size = dist.get_world_size(gloo)
         self.fi_min_tokens = fi_min_tokens
         self.names, self.skipped, self.capture_ctx = [], {}, {}
         self.setup = {}
@@ -372,15 +393,15 @@ class Backends:
             t0 = time.time()
             reason = None
             try:
-                if name != "yali-fused" and not vllm_ok:
+                if name != "yali-fused" and vllm_ok is not True:
                     raise RuntimeError(f"vLLM's distributed state is not available ({vllm_ok!r})")
                 getattr(self, "_init_" + name.replace("-", "_"))()
             except Exception as e:
                 reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
                 if os.environ.get("YALI_BENCH_DEBUG"):
                     traceback.print_exc()
-            if not agree(reason is None):  # both ranks keep a backend only if both could create it
-                self.skipped[name] = reason or "the other rank could not create it"
+            if not agree(reason is None):  # the ranks keep a backend only if every rank could create it
+                self.skipped[name] = reason or "another rank could not create it"
                 if rank == 0:
                     print(f"[fused-bench] {name} skipped: {self.skipped[name]}", flush=True)
                 continue
@@ -415,6 +436,10 @@ class Backends:
 
         if arf.flashinfer_comm is None:
             raise RuntimeError("flashinfer.comm with allreduce_fusion is not importable")
+        self.fi_max_bytes = flashinfer_fusion_max_bytes(self.world_size)
+        if self.fi_max_bytes is None:
+            raise RuntimeError(f"vLLM has no FlashInfer all-reduce fusion at world size {self.world_size} on this GPU "
+                               "(PassConfig.flashinfer_max_size is None)")
         from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
 
         self.arf = arf
@@ -434,7 +459,7 @@ class Backends:
         self.fi_thread.start()
 
     def flashinfer_ready(self, wait_s: float) -> str | None:
-        """Waits up to wait_s for FlashInfer's JIT build (a collective: both ranks agree);
+        """Waits up to wait_s for FlashInfer's JIT build (a collective: the ranks agree);
         returns why FlashInfer cannot be measured, or None. A failure drops the backend."""
         if "flashinfer-trtllm" not in self.names:
             return self.skipped.get("flashinfer-trtllm", "not created")
@@ -445,7 +470,7 @@ class Backends:
             reason = self.fi_build["error"]
         if not self._agree(reason is None):
             self.names.remove("flashinfer-trtllm")
-            self.skipped["flashinfer-trtllm"] = reason or "not ready on the other rank"
+            self.skipped["flashinfer-trtllm"] = reason or "not ready on another rank"
             return self.skipped["flashinfer-trtllm"]
         self.setup["flashinfer-trtllm"]["jit_build_s"] = self.fi_build["seconds"]
         return None
@@ -465,11 +490,11 @@ class Backends:
         from vllm.distributed.parallel_state import get_tp_group
 
         destroy_fi_ar_workspace()
-        max_tokens = flashinfer_max_tokens(hidden, dname, tokens_list, self.fi_min_tokens)
+        max_tokens = flashinfer_max_tokens(hidden, dname, tokens_list, self.fi_max_bytes, self.fi_min_tokens)
         ws, err = None, None
         try:
-            ws = get_fi_ar_workspace(world_size=2, rank=self.rank, max_token_num=max_tokens, hidden_dim=hidden,
-                                     dtype=dtype, group=get_tp_group().device_group)
+            ws = get_fi_ar_workspace(world_size=self.world_size, rank=self.rank, max_token_num=max_tokens,
+                                     hidden_dim=hidden, dtype=dtype, group=get_tp_group().device_group)
             if ws is not None and ws.backend != "trtllm":
                 err = f"workspace backend is {ws.backend}, not trtllm: refused"
                 destroy_fi_ar_workspace()
@@ -481,7 +506,7 @@ class Backends:
         self.fi_max_tokens = max_tokens if ok else 0
         if not ok:
             return err or "get_fi_ar_workspace returned None (see vLLM's warning above)"
-        self.fi_params = self.arf.FlashInferFusedAllReduceParams(world_size=2, max_token_num=max_tokens)
+        self.fi_params = self.arf.FlashInferFusedAllReduceParams(world_size=self.world_size, max_token_num=max_tokens)
         return None
 
     def _make_flashinfer_trtllm(self, x, res, w, eps):
@@ -490,7 +515,8 @@ class Backends:
         if not self.fi_max_tokens:
             return None, "no FlashInfer workspace"
         if x.shape[0] > self.fi_max_tokens:
-            return None, f"above the FlashInfer workspace's max_token_num {self.fi_max_tokens} (64 MiB, as vLLM caps it)"
+            return None, (f"above the FlashInfer workspace's max_token_num {self.fi_max_tokens} "
+                          f"({self.fi_max_bytes} bytes at {self.world_size} ranks, as vLLM caps it)")
         kwargs = self.fi_params.get_trtllm_fused_allreduce_kwargs()
         pattern = self.arf.flashinfer_comm.AllReduceFusionPattern.kARResidualRMSNorm
 
@@ -547,12 +573,25 @@ class Backends:
                 destroy_fi_ar_workspace()
 
 
-def _init_dist(rank, port):
-    """vLLM's distributed state (world 2, TP 2) when vLLM is importable, else a plain NCCL world;
-    returns (gloo group, vllm_ok or the reason it is not, context to keep open)."""
+def flashinfer_fusion_max_bytes(world_size: int) -> int | None:
+    """The largest input vLLM's AllReduceFusionPass fuses with FlashInfer at TP=`world_size` on
+    this GPU (the pass sizes its workspace from it), None where vLLM has no such fusion."""
+    from vllm.config import get_current_vllm_config
+
+    return get_current_vllm_config().compilation_config.pass_config.flashinfer_max_size(world_size)
+
+
+def _init_dist(rank, port, world_size=2, shared=False):
+    """vLLM's distributed state (world N, TP N) when vLLM is importable, else a plain NCCL world;
+    a plain gloo world when the ranks share GPU 0 (`shared`: NCCL and vLLM's communicators need a
+    GPU per rank, YALI's communicator needs the gloo group only). Returns (gloo group, vllm_ok or
+    the reason it is not, context to keep open)."""
     import torch
     import torch.distributed as dist
 
+    if shared:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        return dist.new_group(backend="gloo"), "the ranks share GPU 0: only YALI runs there", None
     try:
         from vllm.config import VllmConfig, set_current_vllm_config
         from vllm.distributed.parallel_state import (
@@ -561,7 +600,7 @@ def _init_dist(rank, port):
             initialize_model_parallel,
         )
     except Exception as e:
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                                 device_id=torch.device("cuda", rank))
         return dist.new_group(backend="gloo"), f"vLLM not importable: {type(e).__name__}: {e}"[:300], None
     stack = contextlib.ExitStack()
@@ -569,9 +608,9 @@ def _init_dist(rank, port):
         stack.enter_context(set_current_vllm_config(VllmConfig()))
     except Exception as e:  # vLLM's parallel state mostly works without a current config
         print(f"[fused-bench] rank {rank}: no VllmConfig ({type(e).__name__}: {e})", flush=True)
-    init_distributed_environment(world_size=2, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
+    init_distributed_environment(world_size=world_size, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
                                  local_rank=rank, backend="nccl")
-    initialize_model_parallel(tensor_model_parallel_size=2)
+    initialize_model_parallel(tensor_model_parallel_size=world_size)
     return get_tp_group().cpu_group, True, stack
 
 
@@ -606,9 +645,9 @@ def worker(rank, port, args, q):
     import torch.distributed as dist
 
     t_start = time.time()
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    gloo, vllm_ok, stack = _init_dist(rank, port)
+    dev = torch.device("cuda", rank_device(rank, args.shared_gpu))
+    torch.cuda.set_device(dev)
+    gloo, vllm_ok, stack = _init_dist(rank, port, args.world_size, args.shared_gpu)
 
     def agree(flag: bool) -> bool:
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
@@ -628,28 +667,29 @@ def worker(rank, port, args, q):
 
     def measure(name, dname, dtype, hidden, tokens, weight, w_time):
         """One backend at one size: check against the reference, then time it in a CUDA graph.
-        Every step that decides between ranks is agreed on, so both ranks stay in step."""
+        Every step that decides between ranks is agreed on, so the ranks stay in step."""
         counter["done"] += 1
         done = counter["done"]
         if not agree(time.time() - t_start < args.budget_s):
             raise _BudgetSpent
         base = {"backend": name, "dtype": dname, "hidden": hidden, "tokens": tokens}
-        if rank == 0:  # what is measured so far survives a hang or a kill of the pair
+        if rank == 0:  # what is measured so far survives a hang or a kill of the ranks
             _checkpoint(args, {"rows": rows, "skipped": skipped, "skipped_backends": be.skipped, "setup": setup,
                                "yali_config": getattr(be, "yali_config", None)})
         shape = (tokens, hidden)
-        seed = 1000 * tokens + hidden
-        x0, x1 = _rand(shape, seed, 2.0, dtype, dev), _rand(shape, seed + 1, 2.0, dtype, dev)
-        res = _rand(shape, seed + 2, 4.0, dtype, dev)
-        mine = x0 if rank == 0 else x1
-        ref_norm, ref_res = reference(x0, x1, res, weight, args.eps)
+        seed = 1000 * tokens + hidden  # + 0..7: the ranks' inputs, + 8..: the rest
+        inputs = [_rand(shape, seed + r, 2.0, dtype, dev) for r in range(args.world_size)]
+        res = _rand(shape, seed + 8, 4.0, dtype, dev)
+        mine = inputs[rank]
+        ref_norm, ref_res = reference(inputs, res, weight, args.eps)
+        del inputs
         # timing inputs: small x, so the residual (updated in place by every op) stays bounded
-        x_time = _rand(shape, seed + 3 + rank, 1e-3, dtype, dev)
-        r_time = _rand(shape, seed + 5, 1.0, dtype, dev)
+        x_time = _rand(shape, seed + 10 + rank, 1e-3, dtype, dev)
+        r_time = _rand(shape, seed + 9, 1.0, dtype, dev)
         row, err = None, None
         try:
             made, why = be.make(name, mine.clone(), res.clone(), weight, args.eps)
-            if made is None:  # decided from shapes alone: the same on both ranks
+            if made is None:  # decided from shapes alone: the same on every rank
                 skipped.append({**base, "reason": why})
                 if rank == 0:
                     print(f"[fused-bench {done}/{plan_total}] {name} {dname} h{hidden} t{tokens}: skipped: {why}",
@@ -658,7 +698,7 @@ def worker(rank, port, args, q):
             op, outputs = made
             op()
             torch.cuda.synchronize()
-            chk = check_result(*outputs(), ref_norm, ref_res, dname)
+            chk = check_result(*outputs(), ref_norm, ref_res, dname, args.world_size)
             del made, op, outputs
             made, _ = be.make(name, x_time.clone(), r_time.clone(), w_time, args.eps)
             op, _ = made
@@ -675,15 +715,15 @@ def worker(rank, port, args, q):
             err = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             if os.environ.get("YALI_BENCH_DEBUG"):
                 traceback.print_exc()
-        both_ok = agree(row is not None)
-        both_correct = agree(row is not None and row["correct"])
-        if not both_ok:
-            skipped.append({**base, "reason": f"failed: {err or 'on the other rank'}"})
+        all_ok = agree(row is not None)
+        all_correct = agree(row is not None and row["correct"])
+        if not all_ok:
+            skipped.append({**base, "reason": f"failed: {err or 'on another rank'}"})
             if rank == 0:
                 print(f"[fused-bench {done}/{plan_total}] {name} {dname} h{hidden} t{tokens}: "
-                      f"FAILED {err or 'on the other rank'}", flush=True)
+                      f"FAILED {err or 'on another rank'}", flush=True)
             return
-        row["correct"] = both_correct  # correct on both ranks
+        row["correct"] = all_correct  # correct on every rank
         rows.append(row)
         if rank == 0:
             print(f"[fused-bench {done}/{plan_total} {time.time() - t_start:5.0f}s] {name:17s} {dname} h{hidden:<6d} "
@@ -744,13 +784,14 @@ def main(argv=None):
         md, png = report_only(args.report_only)
         print(f"wrote {md}" + (f" and {png}" if png else ""))
         return 0
-    print(f"[fused-bench] hidden {args.hidden}, tokens {args.tokens}, dtypes {args.dtypes}, backends {args.backends}, "
-          f"budget {args.budget_s:.0f}s", flush=True)
+    args.shared_gpu = place_ranks(args.world_size)
+    print(f"[fused-bench] {args.world_size} ranks, hidden {args.hidden}, tokens {args.tokens}, dtypes {args.dtypes}, "
+          f"backends {args.backends}, budget {args.budget_s:.0f}s", flush=True)
     partial = _partial_path(args)
     try:
-        res = run_two_ranks(worker, args, args.timeout, "fused benchmark")
+        res = run_ranks(worker, args, args.timeout, "fused benchmark", world_size=args.world_size)
         rc = 0
-    except SystemExit as e:  # the pair failed or hung: keep what rank 0 measured before
+    except SystemExit as e:  # the ranks failed or hung: keep what rank 0 measured before
         if not os.path.exists(partial):
             raise
         with open(partial) as f:

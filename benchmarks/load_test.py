@@ -55,7 +55,7 @@ from benchmarks.serving.locust import (
     run_locust,
     soak_verdict,
 )
-from benchmarks.serving.model import default_model_dir, model_summary, prepare_model
+from benchmarks.serving.model import default_model_dir, model_summary, prepare_model, tensor_parallel_refusal
 from benchmarks.serving.schema import DEFAULT_CONFIGS
 from benchmarks.serving.server import server_command_for, server_env, start_server, stop_and_record, wait_ready
 from benchmarks.serving.server_options import add_server_args
@@ -110,6 +110,9 @@ def resolve_args(args: argparse.Namespace) -> list[str]:
         raise SystemExit(f"unknown config(s) {unknown}; known: {list(SERVER_CONFIGS)}")
     if args.chat_weight == 0 and args.completions_weight == 0:
         raise SystemExit("--chat-weight and --completions-weight are both 0: no user to run")
+    refusal = tensor_parallel_refusal(args.model_size, args.world_size)
+    if refusal:
+        raise SystemExit(refusal)
     args.spawn_rate = args.spawn_rate or max(1.0, args.users / 4.0)
     return configs
 
@@ -165,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         KIND,
         {
             "mode": mode,
-            "model": {**model_summary(model_dir, args.model_size), "tensor_parallel_size": 2, "max_model_len": args.max_model_len,
+            "model": {**model_summary(model_dir, args.model_size), "tensor_parallel_size": args.world_size, "max_model_len": args.max_model_len,
                       "gpu_memory_utilization": args.gpu_memory_utilization, "max_num_seqs": args.max_num_seqs,
                       "extra_server_args": args.extra_server_args},
             "locust": locust_settings,
@@ -174,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
             "errors": [],
             "budget_s": args.budget_s,
         },
+        world_size=args.world_size,
     )
     write_results(json_path, doc)
     port = args.port

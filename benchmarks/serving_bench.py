@@ -3,7 +3,8 @@
 
 For each configuration (``yali``, ``vllm-default``, ``nccl``) x ``--repeats``
 (interleaved: yali, vllm-default, nccl, yali, ...) this starts
-``vllm serve`` on the embedded dummy model with tensor parallelism 2, drives it
+``vllm serve`` on the embedded dummy model with tensor parallelism ``--world-size``
+(2, 4, 6 or 8 ranks, one GPU each; default 2; 6 splits neither embedded model), drives it
 with vLLM's own ``vllm bench serve`` (random dataset) at each ``--concurrency``,
 and writes under ``--out``:
 

@@ -4,11 +4,16 @@ Each function is an argparse ``type=``: it returns the parsed value or raises
 ``argparse.ArgumentTypeError`` naming the bad value and what is accepted, so a
 command refuses a bad argument (argparse prints ``argument --port: ...`` and
 exits 2) before it starts a server, a process or GPU work.
+
+``--world-size`` (the ranks of a benchmark, the tensor-parallel size of a server) is
+added by :func:`add_world_size_arg`; :func:`place_ranks` then checks, before any
+rank starts, that the machine has a GPU per rank (or that the ranks may share GPU 0).
 """
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -129,3 +134,63 @@ def parse_int_list(text: str) -> list[int]:
     if not vals:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return vals
+
+
+# ----------------------------------------------------------------------------- world size
+WORLD_SIZE_OPTION = "--world-size"
+
+
+def world_size(text: str) -> int:
+    """A world size YALI serves (yali_vllm.config.WORLD_SIZES: 2, 4, 6 or 8)."""
+    from yali_vllm.config import world_size_refusal
+
+    n = _int_in(text, 1)
+    refusal = world_size_refusal(n)
+    if refusal:
+        raise argparse.ArgumentTypeError(f"{text!r} is refused: {refusal}")
+    return n
+
+
+def add_world_size_arg(parser: argparse.ArgumentParser, what: str = "ranks, one GPU each") -> None:
+    """``--world-size N`` (default 2) on `parser`; `what` says what N counts."""
+    parser.add_argument(WORLD_SIZE_OPTION, type=world_size, default=2,
+                        help=f"{what}: 2, 4, 6 or 8 (default %(default)s)")
+
+
+def too_few_gpus(n_ranks: int, visible_gpus: int) -> str | None:
+    """Why `n_ranks` ranks, one GPU each, do not fit a machine with `visible_gpus` GPUs, or None."""
+    if n_ranks <= visible_gpus:
+        return None
+    return (f"{WORLD_SIZE_OPTION} {n_ranks} needs {n_ranks} GPUs, and {visible_gpus} are visible "
+            "(torch.cuda.device_count())")
+
+
+def shared_gpu_note(n_ranks: int) -> str:
+    """What a report says when the ranks shared GPU 0."""
+    from yali_vllm.communicator import SHARED_GPU_VAR
+
+    return (f"the {n_ranks} ranks shared GPU 0 ({SHARED_GPU_VAR}=1): the outputs are checked, the timings "
+            "are not valid (the ranks' processes take turns on one GPU)")
+
+
+def place_ranks(n_ranks: int) -> bool:
+    """Before a benchmark starts its `n_ranks` rank processes: False when the machine has a GPU
+    per rank; True when it has fewer and YALI_ALLOW_SHARED_GPU=1 puts every rank on GPU 0 (then
+    it says on stderr that the timings are not valid); else SystemExit naming --world-size."""
+    import torch
+
+    from yali_vllm.communicator import SHARED_GPU_VAR, shared_gpu_allowed
+
+    shortage = too_few_gpus(n_ranks, torch.cuda.device_count())
+    if shortage is None:
+        return False
+    if not shared_gpu_allowed():
+        raise SystemExit(f"{shortage}; {SHARED_GPU_VAR}=1 runs every rank on GPU 0 for a correctness check "
+                         "(no valid timing)")
+    print(f"WARNING: {shared_gpu_note(n_ranks)}", file=sys.stderr, flush=True)
+    return True
+
+
+def rank_device(rank: int, shared: bool) -> int:
+    """The CUDA device of `rank`: its own, or 0 when the ranks share GPU 0."""
+    return 0 if shared else rank

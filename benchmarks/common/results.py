@@ -1,8 +1,9 @@
 """Shared helpers for yali-vllm benchmark result files (kept under ``benchmarks/results/``).
 
 Every result file is one JSON object with the common keys returned by
-:func:`results_header` (``kind``, ``date``, ``command``, ``host``, ``versions``)
-plus ``records`` and whatever the benchmark kind adds (see docs/BENCHMARKS.md).
+:func:`results_header` (``kind``, ``date``, ``command``, ``host``, ``versions``;
+for a run of several ranks also ``world_size`` and ``gpus_used``) plus ``records``
+and whatever the benchmark kind adds (see docs/BENCHMARKS.md).
 
 Everything here is cheap and safe on a machine without a GPU: every probe
 (nvidia-smi, git, torch, vLLM) is optional and yields ``None`` when missing.
@@ -21,12 +22,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common.cli_args import rank_device
 from benchmarks.common.gpu_env import child_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 VERSION_KEYS = ("torch", "cuda", "nccl", "vllm", "yali_vllm", "git")
-HEADER_KEYS = ("kind", "date", "command", "host", "versions", "yali_env", "gpus")
 
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -148,6 +149,35 @@ def gpu_ids() -> list[dict[str, str]]:
     return parse_gpu_ids(text) if text else []
 
 
+def cuda_order(ids: Sequence[dict[str, str]], cuda_visible: str | None) -> list[dict[str, str]]:
+    """The GPUs of ``ids`` (parse_gpu_ids) in the order CUDA numbers them under
+    ``CUDA_VISIBLE_DEVICES=cuda_visible`` (None: every GPU, in nvidia-smi's order). An entry is an
+    nvidia-smi index or a UUID (prefix); as in CUDA, the list ends at the first entry that names
+    no GPU."""
+    if cuda_visible is None:
+        return list(ids)
+    out = []
+    for item in (t.strip() for t in cuda_visible.split(",")):
+        match = next((g for g in ids if item and (g["index"] == item or g["uuid"].startswith(item))), None)
+        if match is None:
+            break
+        out.append(match)
+    return out
+
+
+def gpus_used(world_size: int, shared: bool = False, ids: Sequence[dict[str, str]] | None = None,
+              cuda_visible: str | None = None) -> list[dict[str, Any]]:
+    """Per rank of a run of ``world_size`` ranks (rank r on CUDA device r, or every rank on device 0
+    when ``shared``): ``rank``, ``cuda_device`` and that GPU's nvidia-smi identity (index, UUID,
+    serial, PCI bus, VBIOS) when ``ids`` (default: nvidia-smi's) has it."""
+    visible = cuda_order(gpu_ids() if ids is None else ids, cuda_visible)
+    out: list[dict[str, Any]] = []
+    for r in range(world_size):
+        dev = rank_device(r, shared)
+        out.append({"rank": r, "cuda_device": dev, **(visible[dev] if dev < len(visible) else {})})
+    return out
+
+
 def host_info() -> str:
     gpu_csv = run_probe(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv"])
     topo = run_probe(["nvidia-smi", "topo", "-m"]) if gpu_csv else None
@@ -225,8 +255,22 @@ def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).astimezone().isoformat(timespec="seconds")
 
 
-def results_header(kind: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The common keys of a result file, plus ``extra`` (which may override none of them)."""
+def ranks_keys(world_size: int, shared: bool = False, ids: Sequence[dict[str, str]] | None = None) -> dict[str, Any]:
+    """The header keys of a run of ``world_size`` ranks: ``world_size``, ``gpus_used`` (gpus_used())
+    and, when the ranks shared GPU 0, ``shared_gpu: true`` (its timings are not valid)."""
+    keys: dict[str, Any] = {"world_size": world_size,
+                            "gpus_used": gpus_used(world_size, shared, ids, os.environ.get("CUDA_VISIBLE_DEVICES"))}
+    if shared:
+        keys["shared_gpu"] = True
+    return keys
+
+
+def results_header(kind: str, extra: dict[str, Any] | None = None, *, world_size: int | None = None,
+                   shared_gpu: bool = False) -> dict[str, Any]:
+    """The common keys of a result file, plus ``extra`` (which may override none of them). A run of
+    several ranks passes ``world_size`` (and ``shared_gpu`` when its ranks shared GPU 0): the header
+    then names the ranks' GPUs (ranks_keys)."""
+    ids = gpu_ids()
     obj: dict[str, Any] = {
         "kind": kind,
         "date": now_iso(),
@@ -236,10 +280,12 @@ def results_header(kind: str, extra: dict[str, Any] | None = None) -> dict[str, 
         # The YALI_* knobs in force (e.g. YALI_DEV_FUSED_BATCH_POLL_MIN=0): a figure measured with a
         # non-default kernel setting must say so in its own file.
         "yali_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("YALI_")},
-        "gpus": gpu_ids(),
+        "gpus": ids,
     }
+    if world_size is not None:
+        obj.update(ranks_keys(world_size, shared_gpu, ids))
     for k, val in (extra or {}).items():
-        if k in HEADER_KEYS:
+        if k in obj:
             raise ValueError(f"extra key {k!r} would override a common header key")
         obj[k] = val
     return obj
@@ -264,6 +310,12 @@ def write_json_and_markdown(out_dir: str | os.PathLike[str], stem: str, obj: dic
     with open(os.path.join(out_dir, stem + ".md"), "w") as f:
         f.write(md)
     return path
+
+
+def world_size_of(doc: dict[str, Any]) -> int:
+    """The ranks of a result (a serving result: its servers' tensor-parallel size); 2 when the file
+    predates the key."""
+    return int(doc.get("world_size", 2))
 
 
 def load_results(path: str | os.PathLike[str]) -> dict[str, Any]:

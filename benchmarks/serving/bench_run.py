@@ -26,7 +26,7 @@ from benchmarks.serving import profile_analysis
 from benchmarks.serving.commands import ServerError, pick_port, resolve_command, split_command, tail_lines
 from benchmarks.serving.configs import SERVER_CONFIGS
 from benchmarks.serving.locust import LoadTests
-from benchmarks.serving.model import default_model_dir, model_summary, prepare_model
+from benchmarks.serving.model import default_model_dir, model_summary, prepare_model, tensor_parallel_refusal
 from benchmarks.serving.profiler import profile_request, profiler_config
 from benchmarks.serving.report import write_report
 from benchmarks.serving.runners import CliBenchRunner, WorkerBenchRunner, bench_args
@@ -48,6 +48,9 @@ def validate_args(args: argparse.Namespace) -> list[str]:
     need = args.random_input_len + args.random_output_len
     if args.max_model_len < need:
         raise SystemExit(f"--max-model-len {args.max_model_len} < input+output {need}")
+    refusal = tensor_parallel_refusal(args.model_size, args.world_size)
+    if refusal:
+        raise SystemExit(f"--world-size {args.world_size}: {refusal}")
     return configs
 
 
@@ -150,7 +153,7 @@ def _run_all(
     model = model_summary(model_dir, args.model_size)
     model.update(
         {
-            "tensor_parallel_size": 2,
+            "tensor_parallel_size": args.world_size,
             "load_format": "dummy",
             "tokenizer_mode": "mistral",
             "max_model_len": args.max_model_len,
@@ -192,6 +195,7 @@ def _run_all(
             "skipped": [],
             "budget_s": args.budget_s,
         },
+        world_size=args.world_size,
     )
     say(f"host: {doc['host']}; versions: {doc['versions']}")
     write_results(json_path, doc)

@@ -311,7 +311,7 @@ class LoadTests:
                 "locust": {"users": users, "spawn_rate": max(1.0, users / 4.0), "duration_s": dur,
                            **vars(self.settings)},
                 "source": "serving_bench (locust on the benchmark's own servers, after their measurements)",
-                "records": [], "server_logs": [], "errors": []})
+                "records": [], "server_logs": [], "errors": []}, world_size=self.args.world_size)
         return self.docs[mode]
 
     def run(self, server: Server, cfg: str, mode: str, deadline: Deadline, reserve_s: float,

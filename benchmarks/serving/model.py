@@ -24,6 +24,20 @@ MODEL_SUMMARY_KEYS = (
 )
 
 
+def tensor_parallel_refusal(size: str, tp: int) -> str | None:
+    """Why vLLM cannot split the embedded ``size`` model over ``tp`` ranks, or None: the attention
+    heads and the MLP's intermediate size must divide by tp, and the KV heads divide by tp or tp by
+    them (vLLM replicates KV heads when tp exceeds them)."""
+    from yali_vllm.models import model_config
+
+    cfg = model_config(size)
+    heads, kv, inter = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
+    if heads % tp or inter % tp or (kv % tp if kv >= tp else tp % kv):
+        return (f"the {size} model ({heads} attention heads, {kv} KV heads, intermediate size {inter}) does not "
+                f"split over {tp} tensor-parallel ranks")
+    return None
+
+
 def default_model_dir(size: str) -> Path:
     """The benchmarks' scratch model directory: per user, under the system temp dir (another user's
     directory of the same name is never written into)."""

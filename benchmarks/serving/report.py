@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common.results import under
+from benchmarks.common.results import under, world_size_of
 from benchmarks.serving.schema import EXTRA_RESULT_KEYS, parse_bench_result
 from benchmarks.serving.stats import METRICS, Stat, aggregate, ordered_configs, verdict
 
@@ -27,7 +27,7 @@ def render_markdown(doc: dict[str, Any], plot_files: Sequence[str] = ()) -> str:
     concs = sorted({int(r["concurrency"]) for r in records})
     others = [c for c in configs if c != "yali"]
     L: list[str] = []
-    L.append("# Serving benchmark: yali vs vLLM all-reduce paths")
+    L.append(f"# Serving benchmark, TP={world_size_of(doc)}: yali vs vLLM all-reduce paths")
     L.append("")
     L.append(f"- date: {doc.get('date')}")
     L.append(f"- host: {doc.get('host')}")
@@ -149,7 +149,8 @@ def write_plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     agg = aggregate(records)
     configs = ordered_configs(records)
     concs = sorted({int(r["concurrency"]) for r in records})
-    title_bits = [str((doc.get("model") or {}).get("size", "")), str(doc.get("host", ""))]
+    title_bits = [str((doc.get("model") or {}).get("size", "")), f"TP={world_size_of(doc)}",
+                  str(doc.get("host", ""))]
     written: list[Path] = []
     out_dir.mkdir(parents=True, exist_ok=True)
     for key, label, fname in PLOTS:
@@ -204,6 +205,10 @@ def merge_results(docs: Sequence[dict[str, Any]], sources: Sequence[str],
     """
     if not docs:
         raise ValueError("nothing to merge")
+    sizes = [world_size_of(d) for d in docs]
+    if len(set(sizes)) > 1:
+        raise SystemExit("the results to merge ran at different tensor-parallel sizes: "
+                         + ", ".join(f"{s} TP={n}" for s, n in zip(sources, sizes)))
     merged = dict(docs[0])
     merged["merged_from"] = list(sources)
     merged["commands"] = [d.get("command") for d in docs]

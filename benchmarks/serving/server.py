@@ -52,6 +52,7 @@ def server_command_for(args: Any, model_dir: str | Path, cfg: str, port: int) ->
         model_dir,
         SERVER_CONFIGS[cfg],
         port,
+        tensor_parallel_size=args.world_size,
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs,

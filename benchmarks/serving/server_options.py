@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks.common.cli_args import fraction, non_negative_int, positive_float, positive_int, tcp_port
+from benchmarks.common.cli_args import (
+    add_world_size_arg,
+    fraction,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    tcp_port,
+)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -13,6 +20,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-size", choices=("70b", "8b"), default="70b", help="embedded dummy model (default 70b)")
     p.add_argument("--model-dir", type=Path, default=None, help="where to write the model; its config.json and tekken.json are replaced (default: a per-user directory under the system temp dir, see default_model_dir)")
     p.add_argument("--vllm-bin", default="vllm", help="vllm command, shell-split (default: vllm on PATH)")
+    add_world_size_arg(p, "tensor-parallel size of every server (vllm serve --tensor-parallel-size), one GPU per rank")
     p.add_argument("--port", type=tcp_port, default=8100, help="first port to try; each server gets its own")
     p.add_argument("--max-model-len", type=positive_int, default=2048)
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.90)

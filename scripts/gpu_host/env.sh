@@ -8,6 +8,10 @@ if [ -f /opt/gpu-stack/env.sh ]; then . /opt/gpu-stack/env.sh; fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 eval "$MULTICAST_OFF"
 OUT="${OUT:-${TMPDIR:-/tmp}/yali-out-$(id -u)}"; mkdir -p "$OUT"
+# TP: the benchmarks' ranks (--world-size), one GPU each, and the servers' tensor-parallel size:
+# 2 (default), 4, 6 or 8 (the benchmarks refuse any other). Result names carry -tpN when N is not 2.
+TP="${TP:-2}"
+TP_TAG=""; [ "$TP" = 2 ] || TP_TAG="-tp$TP"
 # The checkout is used in place (no pip install on the offline host): give vLLM's
 # processes the package metadata that carries the vllm.general_plugins entry point.
 YALI_VERSION="$(sed -n 's/^__version__ = "\(.*\)"/\1/p' yali_vllm/_version.py)"

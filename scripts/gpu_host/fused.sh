@@ -2,12 +2,13 @@
 # Fused all-reduce + residual add + RMSNorm on the GPU host.
 #   fused.sh [all]       the 2-GPU tests (a gpu-test-run result), then the microbenchmark (< 9 min)
 #   fused.sh tests       only tests/gpu/test_fused.py                                  (< 3.5 min)
-#   fused.sh bench ...   only benchmarks/fused_bench.py; further arguments go to it    (< 5.5 min)
+#   fused.sh bench ...   only benchmarks/fused_bench.py at TP ranks (env TP, default 2: one GPU per
+#                        rank); further arguments go to it                             (< 5.5 min)
 #   fused.sh prebuild    start FlashInfer's JIT build in the background and return at once (run it
 #                        early, e.g. before another benchmark, so the fused benchmark finds it built)
 # The benchmark compares YALI with vLLM's FlashInfer fusion (trtllm backend only) and the unfused
-# sequence. Writes to $OUT: gpu-tests-fused-<date>.{json,log}, fused-<date>.{json,md,png},
-# fused-bench-<date>.log. FUSED_TEST_TIMEOUT_S and FUSED_BENCH_BUDGET_S override the bounds.
+# sequence. Writes to $OUT: gpu-tests-fused-<date>.{json,log}, fused-<date>[-tpN].{json,md,png},
+# fused-bench-<date>[-tpN].log. FUSED_TEST_TIMEOUT_S and FUSED_BENCH_BUDGET_S override the bounds.
 . scripts/gpu_host/env.sh
 MODE="${1:-all}"
 [ $# -gt 0 ] && shift
@@ -34,9 +35,9 @@ run_tests() {
 }
 
 run_bench() {
-  timeout -k 20 "$((BUDGET_S + 110))" python3 -m benchmarks.fused_bench --out "$OUT" --name "fused-$STAMP" \
-    --budget-s "$BUDGET_S" --timeout "$((BUDGET_S + 90))" "$@" 2>&1 \
-    | tee "$OUT/fused-bench-$STAMP.log" | grep -v -i "warn" | tail -60
+  timeout -k 20 "$((BUDGET_S + 110))" python3 -m benchmarks.fused_bench --world-size "$TP" --out "$OUT" \
+    --name "fused-$STAMP$TP_TAG" --budget-s "$BUDGET_S" --timeout "$((BUDGET_S + 90))" "$@" 2>&1 \
+    | tee "$OUT/fused-bench-$STAMP$TP_TAG.log" | grep -v -i "warn" | tail -60
   if [ -f /tmp/fused-flashinfer-jit.log ]; then echo "--- FlashInfer JIT pre-build:"; tail -3 /tmp/fused-flashinfer-jit.log; fi
 }
 

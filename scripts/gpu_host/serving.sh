@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end serving benchmark of the 70B-class dummy model, bounded by its own budget.
 #   serving.sh [REPEATS] [SUFFIX] [CONFIGS] [PROFILE_TOKENS]
+# (TP: the servers' tensor-parallel size, default 2; 4 or 8 on a host with that many GPUs (6 splits
+# neither embedded model, and the benchmark refuses it); the result name then carries -tpN.)
 # (SERVING_BUDGET_S bounds the run, default 555 s. LOCUST_USERS > 0: a locust run of LOCUST_S
 # seconds (default 60) on each config's server after its points; SOAK_S > 0: then a soak of that
 # many seconds with 64 users on the yali server; both take their time from the same budget.)
@@ -15,9 +17,9 @@
 # its log, its JSON and one archive (the markdown, load-test/soak JSON, per-point raw files, server
 # logs and locust CSV/HTML are inside it; the markdown is also printed).
 . scripts/gpu_host/env.sh
-name="serving-70b-$(date +%Y%m%d)-${2:-r1}"
+name="serving-70b-$(date +%Y%m%d)$TP_TAG-${2:-r1}"
 work=/tmp/$name
-timeout -k 20 "$(( ${SERVING_BUDGET_S:-555} + 20 ))" python3 -m benchmarks.serving_bench --model-size 70b --repeats "${1:-1}" --concurrency "${CONCURRENCY:-1,8,32}" \
+timeout -k 20 "$(( ${SERVING_BUDGET_S:-555} + 20 ))" python3 -m benchmarks.serving_bench --model-size 70b --world-size "$TP" --repeats "${1:-1}" --concurrency "${CONCURRENCY:-1,8,32}" \
   --configs "${3:-yali,vllm-default,nccl}" --profile-tokens "${4:-0}" \
   --locust-users "${LOCUST_USERS:-0}" --locust-duration-s "${LOCUST_S:-60}" --soak-s "${SOAK_S:-0}" \
   --random-input-len 1024 --random-output-len 256 --max-num-seqs 64 --stop-grace-s "${STOP_GRACE_S:-30}" --budget-s "${SERVING_BUDGET_S:-555}" --out "$work" 2>&1 \

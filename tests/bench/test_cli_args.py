@@ -143,22 +143,27 @@ def test_load_test_defaults_resolve_as_before():
     (["--timeout", "0"], "finite number > 0", None),
 ])
 def test_allreduce_bench_refuses_bad_values_before_spawning(argv, accepted, value, capsys, monkeypatch):
-    monkeypatch.setattr(ab, "run_two_ranks", lambda *a: pytest.fail("ranks spawned"))
+    monkeypatch.setattr(ab, "run_ranks", lambda *a, **k: pytest.fail("ranks spawned"))
     refused(ab.main, argv, capsys, accepted, value=value)
 
 
 def test_allreduce_bench_defaults_and_quick_reach_the_ranks_as_lists(monkeypatch):
+    import torch
+
     args = ab.build_parser().parse_args([])
     assert args.sizes[0] == 2048 and args.sizes[-1] == 1 << 30 and len(args.sizes) == 10
     assert args.dtypes == ["bf16", "fp16", "fp32"] and args.backends == ab.ALL_BACKENDS
-    assert (args.graph_ops, args.replays, args.samples, args.timeout) == (50, 20, 1000, 1500)
+    assert (args.graph_ops, args.replays, args.samples, args.timeout, args.world_size) == (50, 20, 1000, 1500, 2)
     seen = {}
-    monkeypatch.setattr(ab, "run_two_ranks", lambda worker, a, timeout, what: seen.update(args=a, timeout=timeout))
+    monkeypatch.setattr(ab, "run_ranks", lambda worker, a, timeout, what, world_size:
+                        seen.update(args=a, timeout=timeout, world_size=world_size))
     monkeypatch.setattr(ab, "write_outputs", lambda a, res: None)
-    ab.main(["--quick", "--backends", "nccl,yali", "--timeout", "60"])
+    monkeypatch.setenv("YALI_ALLOW_SHARED_GPU", "1")  # a machine with fewer GPUs than ranks runs them on GPU 0
+    ab.main(["--quick", "--backends", "nccl,yali", "--timeout", "60", "--world-size", "4"])
     a = seen["args"]
     assert a.sizes == [2048, 64 << 10, 1 << 20, 4 << 20, 64 << 20] and a.dtypes == ["bf16"]
     assert a.backends == ["yali", "nccl"] and seen["timeout"] == 60.0
+    assert seen["world_size"] == a.world_size == 4 and a.shared_gpu == (torch.cuda.device_count() < 4)
 
 
 # ----------------------------------------------------------------------------- fused_bench
@@ -180,6 +185,71 @@ def test_fused_bench_refuses_bad_values(argv, accepted, capsys):
 def test_fused_bench_defaults_parse_as_before():
     a = fb.parse_args([])
     assert (a.budget_s, a.timeout, a.eps, a.fi_max_tokens, a.graph_ops, a.replays) == (420.0, 570.0, 1e-5, 2048, 50, 200)
+    assert a.world_size == 2 and fb.parse_args(["--world-size", "8"]).world_size == 8
+
+
+# ----------------------------------------------------------------------------- --world-size
+WORLD_SIZE_PARSERS = {
+    "allreduce_bench": lambda argv: ab.build_parser().parse_args(argv),
+    "fused_bench": fb.parse_args,
+    "serving_bench": lambda argv: sb.build_parser().parse_args(argv),
+    "load_test": lambda argv: lt.build_parser().parse_args(argv),
+}
+
+
+@pytest.mark.parametrize("command", WORLD_SIZE_PARSERS)
+@pytest.mark.parametrize("value,accepted", [
+    ("3", "YALI serves 2, 4, 6 or 8 ranks"), ("1", "YALI serves 2, 4, 6 or 8 ranks"),
+    ("16", "YALI serves 2, 4, 6 or 8 ranks"), ("0", "integer >= 1"), ("four", "integer >= 1"),
+])
+def test_every_benchmark_refuses_a_world_size_yali_does_not_serve(command, value, accepted, capsys):
+    refused(WORLD_SIZE_PARSERS[command], ["--world-size", value], capsys, accepted)
+
+
+@pytest.mark.parametrize("command", WORLD_SIZE_PARSERS)
+def test_every_benchmark_takes_the_world_sizes_yali_serves(command):
+    parse = WORLD_SIZE_PARSERS[command]
+    assert parse([]).world_size == 2
+    assert [parse(["--world-size", n]).world_size for n in ("2", "4", "6", "8")] == [2, 4, 6, 8]
+
+
+def test_too_few_gpus_names_the_option_and_the_count():
+    assert cli_args.too_few_gpus(4, 4) is None and cli_args.too_few_gpus(2, 8) is None
+    assert cli_args.too_few_gpus(8, 2) == "--world-size 8 needs 8 GPUs, and 2 are visible (torch.cuda.device_count())"
+    assert [cli_args.rank_device(r, False) for r in range(4)] == [0, 1, 2, 3]
+    assert [cli_args.rank_device(r, True) for r in range(4)] == [0, 0, 0, 0]
+
+
+def _more_ranks_than_gpus() -> int:
+    """A world size above this machine's GPU count (the test skips on a machine with 8 GPUs)."""
+    import torch
+
+    n = next((n for n in (2, 4, 6, 8) if n > torch.cuda.device_count()), None)
+    if n is None:
+        pytest.skip("this machine has a GPU for each of 8 ranks")
+    return n
+
+
+def test_place_ranks_refuses_more_ranks_than_gpus_unless_they_may_share_gpu_0(monkeypatch, capsys):
+    n = _more_ranks_than_gpus()
+    monkeypatch.delenv("YALI_ALLOW_SHARED_GPU", raising=False)
+    with pytest.raises(SystemExit, match=f"--world-size {n} needs {n} GPUs.*YALI_ALLOW_SHARED_GPU=1"):
+        cli_args.place_ranks(n)
+    monkeypatch.setenv("YALI_ALLOW_SHARED_GPU", "1")
+    assert cli_args.place_ranks(n) is True
+    err = capsys.readouterr().err
+    assert f"the {n} ranks shared GPU 0" in err and "timings are not valid" in err
+
+
+@pytest.mark.parametrize("main", [ab.main, fb.main], ids=["allreduce_bench", "fused_bench"])
+def test_benchmarks_refuse_more_ranks_than_gpus_before_spawning(main, monkeypatch, tmp_path):
+    n = _more_ranks_than_gpus()
+    monkeypatch.delenv("YALI_ALLOW_SHARED_GPU", raising=False)
+    module = ab if main is ab.main else fb
+    monkeypatch.setattr(module, "run_ranks", lambda *a, **k: pytest.fail("ranks spawned"))
+    with pytest.raises(SystemExit, match=f"--world-size {n} needs {n} GPUs"):
+        main(["--world-size", str(n), "--out", str(tmp_path)])
+    assert not any(tmp_path.iterdir())
 
 
 # ----------------------------------------------------------------------------- serve_demo

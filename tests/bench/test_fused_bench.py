@@ -55,12 +55,16 @@ def test_parse_args_defaults_and_options():
 
 
 def test_flashinfer_workspace_tokens_follow_vllms_cap():
-    # 64 MiB / (8192 * 2 B) = 4096 rows; at least the largest measured count / 2048
-    assert fb.flashinfer_max_tokens(8192, "bf16", [1, 512]) == 2048
-    assert fb.flashinfer_max_tokens(8192, "bf16", [1, 3000]) == 3000
-    assert fb.flashinfer_max_tokens(8192, "bf16", [1, 9000]) == 4096
-    assert fb.flashinfer_max_tokens(16384, "fp32", [1, 512]) == 1024
-    assert fb.flashinfer_max_tokens(8192, "bf16", [1, 8], at_least=1) == 8
+    # TP=2 on Hopper: 64 MiB / (8192 * 2 B) = 4096 rows; at least the largest measured count / 2048
+    mib = 1 << 20
+    assert fb.flashinfer_max_tokens(8192, "bf16", [1, 512], 64 * mib) == 2048
+    assert fb.flashinfer_max_tokens(8192, "bf16", [1, 3000], 64 * mib) == 3000
+    assert fb.flashinfer_max_tokens(8192, "bf16", [1, 9000], 64 * mib) == 4096
+    assert fb.flashinfer_max_tokens(16384, "fp32", [1, 512], 64 * mib) == 1024
+    assert fb.flashinfer_max_tokens(8192, "bf16", [1, 8], 64 * mib, at_least=1) == 8
+    # TP=4 and TP=8 on Hopper: vLLM fuses up to 2 MiB and 0.5 MiB, so 128 and 32 rows of 16 KiB
+    assert fb.flashinfer_max_tokens(8192, "bf16", [1, 512], 2 * mib) == 128
+    assert fb.flashinfer_max_tokens(8192, "bf16", [1, 512], mib // 2) == 32
 
 
 def test_flashinfer_backend_refuses_anything_but_trtllm(monkeypatch):
@@ -124,10 +128,25 @@ def test_reference_is_vllms_native_fused_add_rms_norm_bitwise(dtype, with_residu
         want_norm, want_res = ir.fused_add_rms_norm.impls["native"].impl_fn(s, res, w, eps)
     else:
         want_norm, want_res = ir.rms_norm.impls["native"].impl_fn(s, w, eps), s
-    for ref in (scenarios.fused_reference, fb.reference):
-        norm, r = ref(x0, x1, res, w, eps)
+    for norm, r in (scenarios.fused_reference(x0, x1, res, w, eps), fb.reference([x0, x1], res, w, eps)):
         assert scenarios.mismatches(r, want_res) == 0
         assert scenarios.mismatches(norm, want_norm) == 0
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_reference_of_n_ranks_is_vllms_native_fused_add_rms_norm_of_their_fp32_sum(world_size):
+    ir = pytest.importorskip("vllm.ir.ops")
+    dtype, eps = torch.bfloat16, 1e-5
+    g = torch.Generator().manual_seed(world_size)
+    inputs = [torch.randn(3, 256, generator=g).mul_(2.0).to(dtype) for _ in range(world_size)]
+    res, w = torch.randn(3, 256, generator=g).to(dtype), torch.randn(256, generator=g).to(dtype)
+    s = sum(x.float() for x in inputs).to(dtype)  # the all-reduce output: fp32 sum, rounded once
+    want_norm, want_res = ir.fused_add_rms_norm.impls["native"].impl_fn(s, res, w, eps)
+    norm, r = fb.reference(inputs, res, w, eps)
+    assert scenarios.mismatches(r, want_res) == 0 and scenarios.mismatches(norm, want_norm) == 0
+    # the last rank's contribution missing: wrong under the tolerance of N ranks
+    alone = fb.reference(inputs[:-1], res, w, eps)
+    assert not fb.check_result(*alone, norm, r, "bf16", world_size)["correct"]
 
 
 def test_reference_rounds_the_all_reduce_before_the_residual_add():
@@ -136,8 +155,7 @@ def test_reference_rounds_the_all_reduce_before_the_residual_add():
     one = torch.tensor([[1.0]], dtype=torch.bfloat16)
     d = torch.tensor([[3 * 2.0 ** -10]], dtype=torch.bfloat16)
     w = torch.ones(1, dtype=torch.bfloat16)
-    for ref in (scenarios.fused_reference, fb.reference):
-        _, r = ref(one, d, d, w, 1e-6)
+    for _, r in (scenarios.fused_reference(one, d, d, w, 1e-6), fb.reference([one, d], d, w, 1e-6)):
         assert r.item() == 1.0
 
 
@@ -209,7 +227,7 @@ def test_compare_fused_fp32_relative_tolerance():
 @pytest.mark.parametrize("dname,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)])
 def test_bench_check_result(dname, dtype):
     x0, x1, res, w = _inputs(dtype, tokens=4, hidden=512)
-    norm, r = fb.reference(x0, x1, res, w, 1e-5)
+    norm, r = fb.reference([x0, x1], res, w, 1e-5)
     c = fb.check_result(norm.clone(), r.clone(), norm, r, dname)
     assert c["correct"] and c["residual_bitwise"] and c["max_abs_err_norm"] == 0.0
     # a couple of ulps anywhere (another rounding order): still correct, no longer bitwise
@@ -219,13 +237,23 @@ def test_bench_check_result(dname, dtype):
         c = fb.check_result(norm * (1 + 1e-6), _bump(r, 1, 4), norm, r, dname)
     assert c["correct"] and not c["residual_bitwise"] and c["max_abs_err_norm"] > 0
     # the peer's contribution missing, or the residual not added: wrong
-    alone = fb.reference(x0, torch.zeros_like(x1), res, w, 1e-5)
+    alone = fb.reference([x0, torch.zeros_like(x1)], res, w, 1e-5)
     assert not fb.check_result(*alone, norm, r, dname)["correct"]
     assert not fb.check_result(norm, x0 + x1, norm, r, dname)["correct"]
     nan = norm.clone()
     nan.view(-1)[0] = float("nan")
     c = fb.check_result(nan, r, norm, r, dname)
     assert not c["correct"] and c["max_abs_err_norm"] is None
+
+
+def test_tolerance_grows_with_the_additions_of_n_ranks():
+    assert fb.tolerance("bf16") == fb.TOLERANCE["bf16"] == fb.tolerance("bf16", 2)
+    assert fb.tolerance("fp16", 8) == (7 * 2 ** -9, 7 * 2 ** -8)
+    x0, x1, res, w = _inputs(torch.bfloat16, tokens=4, hidden=512)
+    norm, r = fb.reference([x0, x1], res, w, 1e-5)
+    off = norm + 3 * (2 ** -6) * (1 + norm.abs())  # 3 x the 2-rank tolerance everywhere
+    assert not fb.check_result(off, r, norm, r, "bf16")["correct"]
+    assert fb.check_result(off, r, norm, r, "bf16", world_size=8)["correct"]
 
 
 # ----------------------------------------------------------------------------- verdicts and report
@@ -282,6 +310,14 @@ def _result(records, **extra):
             "versions": {}, "target": {"ratio": 0.8, "tokens": 32}, "records": records, **extra}
 
 
+def test_markdown_names_the_world_size_and_a_shared_gpu():
+    assert fb.markdown_table(_result(_records())).startswith("# Fused all-reduce + residual add + RMSNorm, 2 ranks")
+    md = fb.markdown_table(_result(_records(), world_size=8))
+    assert md.startswith("# Fused all-reduce + residual add + RMSNorm, 8 ranks (2xH200)") and "Not a timing" not in md
+    shared = fb.markdown_table(_result(_records(), world_size=4, shared_gpu=True))
+    assert "**Not a timing: the 4 ranks shared GPU 0" in shared and "timings are not valid" in shared
+
+
 def test_markdown_table():
     md = fb.markdown_table(_result(_records(), skipped_backends={"flashinfer-trtllm": "no flashinfer"},
                                    skipped=[{"backend": "yali-fused", "dtype": "bf16", "hidden": 8192, "tokens": 9,
@@ -323,6 +359,7 @@ def test_report_only_regenerates_md_and_png(tmp_path):
 def test_write_outputs_follows_the_results_schema(tmp_path):
     pytest.importorskip("matplotlib")
     args = fb.parse_args(["--out", str(tmp_path), "--name", "fused-t"])
+    args.shared_gpu = False
     res = {"rows": _records(), "skipped": [], "skipped_backends": {}, "setup": {"setup_s": 1.0},
            "budget_exhausted": False, "yali_config": {"flash_bytes": 8 << 20}}
     path = fb.write_outputs(args, res)
@@ -335,6 +372,19 @@ def test_write_outputs_follows_the_results_schema(tmp_path):
         assert r["backend"] in fb.BACKENDS
     assert data["summary"]["met"] is False and data["target"]["ratio"] == 0.8
     assert (tmp_path / "fused-t.md").exists() and (tmp_path / "fused-t.png").exists()
+    assert data["world_size"] == 2 and [g["cuda_device"] for g in data["gpus_used"]] == [0, 1]
+
+
+def test_write_outputs_names_n_ranks_and_their_tolerance(tmp_path):
+    args = fb.parse_args(["--out", str(tmp_path), "--name", "fused-8", "--world-size", "8"])
+    args.shared_gpu = True
+    res = {"rows": _records(), "skipped": [], "skipped_backends": {}, "setup": {}}
+    data = json.loads(Path(fb.write_outputs(args, res)).read_text())
+    assert data["world_size"] == 8 and data["shared_gpu"] is True
+    assert [g["cuda_device"] for g in data["gpus_used"]] == [0] * 8 and [g["rank"] for g in data["gpus_used"]] == \
+        list(range(8))
+    assert data["tolerance"]["bf16"] == {"atol": 7 * 2 ** -6, "rtol": 7 * 2 ** -6}
+    assert (tmp_path / "fused-8.md").read_text().startswith("# Fused all-reduce + residual add + RMSNorm, 8 ranks")
 
 
 # ----------------------------------------------------------------------------- the GPU test plan
@@ -425,22 +475,23 @@ def test_gpu_fused_sweep_launch_model_matches_measured_launches():
     assert len(files) == 3
 
 
-def test_main_keeps_partial_results_when_the_pair_fails(tmp_path, monkeypatch):
+def test_main_keeps_partial_results_when_the_ranks_fail(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     args_seen = {}
 
-    def fake_run_two_ranks(worker, args, timeout, what):
-        args_seen["timeout"] = timeout
+    def fake_run_ranks(worker, args, timeout, what, world_size):
+        args_seen.update(timeout=timeout, world_size=world_size)
         fb._checkpoint(args, {"rows": _records()[:3], "skipped": [], "skipped_backends": {}, "setup": {}})
         raise SystemExit(f"{what} failed or timed out (see worker output above)")
 
-    monkeypatch.setattr(fb, "run_two_ranks", fake_run_two_ranks)
-    rc = fb.main(["--out", str(tmp_path), "--name", "fused-p", "--budget-s", "50"])
-    assert rc == 1 and args_seen["timeout"] == 200
+    monkeypatch.setattr(fb, "run_ranks", fake_run_ranks)
+    monkeypatch.setenv("YALI_ALLOW_SHARED_GPU", "1")  # a machine with fewer GPUs than ranks runs them on GPU 0
+    rc = fb.main(["--out", str(tmp_path), "--name", "fused-p", "--budget-s", "50", "--world-size", "4"])
+    assert rc == 1 and args_seen == {"timeout": 200, "world_size": 4}
     data = json.loads((tmp_path / "fused-p.json").read_text())
     assert len(data["records"]) == 3 and "failed or timed out" in data["incomplete"]
     assert not (tmp_path / ".fused-p.partial.json").exists()
     # nothing measured at all: the failure propagates
-    monkeypatch.setattr(fb, "run_two_ranks", lambda *a: (_ for _ in ()).throw(SystemExit("dead")))
+    monkeypatch.setattr(fb, "run_ranks", lambda *a, **k: (_ for _ in ()).throw(SystemExit("dead")))
     with pytest.raises(SystemExit, match="dead"):
         fb.main(["--out", str(tmp_path), "--name", "fused-q"])

@@ -234,6 +234,34 @@ def test_results_header_has_common_keys(tmp_path, monkeypatch):
     path = results.write_results(tmp_path / "sub" / "r.json", hdr)
     assert json.loads(path.read_text()) == json.loads(json.dumps(hdr))
     assert not list(path.parent.glob("*.tmp"))
+    assert "world_size" not in hdr and "gpus_used" not in hdr  # only a run of ranks names them
+
+
+def test_results_header_names_the_ranks_and_their_gpus(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    hdr = results.results_header("allreduce-microbench", {"records": []}, world_size=4)
+    assert hdr["world_size"] == 4 and "shared_gpu" not in hdr
+    assert [(g["rank"], g["cuda_device"]) for g in hdr["gpus_used"]] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert [g.get("uuid") for g in hdr["gpus_used"]] == [g.get("uuid") for g in (hdr["gpus"] + [{}] * 4)[:4]]
+    shared = results.results_header("allreduce-microbench", {"records": []}, world_size=8, shared_gpu=True)
+    assert shared["shared_gpu"] is True and {g["cuda_device"] for g in shared["gpus_used"]} == {0}
+    with pytest.raises(ValueError, match="world_size"):
+        results.results_header("x", {"world_size": 2}, world_size=4)
+
+
+def test_gpus_used_follow_cuda_visible_devices():
+    ids = [{"index": str(i), "uuid": f"GPU-{c}{c}{c}", "pci_bus_id": f"00000000:{i}0:00.0"}
+           for i, c in enumerate("abcd")]
+    assert results.cuda_order(ids, None) == ids
+    assert [g["index"] for g in results.cuda_order(ids, "3,1")] == ["3", "1"]
+    assert [g["index"] for g in results.cuda_order(ids, "GPU-ccc, 0")] == ["2", "0"]
+    assert [g["index"] for g in results.cuda_order(ids, "GPU-b,9,0")] == ["1"]  # CUDA stops at a bad entry
+    assert results.cuda_order(ids, "") == []
+    used = results.gpus_used(2, ids=ids, cuda_visible="2,3")
+    assert used == [{"rank": 0, "cuda_device": 0, **ids[2]}, {"rank": 1, "cuda_device": 1, **ids[3]}]
+    assert results.gpus_used(2, ids=[], cuda_visible=None) == [{"rank": 0, "cuda_device": 0},
+                                                              {"rank": 1, "cuda_device": 1}]
+    assert [g["index"] for g in results.gpus_used(3, True, ids, "1,2")] == ["1", "1", "1"]
 
 
 def test_host_summary_from_nvidia_smi_output():
@@ -646,6 +674,7 @@ def test_full_run_with_fake_vllm(tmp_path, fake_vllm, monkeypatch):
     assert rc == 0
     doc = json.loads((out / "serving-benchmark.json").read_text())
     serving_doc_schema_check(doc)
+    assert doc["world_size"] == doc["model"]["tensor_parallel_size"] == len(doc["gpus_used"]) == 2
     assert len(doc["records"]) == 3 * 2 * 2
     assert {r["config"] for r in doc["records"]} == {"yali", "vllm-default", "nccl"}
     assert doc["errors"] == [] and doc["skipped"] == []
@@ -702,6 +731,38 @@ def test_plots_written(tmp_path):
     assert [p.name for p in paths] == ["tpot_p50.png", "itl_p99.png"]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_dry_run_at_tensor_parallel_n_serves_every_config_at_n(tmp_path, tp):
+    cp = subprocess.run([sys.executable, "-m", "benchmarks.serving_bench", "--dry-run", "--model-size", "70b",
+                         "--world-size", str(tp), "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                        timeout=60)
+    assert cp.returncode == 0, cp.stderr
+    lines = [ln for ln in cp.stdout.splitlines() if " vllm serve " in ln]
+    assert len(lines) == 6 and all(f"--tensor-parallel-size {tp} " in ln for ln in lines)
+
+
+def test_serving_refuses_a_tensor_parallel_size_the_model_does_not_split():
+    for size in ("8b", "70b"):
+        for tp in (2, 4, 8):
+            assert model.tensor_parallel_refusal(size, tp) is None
+        assert "does not split over 6 tensor-parallel ranks" in model.tensor_parallel_refusal(size, 6)
+    args = sb.build_parser().parse_args(["--world-size", "6"])
+    with pytest.raises(SystemExit, match=r"--world-size 6: the 70b model \(64 attention heads, 8 KV heads"):
+        bench_run.validate_args(args)
+    with pytest.raises(SystemExit, match="--world-size 6"):
+        sb.main(["--dry-run", "--world-size", "6", "--model-size", "8b"])
+
+
+def test_the_serving_report_names_the_tensor_parallel_size(tmp_path):
+    recs = make_records({("yali", 1): [5.0, 5.1], ("nccl", 1): [6.0, 6.1]})
+    old = {"model": {"size": "70b"}, "records": recs}  # written before world_size was recorded
+    assert report.render_markdown(old).startswith("# Serving benchmark, TP=2: yali vs vLLM all-reduce paths")
+    doc = {"model": {"size": "70b", "tensor_parallel_size": 8}, "world_size": 8, "records": recs}
+    assert report.render_markdown(doc).startswith("# Serving benchmark, TP=8: ")
+    with pytest.raises(SystemExit, match="different tensor-parallel sizes: a.json TP=2, b.json TP=8"):
+        report.merge_results([old, doc], ["a.json", "b.json"])
 
 
 def test_dry_run_prints_commands(tmp_path):
