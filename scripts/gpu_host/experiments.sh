@@ -25,7 +25,7 @@ case "${1:-all}" in tests|bench|all) ;; *) echo "usage: $0 [tests|bench|all]" >&
 case "${1:-all}" in
   tests|all)
     YALI_TIMEOUT_S=30 timeout 300 python3 scripts/record_test_run.py --out "$OUT/gpu-tests-fused-launch-$day.json" -- \
-      -q -p no:cacheprovider tests/gpu/test_fused.py tests/test_core_config.py 2>&1 \
+      -q -p no:cacheprovider tests/gpu/test_fused.py tests/core/test_core_config.py 2>&1 \
       | tee "$OUT/gpu-tests-fused-launch-$day.log" | tail -15
     # the whole fused suite (sweep, interleaved with plain all-reduces, 1000 graph replays,
     # torch.compile) launched as clusters of up to 8 CTAs at every size

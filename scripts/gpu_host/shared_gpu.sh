@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# The two-rank kernel tests on a machine with ONE GPU (an H200 or H100): both ranks'
-# processes share GPU 0 (YALI_ALLOW_SHARED_GPU=1, tests/gpu/pair.py), with the same CUDA IPC
-# exchange, launches and checks as on the 2-GPU host. It runs the kernels' protocol, launch
-# shapes (clusters included) and numerics on real silicon when no 2-GPU machine is available. Local
-# memory stands where NVLink would be and the two processes take turns on the GPU, so nothing
-# here is a timing and a race that needs the link's latency may not show.
-#   shared_gpu.sh [all|fused|allreduce|reliability]   all (default): fused first, then all-reduce
-#   (< 9.5 min); reliability: mismatched calls, watchdog paths, a killed peer, close() (~5 min);
-#   overlap: the overlapped GEMM + all-reduce + RMSNorm against the unfused sequence (~4 min)
+# The kernel tests on a machine with ONE GPU (an H200 or H100): every rank's process shares
+# GPU 0 (YALI_ALLOW_SHARED_GPU=1, tests/gpu/pair.py), with the same CUDA IPC exchange, launches
+# and checks as on a multi-GPU host. It runs the kernels' protocol, launch shapes (clusters
+# included) and numerics on real silicon when no multi-GPU machine is available. Local memory
+# stands where NVLink would be and the processes take turns on the GPU, so nothing here is a
+# timing and a race that needs the link's latency may not show.
+#   shared_gpu.sh [all|fused|allreduce|reliability|overlap|ranks]
+#   all (default): the two-rank fused suite first, then the two-rank all-reduce (< 9.5 min);
+#   reliability: mismatched calls, watchdog paths, a killed peer, close() (~5 min);
+#   overlap: the overlapped GEMM + all-reduce + RMSNorm against the unfused sequence (~4 min);
+#   ranks: the all-reduce and the fused op at 2, 4, 6 and 8 ranks, a mismatched call included,
+#   all N processes on GPU 0 (tests/gpu/test_ranks.py, ~2 min on an H100)
 # Taking turns costs about 3.3 ms per call pair (the 10k-replay graph test, 70k pairs, takes
 # 232 s: archive/gpu-tests/20261123-shared-h200), so the all-reduce part leaves out the 100k-call stress
 # test, whose 300 s bound assumes concurrent ranks; it stays with the 2-GPU host (kernels.sh).
 # Writes to $OUT: gpu-tests-shared-<part>-<date>.{json,log} (gpu-test-run results).
-# SHARED_FUSED_S / SHARED_ALLREDUCE_S override the bounds of the two parts.
+# SHARED_FUSED_S, SHARED_ALLREDUCE_S, SHARED_RELIABILITY_S, SHARED_OVERLAP_S and SHARED_RANKS_S
+# override the bounds of the parts.
 . scripts/gpu_host/env.sh
 export YALI_ALLOW_SHARED_GPU=1 YALI_TIMEOUT_S=30
 MODE="${1:-all}"
@@ -35,5 +39,6 @@ case "$MODE" in
   allreduce) run_part allreduce "${SHARED_ALLREDUCE_S:-540}" tests/gpu/test_allreduce.py tests/gpu/test_bench_timing.py -k "not stress" ;;
   reliability) run_part reliability "${SHARED_RELIABILITY_S:-540}" tests/gpu/test_reliability.py ;;
   overlap)   run_part overlap "${SHARED_OVERLAP_S:-540}" tests/gpu/test_overlap.py ;;
-  *)         echo "usage: $0 [all|fused|allreduce|reliability|overlap]" >&2; exit 2 ;;
+  ranks)     run_part ranks "${SHARED_RANKS_S:-560}" tests/gpu/test_ranks.py ;;
+  *)         echo "usage: $0 [all|fused|allreduce|reliability|overlap|ranks]" >&2; exit 2 ;;
 esac

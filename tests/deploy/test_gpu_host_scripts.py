@@ -81,3 +81,51 @@ def test_only_existing_kernel_knobs_are_named():
         code = "\n".join(line.split("#", 1)[0] for line in f.read_text().splitlines())
         unknown = set(re.findall(r"YALI_DEV_\w+", code)) - known
         assert not unknown, f"{f.relative_to(REPO)} names knobs the core refuses: {sorted(unknown)}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_test_files_named_exist(script):
+    named = set(re.findall(r"\btests/[\w/]+\.py\b", script.read_text()))
+    missing = sorted(p for p in named if not (REPO / p).is_file())
+    assert not missing, f"{script.name} runs test files that do not exist: {missing}"
+
+
+SHARED_GPU = REPO / "scripts" / "gpu_host" / "shared_gpu.sh"
+
+
+def shared_gpu_parts() -> dict[str, str]:
+    """The parts of shared_gpu.sh (its case arms, `*` left out), name -> the arm's commands."""
+    arms = re.findall(r"^  (\w+)\)(.*?);;", SHARED_GPU.read_text(), re.M | re.S)
+    assert arms, "no case arms found in shared_gpu.sh"
+    return dict(arms)
+
+
+def test_shared_gpu_usage_names_every_part():
+    parts = list(shared_gpu_parts())
+    text = SHARED_GPU.read_text()
+    usage = re.search(r'usage: \$0 \[([\w|]+)\]', text)
+    header = re.search(r"^#\s+shared_gpu\.sh \[([\w|]+)\]", text, re.M)
+    assert usage and header, "shared_gpu.sh: no usage line or header line"
+    assert usage.group(1).split("|") == parts
+    assert header.group(1).split("|") == parts
+
+
+def test_shared_gpu_parts_are_bounded_and_recorded():
+    for name, commands in shared_gpu_parts().items():
+        calls = re.findall(r'run_part (\w+) "\$\{(SHARED_\w+_S):-(\d+)\}" (tests/gpu/\S+\.py)', commands)
+        assert calls, f"part {name} runs no run_part"
+        for part, var, bound, _ in calls:
+            # one part's result file per run_part, its bound within a 10-minute command
+            assert var == f"SHARED_{part.upper()}_S" and int(bound) <= 570, (name, part, var, bound)
+    assert re.search(r'run_part ranks "\$\{SHARED_RANKS_S:-\d+\}" tests/gpu/test_ranks\.py',
+                     shared_gpu_parts()["ranks"])
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_shared_gpu_refuses_an_unknown_part_with_its_usage(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OUT": str(tmp_path / "out")}
+    r = subprocess.run(["bash", str(SHARED_GPU), "no-such-part"], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "usage:" in r.stderr and "|ranks]" in r.stderr, r.stderr
+    assert not list((tmp_path / "out").glob("gpu-tests-shared-*")), "an unknown part wrote a result"

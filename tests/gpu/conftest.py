@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(config, items):
     shared = shared_gpu_allowed()
     reasons = {}  # computed once per kind of requirement
     for item in items:
-        if not ("gpu" in item.keywords or "/gpu/" in str(item.fspath)):
+        if not ("gpu" in item.keywords or "/gpu/" in str(item.fspath)) or "cpu" in item.keywords:
             continue
         # Tests marked two_gpus drive two devices themselves (vLLM at TP=2, Ray, YaliPair(0, 1),
         # the C++ example): they need two GPUs even when the pair tests may share one.

@@ -1,52 +1,80 @@
-"""Runs one function in two processes (rank 0 on GPU 0, rank 1 on GPU 1) joined
-by a gloo group, with a hard time bound, and returns both results.
+"""Runs one function in N processes (rank r on GPU r) joined by a gloo group, with a hard time
+bound, and returns every rank's result; run_pair is the two-rank case.
 
-With YALI_ALLOW_SHARED_GPU=1 both processes use GPU 0 (a machine with one GPU):
-the same IPC exchange and kernels, with local memory where NVLink would be."""
+With YALI_ALLOW_SHARED_GPU=1 all N processes use GPU 0 (a machine with one GPU): the same IPC
+exchange and kernels, with local memory where NVLink would be, the processes taking turns."""
 from __future__ import annotations
 
 import os
 import sys
 import traceback
 
-from benchmarks.common.processes import launch_two_ranks
+import pytest
+
+from benchmarks.common.processes import launch_ranks
 
 
 def rank_device(rank: int) -> int:
-    """The GPU of `rank`: its own, or GPU 0 for both when YALI_ALLOW_SHARED_GPU=1."""
+    """The GPU of `rank`: its own, or GPU 0 for every rank when YALI_ALLOW_SHARED_GPU=1."""
     from yali_vllm.communicator import shared_gpu_allowed
 
     return 0 if shared_gpu_allowed() else rank
 
 
-def _entry(rank, port, fn, args, env, q):
+def missing_gpus(world_size: int) -> str | None:
+    """Why `world_size` ranks cannot each have their own GPU here, or None (also when
+    YALI_ALLOW_SHARED_GPU=1 puts them all on GPU 0)."""
+    import torch
+
+    from yali_vllm.communicator import SHARED_GPU_VAR, shared_gpu_allowed
+
+    if shared_gpu_allowed():
+        return None
+    visible = torch.cuda.device_count()
+    if visible < world_size:
+        return (f"{world_size} ranks need {world_size} GPUs, {visible} visible "
+                f"({SHARED_GPU_VAR}=1 runs them all on GPU 0)")
+    return None
+
+
+def _entry(rank, port, fn, args, env, world_size, q):
     os.environ.update(env)
     try:
         import torch
         import torch.distributed as dist
 
         torch.cuda.set_device(rank_device(rank))
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         try:
             q.put((rank, ("ok", fn(rank, dist.group.WORLD, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:
         q.put((rank, ("error", traceback.format_exc())))
-        sys.exit(1)  # the launcher stops waiting for the peer
+        sys.exit(1)  # the launcher stops waiting for the other ranks
 
 
-def run_pair(fn, *args, timeout: float = 300.0, env: dict | None = None, lost: tuple = ()):
-    """fn(rank, group, *args) runs in both ranks; returns [result0, result1].
+def run_ranks(fn, *args, world_size: int = 2, timeout: float = 300.0, env: dict | None = None, lost: tuple = ()):
+    """fn(rank, group, *args) runs in `world_size` ranks; returns [result of rank 0, ...].
 
-    Raises AssertionError with the worker's traceback if either rank fails, and
-    kills both if they are not done within `timeout` seconds (a hang is a failure).
-    Ranks in `lost` are expected to die (a scenario kills them): their result is None.
+    Skips the calling test when the ranks need more GPUs than are visible (missing_gpus).
+    Raises AssertionError with the worker's traceback if any rank fails, and kills every rank
+    if they are not done within `timeout` seconds (a hang is a failure). Ranks in `lost` are
+    expected to die (a scenario kills them): their result is None.
     """
-    got, _ = launch_two_ranks(_entry, (fn, args, dict(env or {})), timeout, lost=lost)
+    reason = missing_gpus(world_size)
+    if reason:
+        pytest.skip(reason)
+    got, _ = launch_ranks(_entry, (fn, args, dict(env or {}), world_size), timeout, lost=lost, world_size=world_size)
     errors = [f"rank {rank}:\n{value}" for rank, (status, value) in sorted(got.items()) if status == "error"]
     if errors:
         raise AssertionError("\n".join(errors))
-    if len(got) < 2 - len(lost):
-        raise AssertionError(f"{fn.__name__}: no result within {timeout}s (hang?)")
-    return [got[r][1] if r in got else None for r in range(2)]
+    if len(got) < world_size - len(lost):
+        missing = sorted(set(range(world_size)) - set(got) - set(lost))
+        raise AssertionError(f"{fn.__name__}: no result from rank(s) {missing} of {world_size} within {timeout}s (hang?)")
+    return [got[r][1] if r in got else None for r in range(world_size)]
+
+
+def run_pair(fn, *args, timeout: float = 300.0, env: dict | None = None, lost: tuple = ()):
+    """run_ranks with two ranks: fn(rank, group, *args) in both; returns [result0, result1]."""
+    return run_ranks(fn, *args, world_size=2, timeout=timeout, env=env, lost=lost)

@@ -330,15 +330,17 @@ def _fused_call(comm, spec, rank, seed, device):
     returns what the check needs once the stream is done."""
     dtype = DTYPES[spec["dtype"]]
     x0, x1, residual, weight = fused_inputs(seed, spec["tokens"], spec["hidden"], dtype, device, spec["residual"])
-    mine = (x0 if rank == 0 else x1).clone()
+    return launch_fused_check(comm, spec, (x0 if rank == 0 else x1).clone(), residual, weight, x0, x1)
+
+
+def launch_fused_check(comm, spec, mine, residual, weight, x0, x1) -> dict:
+    """Launches one fused check of `mine` (outputs poisoned with NaN first; the residual updated in
+    place when spec["inplace"], as vLLM uses it) and returns it in the form _fused_check reads,
+    with x0 + x1 the all-reduce its reference adds."""
     keep = {"x": mine.clone(), "residual": residual.clone() if residual is not None else None}
     norm = torch.full_like(mine, float("nan"))
-    if spec.get("inplace") and residual is not None:
-        res_in = residual.clone()
-        res_out = res_in  # residual updated in place, as vLLM uses it
-    else:
-        res_in = residual
-        res_out = torch.full_like(mine, float("nan"))
+    res_in = residual.clone() if spec.get("inplace") and residual is not None else residual
+    res_out = res_in if res_in is not residual else torch.full_like(mine, float("nan"))
     refused = not comm.can_fuse(mine, res_in, weight)
     if not refused:
         comm.fused_allreduce_rmsnorm(mine, res_in, weight, spec["eps"], norm_out=norm, residual_out=res_out)

@@ -16,8 +16,8 @@ newest cluster recorded in /tmp/ray/ray_current_cluster, else silently starts a 
 local instance; the explicit address makes sure the cluster started here is the one used.
 
 Log-line assumption: the plugin (yali_vllm/plugin/group_setup.py) logs, on each rank of each group,
-"YALI all-reduce ON for group '<name>' (rank R of 2, ...)" or
-"YALI all-reduce OFF for group '<name>': <reason>". The match is case-insensitive on
+"YALI all-reduce ON for group '<name>' (rank R of N, ...)" or
+"YALI all-reduce OFF for group '<name>': <reason> (world size N)". The match is case-insensitive on
 "yali" + "all-reduce"/"allreduce"/"all_reduce" + "on"/"off"; update ON_RE/OFF_RE if the
 plugin's wording changes. Under Ray the workers' lines reach the driver's output through
 Ray's log forwarding and are also read from the cluster's worker log files.
