@@ -270,11 +270,11 @@ def bus_bandwidth_gbps(nbytes: int, us: float, world_size: int) -> float:
 
 def max_error(backend: str, dtype_name: str, world_size: int) -> float:
     """The largest |output - reference| a backend's result may have (reference: the fp32 sum of
-    every rank's input, rounded once). YALI at 2 ranks adds in fp32 and rounds once: bitwise.
-    Otherwise each of the N-1 additions may round in the dtype (NCCL's ring, the chunked sums of
-    two-shot algorithms): per addition 0.07 for 16-bit inputs of this benchmark's magnitude
-    (standard normal per rank: a few bf16 ulps), 1e-5 for fp32."""
-    if backend.startswith("yali") and world_size == 2:
+    every rank's input in rank order, rounded once). YALI adds exactly so at every world size:
+    bitwise. Otherwise each of the N-1 additions may round in the dtype (NCCL's ring, the chunked
+    sums of two-shot algorithms): per addition 0.07 for 16-bit inputs of this benchmark's
+    magnitude (standard normal per rank: a few bf16 ulps), 1e-5 for fp32."""
+    if backend.startswith("yali"):
         return 0.0
     return (1e-5 if dtype_name == "fp32" else 0.07) * (world_size - 1)
 
