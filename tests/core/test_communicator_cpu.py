@@ -1,36 +1,14 @@
 """YaliCommunicator start-up on two real gloo ranks without GPUs: whatever fails
 on one rank must make both ranks raise YaliUnavailable, never leave one waiting
 in a collective (that would hang a server at start-up)."""
-import os
-
 import pytest
 import torch
 
-from benchmarks.common.processes import launch_two_ranks
-
-
-def _rank(rank, port, env, devices, q):
-    import torch.distributed as dist
-
-    os.environ.update(env.get(rank, {}))
-    device = (devices or {}).get(rank, torch.device("cuda", rank))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    from yali_vllm.communicator import YaliCommunicator, YaliUnavailable
-
-    try:
-        YaliCommunicator(dist.group.WORLD, device)
-        q.put((rank, "created"))
-    except YaliUnavailable as e:
-        q.put((rank, f"unavailable: {e}"))
-    except Exception as e:  # anything else is a bug
-        q.put((rank, f"{type(e).__name__}: {e}"))
-    dist.destroy_process_group()
+from .comm_ranks import start_ranks
 
 
 def _run(env, devices=None):
-    got, _ = launch_two_ranks(_rank, (env, devices), 120)
-    assert len(got) == 2, f"a rank hung in YaliCommunicator start-up (reported: {got})"
-    return got
+    return start_ranks(2, env, devices, timeout=120)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")

@@ -6,8 +6,9 @@ import os
 import pytest
 import torch
 
-from benchmarks.common.processes import launch_ranks
 from yali_vllm import _ext, config
+
+from .comm_ranks import start_ranks
 
 pytestmark = pytest.mark.skipif(_ext.library_error() is not None, reason=f"extension not built: {_ext.library_error()}")
 KiB, MiB = 1 << 10, 1 << 20
@@ -105,22 +106,6 @@ def test_world_size_refusal(world, served):
         assert reason == f"world size is {world}; YALI serves 2, 4, 6 or 8 ranks"
 
 
-def _rank(rank, port, world, q):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    from yali_vllm.communicator import YaliCommunicator, YaliUnavailable
-
-    try:
-        YaliCommunicator(dist.group.WORLD, torch.device("cuda", 0))
-        q.put((rank, "created"))
-    except YaliUnavailable as e:
-        q.put((rank, f"unavailable: {e}"))
-    except Exception as e:  # anything else is a bug
-        q.put((rank, f"{type(e).__name__}: {e}"))
-    dist.destroy_process_group()
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [3, 4])
@@ -128,8 +113,7 @@ def test_every_rank_of_a_group_refuses_together(world):
     """A world size YALI does not serve (3) is refused on every rank before any collective; a served
     one (4) on a machine without a GPU fails in set-up on every rank with every rank's reason, and
     no rank is left waiting."""
-    got, timed_out = launch_ranks(_rank, (world,), 200, world_size=world)
-    assert not timed_out and len(got) == world, f"a rank hung in YaliCommunicator start-up (reported: {got})"
+    got = start_ranks(world, devices={r: torch.device("cuda", 0) for r in range(world)})
     for r in range(world):
         assert got[r].startswith("unavailable:"), got
         if world == 3:

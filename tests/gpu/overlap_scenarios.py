@@ -19,7 +19,7 @@ import torch
 from yali_vllm import overlap
 from yali_vllm.communicator import YaliCommunicator
 
-from .scenarios import DTYPES, compare_fused, digest, fused_reference, mismatches, run_steps
+from .scenarios import DTYPES, capture_after_warmup, compare_fused, digest, fused_reference, mismatches, run_steps
 
 K = 256  # this rank's slice of the GEMM's inner dimension (small: the tests check the exchange)
 
@@ -217,15 +217,7 @@ def overlap_graph(rank, group, replays, pool, seed, comm):
                 b["res_out"].fill_(float("nan"))
 
     load(0)
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        body()  # warm-up outside the capture
-    torch.cuda.current_stream(dev).wait_stream(side)
-    torch.cuda.synchronize(dev)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
+    g = capture_after_warmup(body, dev)
     before = comm.overlap_calls()
     n = len(GRAPH_SPECS)
     bad_vs_first = torch.zeros(n, dtype=torch.int64, device=dev)

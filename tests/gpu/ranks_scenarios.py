@@ -21,8 +21,8 @@ from yali_vllm import config
 from yali_vllm.communicator import YaliCommunicator
 
 from . import reliability
-from .scenarios import (DTYPES, _device, _fused_check, _fused_tag, compare_fused, digest, fused_reference,
-                        launch_fused_check, mismatches, run_steps)
+from .scenarios import (DTYPES, _device, _fused_check, _fused_tag, capture_after_warmup, compare_fused, digest,
+                        fused_reference, launch_fused_check, mismatches, run_steps)
 
 # Seeds: rank r's input of a call with seed s comes from s * SEED_STRIDE + r; the tensors every
 # rank shares (the fused op's residual and weight) from s * SEED_STRIDE + SHARED_SLOT, which no
@@ -361,15 +361,7 @@ def graph_replays(rank, group, comm, replays, seed):
                                          residual_out=b["res_out"])
         comm.all_reduce(ars[1]["x"], out=ars[1]["out"])
 
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        body()  # warm-up outside the capture
-    torch.cuda.current_stream(dev).wait_stream(side)
-    torch.cuda.synchronize(dev)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
+    g = capture_after_warmup(body, dev)
     fused_before, calls_before = comm.device_fused_calls(), comm.device_calls()
     failures, digests = [], {}
     t0 = time.time()

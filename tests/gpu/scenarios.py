@@ -81,6 +81,21 @@ def sweep(rank, group, sizes_bytes, odd_counts, dtypes, modes, seed):
     return {"checked": checked, "failures": failures}
 
 
+def capture_after_warmup(body, dev) -> "torch.cuda.CUDAGraph":
+    """Runs body() once on a side stream (the warm-up outside the capture, as torch asks), waits
+    for it, then captures body() into a CUDA graph and returns it."""
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        body()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    torch.cuda.synchronize(dev)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body()
+    return g
+
+
 def graph_replays(rank, group, replays, check_every, seed):
     """Captures several all-reduces (flash and stream sizes, in- and out-of-place)
     in one CUDA graph, replays it `replays` times, refreshing the inputs and
@@ -98,14 +113,7 @@ def graph_replays(rank, group, replays, check_every, seed):
             comm.all_reduce(x, out=o)
         comm.all_reduce(inplace_x, out=inplace_x)
 
-    s = torch.cuda.Stream(dev)
-    s.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(s):
-        body()  # warm-up outside capture
-    torch.cuda.current_stream(dev).wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
+    g = capture_after_warmup(body, dev)
     calls_before = comm.device_calls()
     failures, checks = [], 0
     for i in range(replays):
@@ -547,15 +555,7 @@ def fused_graph(rank, group, replays, pool, seed, specs=FUSED_GRAPH_SPECS, comm=
         ar_out.fill_(float("nan"))
 
     load(0)
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        body()  # warm-up outside capture
-    torch.cuda.current_stream(dev).wait_stream(side)
-    torch.cuda.synchronize(dev)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
+    g = capture_after_warmup(body, dev)
     fused_before = comm.device_fused_calls()
     bad_res = torch.zeros(len(specs), dtype=torch.int64, device=dev)
     bad_norm = torch.zeros(len(specs), dtype=torch.int64, device=dev)
