@@ -128,9 +128,11 @@ def fused_sum_reference(summed, residual, weight, eps: float):
 def kernel_spans(kernel_of, top: int = PROBE_TOP_BYTES) -> list[tuple[str, int, int]]:
     """The size table as (kernel, first byte count, last byte count) spans, smallest first, of the
     messages it serves (kernel_of(nbytes) -> kernel name, or None where it serves none). Probes
-    every power of two up to `top` and bisects each change: a kernel whose whole span lies
-    strictly between two neighbouring powers of two is not found."""
+    every power of two up to `top`, and `top`, and bisects each change: a kernel whose whole span
+    lies strictly between two neighbouring probes is not found."""
     points = [1 << k for k in range(top.bit_length()) if 1 << k <= top]
+    if points[-1] != top:
+        points.append(top)
     spans: list[list] = []
     current = kernel_of(points[0])
     start = points[0]
@@ -409,15 +411,59 @@ def graph_replays(rank, group, comm, replays, seed):
     return out
 
 
-def ranks_suite(rank, group, dtypes, fused_plan, replays, seed):
-    """The all-reduce sweep, the fused sweep and the CUDA graph on one communicator (the N
-    processes' start-up is paid once); each scenario's exception is reported instead of ending
-    the run (scenarios.run_steps)."""
+def stress_counts(world_size: int) -> list[int]:
+    """bf16 element counts of the interleaved stress: 1000, and per kernel of the table the odd
+    count nearest the middle of its span (up to 8 MiB + 4 KiB: one stream call at two ranks)."""
+    counts = [1000]
+    for _, lo, hi in kernel_spans(table_of(world_size), top=(8 << 20) + 4096):
+        n = ((lo + hi) // 4) | 1
+        counts.append(n if lo <= 2 * n <= hi else -(-lo // 2))
+    return counts
+
+
+def interleaved_stress(rank, group, comm, rounds: int):
+    """`rounds` rounds of one all-reduce per stress count (the kernels alternate call after call,
+    every other round in place) and one fused call, eager, checked on the device without a
+    synchronisation in between: rank r's input is (r + 1 + i % 5) + (j % 7) at element j of round
+    i, so every sum is a small integer, exact in bf16. Returns the wrong elements, the calls and
+    the fused outputs' cross-rank check."""
+    dev, n_ranks = _device(), comm.world_size
+    bf16 = torch.bfloat16
+    counts = stress_counts(n_ranks)
+    pattern = [(torch.arange(n, device=dev) % 7).to(bf16) for n in counts]
+    xs = [torch.empty_like(p) for p in pattern]
+    outs = [torch.empty_like(p) for p in pattern]
+    fused_pattern = (torch.arange(3 * 4096, device=dev) % 7).to(bf16).view(3, 4096)
+    fx, weight = torch.empty_like(fused_pattern), torch.ones(4096, dtype=bf16, device=dev)
+    norm, res = torch.empty_like(fx), torch.empty_like(fx)
+    bad = torch.zeros((), dtype=torch.int64, device=dev)
+    calls_before = comm.device_calls()
+    for i in range(rounds):
+        mine = float(rank + 1 + i % 5)
+        total = float(n_ranks * (n_ranks + 1) // 2 + n_ranks * (i % 5))
+        for k, p in enumerate(pattern):
+            xs[k].copy_(p).add_(mine)
+            out = xs[k] if i % 2 else outs[k]
+            comm.all_reduce(xs[k], out=out)
+            bad += (out != p * n_ranks + total).sum()
+        fx.copy_(fused_pattern).add_(mine)
+        comm.fused_allreduce_rmsnorm(fx, None, weight, 1e-6, norm_out=norm, residual_out=res)
+        bad += (res != fused_pattern * n_ranks + total).sum()  # residual_out is the sum itself
+    calls = comm.device_calls() - calls_before  # synchronises
+    return {"bad": int(bad), "calls": calls, "rounds": rounds, "counts": counts,
+            "differing": differing(group, {"fused-norm": digest(norm)})}
+
+
+def ranks_suite(rank, group, dtypes, fused_plan, replays, seed, stress_rounds):
+    """The all-reduce sweep, the fused sweep, the CUDA graph and the interleaved stress on one
+    communicator (the N processes' start-up is paid once); each scenario's exception is reported
+    instead of ending the run (scenarios.run_steps)."""
     comm = YaliCommunicator(group, _device())
     return run_steps(comm, group, [
         ("sweep", lambda: all_reduce_sweep(rank, group, comm, dtypes, seed)),
         ("fused", lambda: fused_sweep(rank, group, comm, fused_plan, seed + 1)),
         ("graph", lambda: graph_replays(rank, group, comm, replays, seed + 2)),
+        ("stress", lambda: interleaved_stress(rank, group, comm, stress_rounds)),
     ])
 
 

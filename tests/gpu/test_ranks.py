@@ -27,9 +27,10 @@ FUSED_HIDDEN = (2048, 4096, 8192)
 FUSED_TOKENS = (1, 2, 7, 32)
 EPS = (1e-5, 1e-6)
 GRAPH_REPLAYS = 50
+STRESS_ROUNDS = 150  # x (kernels of the table + 2) eager calls, the kernels alternating
 SEED = 5151
 # Hard bounds of a group's processes (start-up included), per N; a hang is a failure.
-SUITE_BOUND_S = {2: 120, 4: 150, 6: 180, 8: 210}
+SUITE_BOUND_S = {2: 150, 4: 180, 6: 220, 8: 260}
 MISMATCH_BOUND_S = {2: 90, 4: 110, 6: 125, 8: 140}
 SUITE_TIMEOUT_S = "30"  # YALI_TIMEOUT_S of the suite: a kernel left waiting gives up and says why
 MISMATCH_TIMEOUT_S = 10.0  # YALI_TIMEOUT_S of the mismatched call
@@ -53,7 +54,7 @@ def fused_ranks_plan() -> list[dict]:
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"{n}-ranks")
 def suite(request):
     n = request.param
-    return n, run_ranks(rs.ranks_suite, DTYPES, fused_ranks_plan(), GRAPH_REPLAYS, SEED, world_size=n,
+    return n, run_ranks(rs.ranks_suite, DTYPES, fused_ranks_plan(), GRAPH_REPLAYS, SEED, STRESS_ROUNDS, world_size=n,
                         timeout=SUITE_BOUND_S[n], env={"YALI_TIMEOUT_S": SUITE_TIMEOUT_S})
 
 
@@ -107,6 +108,19 @@ def test_cuda_graph_replays_with_fresh_inputs(suite):
         # the device-side counters prove the replays ran YALI's kernels
         assert r["device_fused_calls"] == r["expected_fused_calls"], r
         assert r["device_calls"] == r["expected_calls"], r
+    assert_ranks_agree(parts)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(max(SUITE_BOUND_S.values()) + 30)
+def test_interleaved_stress_every_kernel_call_after_call(suite):
+    n, res = suite
+    parts = suite_part(res, "stress")
+    for rank, r in enumerate(parts):
+        assert r["bad"] == 0, f"rank {rank}: {r['bad']} wrong elements in {r['rounds']} rounds of {r['counts']}"
+        # one exchange launch per call (the fused calls run in one launch at this size)
+        assert r["calls"] == r["rounds"] * (len(r["counts"]) + 1), r
+    assert len(parts[0]["counts"]) >= 3  # 1000 elements and every kernel of the table
     assert_ranks_agree(parts)
 
 
