@@ -3,11 +3,11 @@ process per rank, each on its own GPU, or all on GPU 0 with YALI_ALLOW_SHARED_GP
 only: the processes take turns on the GPU). Skipped without a GPU or the extension (conftest.py),
 and for N ranks on fewer than N GPUs unless they share GPU 0 (pair.run_ranks).
 
-Per N, one process group runs the all-reduce sweep, the fused sweep and the CUDA graph on one
-communicator (ranks_scenarios.ranks_suite: the start-up of N processes importing torch is paid
-once) and each test asserts on its part; the mismatched call runs in its own group, since its
-kernels trap. On one shared GPU (an H100) each N takes about 15 s to start its processes and
-set up, a few seconds of checks and 16 s for the mismatched call: about 2 minutes in all.
+Per N, one process group runs the all-reduce sweep, the fused sweep, the CUDA graph and the
+interleaved stress on one communicator (ranks_scenarios.ranks_suite: the start-up of N processes
+importing torch is paid once) and each test asserts on its part; the mismatched call runs in its
+own group, since its kernels trap. On one shared GPU (an H100) the suite of N ranks takes 18 s
+(N = 2, 4) to 32 s (N = 8) and the mismatched call 16-18 s: under 3 minutes in all.
 
 The tests marked cpu check the references, seeds and size selection on CPU torch."""
 import pytest
