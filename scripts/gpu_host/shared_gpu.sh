@@ -10,7 +10,7 @@
 #   reliability: mismatched calls, watchdog paths, a killed peer, close() (~5 min);
 #   overlap: the overlapped GEMM + all-reduce + RMSNorm against the unfused sequence (~4 min);
 #   ranks: the all-reduce and the fused op at 2, 4, 6 and 8 ranks, a mismatched call included,
-#   all N processes on GPU 0 (tests/gpu/test_ranks.py, ~2 min on an H100)
+#   all N processes on GPU 0 (tests/gpu/test_ranks.py, ~3 min on an H100)
 # Taking turns costs about 3.3 ms per call pair (the 10k-replay graph test, 70k pairs, takes
 # 232 s: archive/gpu-tests/20261123-shared-h200), so the all-reduce part leaves out the 100k-call stress
 # test, whose 300 s bound assumes concurrent ranks; it stays with the 2-GPU host (kernels.sh).
