@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Measures YALI kernel configurations side by side (one process pair, one
+"""Measures YALI kernel configurations side by side (one process per rank, one
 communicator per variant) to choose the size -> kernel table in
 csrc/core/yali/plan.cpp. Per-op time inside CUDA graphs, median of replays.
 
   python -m benchmarks.tune --out /tmp/yali-results --name tune-<date>
+  python -m benchmarks.tune --world-size 8 --variants ranks   # the N-rank table's boundary and CTA size
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import statistics
 import time
 
 
+from benchmarks.common.cli_args import add_world_size_arg, place_ranks, rank_device
 from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
-from benchmarks.common.processes import run_two_ranks
+from benchmarks.common.processes import run_ranks
 from benchmarks.common.results import output_dir, results_header, write_json_and_markdown
 from benchmarks.common.sizes import fmt_size, parse_size
 from benchmarks.common.timing import time_graph
@@ -65,8 +67,19 @@ VARIANTS = {
     # flash-push kept the one-at-a-time wait and the knob (YALI_DEV_BATCH_POLL) was removed.
     # Only the fused op polls batched, from YALI_DEV_FUSED_BATCH_POLL_MIN on.
 }
+# Above two ranks (--world-size 4, 6 or 8): push one-shot at every size against push two-shot at
+# every size (where they cross is YALI_DEV_RANKS_ONESHOT_MAX), and the bytes per CTA.
+RANKS_SIZES = "2K,16K,64K,128K,256K,512K,1M,2M,4M,8M"
+VARIANTS.update({
+    "ranks-oneshot": ({"YALI_DEV_RANKS_ONESHOT_MAX": "8M"}, "auto", RANKS_SIZES),
+    "ranks-twoshot": ({"YALI_DEV_RANKS_ONESHOT_MAX": "4K"}, "auto", RANKS_SIZES.replace("2K,", "")),
+    "ranks-default": ({}, "auto", RANKS_SIZES),
+    "ranks-cta512": ({"YALI_DEV_PUSH_CTA_BYTES": "512"}, "auto", RANKS_SIZES),
+    "ranks-cta4K": ({"YALI_DEV_PUSH_CTA_BYTES": "4K"}, "auto", RANKS_SIZES),
+})
 ROUND4 = [k for k in VARIANTS if k.startswith("push-cta")]
 ROUND5 = ["push-nopdl", "push-pdl", "stream-nopdl", "stream-pdl"]
+RANKS = [k for k in VARIANTS if k.startswith("ranks-")]
 
 
 def worker(rank, port, args, q):
@@ -76,12 +89,11 @@ def worker(rank, port, args, q):
 
     from yali_vllm.communicator import YaliCommunicator, YaliUnavailable
 
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dev = torch.device("cuda", rank_device(rank, args.shared_gpu))
+    torch.cuda.set_device(dev)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size)
     rows = []
-    rounds = {"round4": ROUND4, "round5": ROUND5}
-    names = rounds.get(args.variants) or (args.variants.split(",") if args.variants else list(VARIANTS))
+    names = variant_names(args.variants, args.world_size)
     base_env = {k: v for k, v in os.environ.items() if k.startswith("YALI_")}
     for vi, label in enumerate(names):
         env, mode, sizes = VARIANTS[label]
@@ -106,7 +118,8 @@ def worker(rank, port, args, q):
                                    max(2, min(50, int((64 << 20) // nbytes))), args.replays, None)
                 rows.append({"variant": label, "env": env, "mode": mode, "bytes": nbytes, "dtype": "bf16",
                              "us_p50": round(statistics.median(times), 3), "us_min": round(min(times), 3),
-                             "busbw_gbps": round(nbytes / statistics.median(times) / 1e3, 1)})
+                             "busbw_gbps": round(nbytes / statistics.median(times) / 1e3
+                                                 * 2 * (args.world_size - 1) / args.world_size, 1)})
             except Exception as e:
                 rows.append({"variant": label, "bytes": nbytes, "error": str(e)[:200]})
             del x, out
@@ -119,6 +132,22 @@ def worker(rank, port, args, q):
                 f"{fmt_size(r['bytes'])}:{r.get('us_p50', 'ERR')}" for r in got), flush=True)
     q.put((rank, rows))
     dist.destroy_process_group()
+
+
+def variant_names(spec: str, world_size: int) -> list[str]:
+    """The variants `spec` names (a comma list, round4, round5 or ranks; empty: every variant of
+    the world size). The N-rank variants run above two ranks only, the others at two only."""
+    rounds = {"round4": ROUND4, "round5": ROUND5, "ranks": RANKS}
+    names = rounds.get(spec) or ([v.strip() for v in spec.split(",") if v.strip()] if spec else
+                                 [k for k in VARIANTS if k.startswith("ranks-") == (world_size > 2)])
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown variant(s) {unknown}; known: round4, round5, ranks, {', '.join(VARIANTS)}")
+    wrong = [n for n in names if n.startswith("ranks-") != (world_size > 2)]
+    if wrong:
+        raise SystemExit(f"--variants {','.join(wrong)}: " + ("N-rank variants need --world-size 4, 6 or 8"
+                         if world_size == 2 else f"two-rank variants do not run at --world-size {world_size}"))
+    return names
 
 
 def table(rows):
@@ -146,12 +175,17 @@ def main():
     ap.add_argument("--replays", type=int, default=15)
     ap.add_argument("--out", default=str(output_dir()))
     ap.add_argument("--name", default="tune-" + time.strftime("%Y%m%d-%H%M%S"))
+    add_world_size_arg(ap)
     args = ap.parse_args()
-    rows = run_two_ranks(worker, args, 900, "tuning")
-    hdr = results_header("allreduce-tuning", {"method": "bf16, per-op time in CUDA graphs, p50 of replays"})
+    variant_names(args.variants, args.world_size)  # refuses a bad --variants before any rank starts
+    args.shared_gpu = place_ranks(args.world_size)
+    rows = run_ranks(worker, args, 900, "tuning", world_size=args.world_size)
+    hdr = results_header("allreduce-tuning", {"method": "bf16, per-op time in CUDA graphs, p50 of replays; busbw "
+                                                        "= bytes / time x 2(N-1)/N"},
+                         world_size=args.world_size, shared_gpu=args.shared_gpu)
     hdr["records"] = rows
     md = table(rows)
-    title = f"# YALI tuning ({hdr['host']})\n\n{hdr['date']} · `{hdr['command']}`\n\n"
+    title = f"# YALI tuning, {args.world_size} ranks ({hdr['host']})\n\n{hdr['date']} · `{hdr['command']}`\n\n"
     write_json_and_markdown(args.out, args.name, hdr, title + md)
     print(md)
 
