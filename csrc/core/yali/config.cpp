@@ -187,8 +187,7 @@ void Config::validate() const {
   check_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", fused_row_loads_early, -1, 1);
   check_int("YALI_DEV_FUSED_CLUSTER", fused_cluster, -1, 8);
   check_range("YALI_DEV_RANKS_MAX", ranks_max, 4096, size_t(64) << 20, 4096);
-  // One-shot messages are at least 4 KiB: every rank's kernel then receives data from every
-  // other rank in every call, which the buffer reuse argument of ranks.cuh needs.
+  // The one-shot limit, like the other buffer sizes, is a multiple of 4 KiB (0: by world size).
   if (ranks_oneshot_max != 0) check_range("YALI_DEV_RANKS_ONESHOT_MAX", ranks_oneshot_max, 4096, ranks_max, 4096);
   if (!(timeout_s == 0.0 || (timeout_s >= kMinTimeoutS && timeout_s <= 86400.0)))
     bad("YALI_TIMEOUT_S", std::to_string(timeout_s), "0 (no watchdog) or seconds in [0.001, 86400]");
