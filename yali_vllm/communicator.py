@@ -269,7 +269,7 @@ class YaliCommunicator:
             try:
                 for r, peer in enumerate(steps):
                     if r != self.rank:
-                        y.open_peer(self._handle, list(peer["ipc"]), r if self.world_size > 2 else -1)
+                        y.open_peer(self._handle, list(peer["ipc"]), r)
                 if self.overlap_enabled:
                     y.overlap_open_peer(self._overlap_handle, list(steps[1 - self.rank]["overlap_ipc"]))
             except Exception as e:

@@ -142,6 +142,12 @@ yali::KernelMode to_mode(int64_t mode, const yali::Rank& r) {
   return mode < 0 ? r.config().mode : yali::KernelMode(int(mode));
 }
 
+// A world size the core takes: `lowest` (2, or 3 for what only the N-rank kernels have) to kMaxRanks.
+void check_world(int64_t world, int64_t lowest = 2) {
+  YALI_CHECK_VALUE(world >= lowest && world <= yali::kMaxRanks, "world size ", world, " is not in [", lowest, ", ",
+                   yali::kMaxRanks, "]");
+}
+
 // After a kernel of this rank gave up waiting (the watchdog trapped, so every later CUDA call of
 // the process fails), the reason it recorded: appended to launch errors.
 std::string after_abort(const yali::Rank& r) { return r.aborted() ? " <- " + r.abort_message() : std::string(); }
@@ -149,7 +155,7 @@ std::string after_abort(const yali::Rank& r) { return r.aborted() ? " <- " + r.a
 // ------------------------------------------------------------------ ops
 int64_t create(int64_t device, int64_t rank, int64_t world) {
   const yali::Config c = config_from_env();
-  YALI_CHECK_VALUE(world >= 2 && world <= yali::kMaxRanks, "world size ", world, " is not in [2, ", yali::kMaxRanks, "]");
+  check_world(world);
   YALI_CHECK_VALUE(rank >= 0 && rank < world, "rank ", rank, " is not in [0, ", world, ")");
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
@@ -270,7 +276,7 @@ void fused_allreduce_rmsnorm(int64_t handle, const Tensor& input, const std::opt
 std::vector<int64_t> plan(int64_t nbytes, int64_t mode, int64_t world) {
   yali::Config c = config_from_env();
   YALI_CHECK_VALUE(mode >= -1 && mode <= 2, "kernel mode ", mode, " is not -1, 0, 1 or 2");
-  YALI_CHECK_VALUE(world >= 2 && world <= yali::kMaxRanks, "world size ", world, " is not in [2, ", yali::kMaxRanks, "]");
+  check_world(world);
   if (mode >= 0) c.mode = yali::KernelMode(int(mode));
   const yali::Plan p = yali::plan_for(c, size_t(nbytes), int(world));
   return {int64_t(p.kernel), int64_t(p.blocks), int64_t(p.chunk_bytes)};
@@ -280,13 +286,13 @@ std::string config_string() { return config_from_env().to_string(); }
 // The N-rank table's limits for `world` ranks: [push one-shot up to, the largest message served,
 // one rank's slot of the push area].
 std::vector<int64_t> ranks_table(int64_t world) {
-  YALI_CHECK_VALUE(world > 2 && world <= yali::kMaxRanks, "world size ", world, " is not in [3, ", yali::kMaxRanks, "]");
+  check_world(world, 3);
   const yali::Config c = config_from_env();
   return {int64_t(yali::ranks_oneshot_max(c, int(world))), int64_t(std::min(c.ranks_max, c.max_bytes)),
           int64_t(yali::ranks_slot_bytes(c, int(world)))};
 }
 int64_t shared_bytes_for_env(int64_t world) {
-  YALI_CHECK_VALUE(world >= 2 && world <= yali::kMaxRanks, "world size ", world, " is not in [2, ", yali::kMaxRanks, "]");
+  check_world(world);
   return int64_t(yali::shared_buffer_bytes(config_from_env(), int(world)));
 }
 int64_t buffer_bytes(int64_t handle) { return int64_t(get(handle)->buffer_bytes()); }

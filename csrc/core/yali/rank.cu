@@ -147,7 +147,6 @@ void Rank::open_peer(int peer_rank, const IpcHandleBytes& peer) {
     throw std::invalid_argument("yali: rank " + std::to_string(rank_) + " of " + std::to_string(world_) +
                                 " cannot map rank " + std::to_string(peer_rank) + "'s buffer");
   if (bufs_[peer_rank]) throw std::runtime_error("yali: rank " + std::to_string(peer_rank) + " already connected");
-  if (!peer_is_ipc_ && peer_shared_) throw std::runtime_error("yali: peer already attached in this process");
   ScopedDevice guard(device_);
   cudaIpcMemHandle_t h;
   std::memcpy(&h, peer.data(), sizeof(h));
@@ -156,7 +155,6 @@ void Rank::open_peer(int peer_rank, const IpcHandleBytes& peer) {
              ("cudaIpcOpenMemHandle(rank " + std::to_string(peer_rank) + "'s buffer)").c_str());
   bufs_[peer_rank] = static_cast<char*>(p);
   peer_is_ipc_ = true;
-  if (world_ == 2) peer_shared_ = bufs_[peer_rank];
 }
 
 bool Rank::connected() const {
@@ -168,7 +166,7 @@ bool Rank::connected() const {
 void Rank::attach_peer(Rank& peer) {
   if (world_ != 2 || peer.world_ != 2 || peer.rank_ == rank_)
     throw std::invalid_argument("yali: attach_peer joins the two ranks of a two-rank communicator");
-  if (peer_shared_) throw std::runtime_error("yali: peer already connected");
+  if (bufs_[peer.rank_]) throw std::runtime_error("yali: peer already connected");
   if (!(peer.config_ == config_)) throw std::invalid_argument("yali: both ranks need the same Config");
   int can = 0;
   check_cuda(cudaDeviceCanAccessPeer(&can, device_, peer.device_), "cudaDeviceCanAccessPeer");
@@ -179,7 +177,6 @@ void Rank::attach_peer(Rank& peer) {
   cudaError_t e = cudaDeviceEnablePeerAccess(peer.device_, 0);
   if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
   else check_cuda(e, "cudaDeviceEnablePeerAccess");
-  peer_shared_ = peer.shared_;
   bufs_[peer.rank_] = peer.shared_;
   peer_is_ipc_ = false;
 }
@@ -195,7 +192,6 @@ void Rank::close_peer() {
     if (peer_is_ipc_) cudaIpcCloseMemHandle(bufs_[r]);
     bufs_[r] = nullptr;
   }
-  peer_shared_ = nullptr;
 }
 
 Plan Rank::plan(size_t nbytes, KernelMode mode) const {
@@ -283,7 +279,7 @@ ExchangeArgs Rank::exchange_args(const void* in, void* out, size_t nbytes) const
   x.total_ctas = config_.flash_ctas;
   x.parity_bytes = config_.flash_bytes;
   x.my_push = shared_ + layout_.flash_push;
-  x.peer_push = peer_shared_ + layout_.flash_push;
+  x.peer_push = peer_buf() + layout_.flash_push;
   x.state = state_;
   x.timeout_ns = uint64_t(config_.timeout_s * 1e9);
   x.abort = abort_dev_;
@@ -294,7 +290,7 @@ CallCheck Rank::call_check(const CallDesc& desc) const {
   CallCheck c;
   c.desc = desc;
   c.my_slots = reinterpret_cast<uint32_t*>(shared_ + layout_.call_slots);
-  c.peer_slots = reinterpret_cast<uint32_t*>(peer_shared_ + layout_.call_slots);
+  c.peer_slots = reinterpret_cast<uint32_t*>(peer_buf() + layout_.call_slots);
   return c;
 }
 
@@ -319,9 +315,9 @@ RanksArgs Rank::ranks_args(const void* in, void* out, size_t nbytes, const CallD
 
 StreamArgs Rank::stream_args(const void* in, void* out, size_t nbytes, const Plan& p) const {
   return StreamArgs{in, out, nbytes, p.chunk_bytes, p.blocks, config_.slots, config_.slot_bytes,
-                    shared_ + layout_.stream_slots, peer_shared_ + layout_.stream_slots,
-                    flag_words(shared_, layout_.stream_ready), flag_words(peer_shared_, layout_.stream_ready),
-                    flag_words(shared_, layout_.stream_credit), flag_words(peer_shared_, layout_.stream_credit),
+                    shared_ + layout_.stream_slots, peer_buf() + layout_.stream_slots,
+                    flag_words(shared_, layout_.stream_ready), flag_words(peer_buf(), layout_.stream_ready),
+                    flag_words(shared_, layout_.stream_credit), flag_words(peer_buf(), layout_.stream_credit),
                     state_, uint64_t(config_.timeout_s * 1e9), abort_dev_};
 }
 
@@ -331,15 +327,15 @@ LegacyArgs Rank::legacy_args(const void* in, void* out, size_t nbytes) const {
   f.x = exchange_args(in, out, nbytes);
   f.rank = rank_;
   f.my_arrive = flag_words(shared_, layout_.flash_arrive);
-  f.peer_arrive = flag_words(peer_shared_, layout_.flash_arrive);
+  f.peer_arrive = flag_words(peer_buf(), layout_.flash_arrive);
   f.my_gather = flag_words(shared_, layout_.flash_gather);
-  f.peer_gather = flag_words(peer_shared_, layout_.flash_gather);
+  f.peer_gather = flag_words(peer_buf(), layout_.flash_gather);
   f.my_stage = shared_ + layout_.flash_stage;
-  f.peer_stage = peer_shared_ + layout_.flash_stage;
+  f.peer_stage = peer_buf() + layout_.flash_stage;
   f.my_reduced = shared_ + layout_.flash_reduced;
-  f.peer_reduced = peer_shared_ + layout_.flash_reduced;
+  f.peer_reduced = peer_buf() + layout_.flash_reduced;
   f.my_ll = shared_ + layout_.flash_ll;
-  f.peer_ll = peer_shared_ + layout_.flash_ll;
+  f.peer_ll = peer_buf() + layout_.flash_ll;
   f.ll_parity_bytes = 2 * config_.ll_max;
   return f;
 }

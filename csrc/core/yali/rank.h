@@ -81,6 +81,7 @@ class Rank {
   ExchangeArgs exchange_args(const void* in, void* out, size_t nbytes) const;
   CallCheck call_check(const CallDesc& desc) const;
   StreamArgs stream_args(const void* in, void* out, size_t nbytes, const Plan& p) const;
+  char* peer_buf() const { return bufs_[1 - rank_]; }  // two ranks: the peer's buffer, mapped
   RanksArgs ranks_args(const void* in, void* out, size_t nbytes, const CallDesc& desc) const;
   cudaError_t ranks_fused(const void* in, const void* residual, const void* weight, float eps, void* norm_out,
                           void* residual_out, size_t rows, size_t hidden, DType dtype, cudaStream_t stream) const;
@@ -94,7 +95,6 @@ class Rank {
   Config config_;
   SharedLayout layout_;
   char* shared_ = nullptr;       // mine, IPC-exported
-  char* peer_shared_ = nullptr;  // two ranks: the peer's, mapped
   std::array<char*, kMaxRanks> bufs_{};  // every rank's buffer as mapped here (bufs_[rank_] = shared_)
   bool peer_is_ipc_ = false;
   LocalState* state_ = nullptr;
