@@ -71,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
         "around them, see decode_profile.py) under --out; 0 = no profile. The profiler is configured on the server "
         "but only runs for that request, after the measurements",
     )
+    p.add_argument(
+        "--profile-prefill-tokens",
+        type=non_negative_int,
+        default=0,
+        help="after the decode profile (or in its place), profile the prefill of one prompt of this many fresh "
+        "random tokens (one output token) and write prefill-profile.json/.md: the kernels of that one step; "
+        "0 = none",
+    )
     p.add_argument("--locust-users", type=non_negative_int, default=0,
                    help="after each config's first-repeat points, a locust load test (benchmarks/locustfile.py) "
                         "with this many users on the same server; rows in --out/load-test.json (kind load-test). 0 = none")

@@ -333,6 +333,11 @@ class YaliCommunicator:
             raise YaliUnavailable("self-test all-reduce over the peer mapping gave wrong values (P2P broken?)")
 
     # ------------------------------------------------------------------ calls
+    @property
+    def serve_limit(self) -> int:
+        """The largest message in bytes that all_reduce and the fused op serve (vLLM's chain takes larger ones)."""
+        return self._serve_limit
+
     def should_use(self, x: torch.Tensor) -> bool:
         """True when all_reduce(x) is served by YALI (else the caller falls back)."""
         return self._handle is not None and servable(x, self.device, self._serve_limit)

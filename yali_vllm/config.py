@@ -20,6 +20,18 @@ KERNEL_NAMES = {0: None, 1: "flash-oneshot", 2: "flash-twoshot", 3: "stream", 4:
 # The world sizes (ranks of a tensor-parallel group) YALI serves: 2 with the two-rank kernels
 # (flash-push, stream), 4, 6 and 8 with the N-rank push one-shot and two-shot (csrc/core/yali/ranks.cuh).
 WORLD_SIZES = (2, 4, 6, 8)
+# The world sizes the vLLM plugin serves when YALI_WORLD_SIZES is unset: those where committed
+# serving runs on real GPUs show YALI at parity with vLLM's defaults or better (c=1 TPOT, c=32
+# output tokens/s, TTFT). A plugin that makes a server slower is not on by default.
+DEFAULT_WORLD_SIZES = (2,)  # 70B TP=2: benchmarks/results/current/serving/20261122-70b-comparison
+# Why each other world size the kernels serve is off by default (its result file, where one exists).
+OFF_BY_DEFAULT = {
+    4: "a 70B TP=4 server served fewer tokens/s with YALI than with vLLM's defaults "
+       "(docs/DESIGN_LOG.md, section 9)",
+    6: "no serving run at TP=6 yet",
+    8: "no serving run at TP=8 yet",
+}
+WORLD_SIZES_VAR = "YALI_WORLD_SIZES"
 # The end of build_info() of a library built with the legacy flash kernels (YALI_BUILD_LEGACY=1;
 # csrc/bindings/torch_ops.cpp: YALI_BUILD_KERNELS).
 LEGACY_BUILD_MARK = ", with the legacy flash kernels"
@@ -45,6 +57,7 @@ def env_flag(name: str, default: bool, environ=None) -> bool:
 # (check_environment), so a typo such as YALI_MAX_BYTE or YALI_TIMEOUT cannot be ignored silently.
 SETTINGS = {
     "YALI_ENABLE": "the vLLM plugin on (1) or off (0)",
+    "YALI_WORLD_SIZES": "the TP world sizes the vLLM plugin serves (default 2; e.g. 2,4)",
     "YALI_FUSION": "YALI's all-reduce + RMSNorm fusion pass instead of vLLM's FlashInfer one",
     "YALI_OVERLAP": "prefill GEMM + all-reduce + RMSNorm overlapped on the copy engine (opt-in)",
     "YALI_MAX_BYTES": "largest message YALI serves",
@@ -115,6 +128,41 @@ def world_size_refusal(world_size: int) -> str | None:
         return None
     served = ", ".join(str(n) for n in WORLD_SIZES[:-1]) + f" or {WORLD_SIZES[-1]}"
     return f"world size is {world_size}; YALI serves {served} ranks"
+
+
+def plugin_world_sizes(environ=None) -> tuple[int, ...]:
+    """The TP world sizes the vLLM plugin serves: YALI_WORLD_SIZES (a comma-separated list of sizes
+    from WORLD_SIZES, or "all") or DEFAULT_WORLD_SIZES; ValueError naming the variable on bad input."""
+    raw = (os.environ if environ is None else environ).get(WORLD_SIZES_VAR, "").strip()
+    if not raw:
+        return DEFAULT_WORLD_SIZES
+    if raw.lower() == "all":
+        return WORLD_SIZES
+    sizes = []
+    for item in raw.split(","):
+        item = item.strip()
+        if not item.isdigit() or int(item) not in WORLD_SIZES:
+            served = ", ".join(str(n) for n in WORLD_SIZES)
+            raise ValueError(f"invalid {WORLD_SIZES_VAR}={raw!r}: {item!r} is not a world size YALI "
+                             f"serves; expected a comma-separated list of {served}, or all")
+        sizes.append(int(item))
+    return tuple(sorted(set(sizes)))
+
+
+def plugin_world_size_refusal(world_size: int, environ=None) -> str | None:
+    """Why the vLLM plugin leaves a TP group of `world_size` ranks to vLLM's chain, or None when
+    it serves it: a world size the kernels do not serve (world_size_refusal), or one that is off
+    by default (OFF_BY_DEFAULT) and not listed in YALI_WORLD_SIZES."""
+    refusal = world_size_refusal(world_size)
+    if refusal is not None:
+        return refusal
+    enabled = plugin_world_sizes(environ)
+    if world_size in enabled:
+        return None
+    why = OFF_BY_DEFAULT.get(world_size, "not measured in serving")
+    turn_on = ",".join(str(n) for n in sorted({*enabled, world_size}))
+    return (f"world size {world_size} is off by default: {why}; "
+            f"{WORLD_SIZES_VAR}={turn_on} turns it on")
 
 
 def plan(nbytes: int, mode: str = "config", world_size: int = 2) -> tuple[str | None, int, int]:

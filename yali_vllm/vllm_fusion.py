@@ -87,14 +87,37 @@ def fusion_decision(environ=None) -> tuple[bool, str]:
 
 
 def unfused(group, input: torch.Tensor, residual, weight: torch.Tensor, eps: float):
-    """vLLM's own sequence: the group's all-reduce, then vLLM IR's (fused-add) RMSNorm."""
+    """vLLM's own sequence: the group's all-reduce, then vLLM's (fused-add) RMSNorm kernel."""
+    ar = group.all_reduce(input)
+    if ar is input:  # a 1-rank group returns its input; op outputs must not alias inputs
+        ar = ar.clone()
+    return norm_after_all_reduce(ar, residual, weight, eps)
+
+
+def norm_after_all_reduce(ar: torch.Tensor, residual, weight: torch.Tensor, eps: float):
+    """(norm_out, residual_out) of RMSNorm(ar [+ residual]), `ar` a fresh tensor this call owns.
+
+    Runs vLLM's CUDA kernels (torch.ops._C.rms_norm / fused_add_rms_norm, one launch) where they
+    apply. Not vLLM IR's op: called eagerly, outside a compiled graph, it dispatches to its
+    "native" implementation under torch.compile (vLLM's default IR priority when Inductor
+    compiles), about ten elementwise launches over fp32 copies of the rows."""
     import vllm.ir.ops
 
-    ar = group.all_reduce(input)
+    c_ops = getattr(torch.ops, "_C", None)
+    cuda_kernel = (
+        ar.is_cuda and ar.is_contiguous() and weight.dtype == ar.dtype and weight.is_contiguous()
+        and (residual is None or (residual.dtype == ar.dtype and residual.shape == ar.shape))
+    )
     if residual is None:
-        if ar is input:  # a 1-rank group returns its input; op outputs must not alias inputs
-            ar = ar.clone()
+        if cuda_kernel and hasattr(c_ops, "rms_norm"):
+            out = torch.empty_like(ar)
+            c_ops.rms_norm(out, ar, weight, eps)
+            return out, ar
         return vllm.ir.ops.rms_norm(ar, weight, eps), ar
+    if cuda_kernel and hasattr(c_ops, "fused_add_rms_norm"):
+        res = residual.contiguous().clone()
+        c_ops.fused_add_rms_norm(ar, res, weight, eps)  # in place: ar <- norm, res <- ar + residual
+        return ar, res
     out, res = vllm.ir.ops.fused_add_rms_norm(ar, residual, weight, eps)
     return out, res
 
@@ -245,13 +268,28 @@ def _register_patterns(
 _logged_patterns = False
 
 
+def fused_max_tokens(group, config) -> int | None:
+    """The most tokens for which YALI's communicator on `group` serves the fused op of `config`'s
+    model (its message limit over one row of the hidden size and dtype); None when unbounded
+    here (no communicator or model config: the op itself still checks every call)."""
+    yc = getattr(getattr(group, "device_communicator", None), "yali_comm", None)
+    limit = getattr(yc, "serve_limit", None)
+    model = getattr(config, "model_config", None)
+    if limit is None or model is None:
+        return None
+    row_bytes = model.get_hidden_size() * torch.empty((), dtype=model.dtype).element_size()
+    return int(limit) // row_bytes
+
+
 class YaliAllReduceFusionPass(VllmPatternMatcherPass):
     """Rewrites TP all-reduce + (fused-add-)RMSNorm into YALI's fused op.
 
     Built by the plugin instead of vLLM's AllReduceFusionPass when YALI serves
-    the TP group (never both).  Applies to every compile range: the op serves
-    any token count (above YALI's one-launch limit it runs YALI's all-reduce,
-    add and norm; above what YALI serves at all, vLLM's chain).
+    the TP group (never both).  Like vLLM's pass, it applies only to the compile
+    ranges whose token counts it serves (``max_token_num``: the largest message
+    YALI's communicator serves, in rows of the model's hidden size; unbounded at
+    two ranks, 512 rows of hidden 8192 bf16 at four).  Larger ranges keep
+    vLLM's compiled all-reduce + RMSNorm, exactly as vLLM's defaults run them.
     """
 
     def __init__(self, config) -> None:
@@ -268,6 +306,7 @@ class YaliAllReduceFusionPass(VllmPatternMatcherPass):
                 "TP world size is 1" if tp.world_size <= 1 else "no model config",
             )
             return
+        self.max_token_num = fused_max_tokens(tp, config)
         names = self.register_patterns(tp.unique_name)
         self.disabled = False
         self.dump_patterns(config, self.patterns)
@@ -275,8 +314,10 @@ class YaliAllReduceFusionPass(VllmPatternMatcherPass):
         if not _logged_patterns:
             _logged_patterns = True
             logger.info(
-                "YALI fusion pass: patterns %s registered for eps %s, %s, group '%s'",
+                "YALI fusion pass: patterns %s registered for eps %s, %s, group '%s'; %s",
                 ", ".join(names), ", ".join(str(e) for e in EPSILONS), self.model_dtype, tp.unique_name,
+                "every token count" if self.max_token_num is None else
+                f"compile ranges up to {self.max_token_num} tokens (larger ones keep vLLM's all-reduce + RMSNorm)",
             )
 
     @enable_fake_mode
@@ -295,7 +336,7 @@ class YaliAllReduceFusionPass(VllmPatternMatcherPass):
         return VllmInductorPass.hash_source(type(self), _register_patterns, _norm_input_weight_dtype_match)
 
     def is_applicable_for_range(self, compile_range) -> bool:
-        return not self.disabled
+        return not self.disabled and (self.max_token_num is None or compile_range.end <= self.max_token_num)
 
     @VllmInductorPass.time_and_log
     def __call__(self, graph: fx.Graph) -> None:

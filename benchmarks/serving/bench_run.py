@@ -27,7 +27,7 @@ from benchmarks.serving.commands import ServerError, pick_port, resolve_command,
 from benchmarks.serving.configs import SERVER_CONFIGS
 from benchmarks.serving.locust import LoadTests
 from benchmarks.serving.model import default_model_dir, model_summary, prepare_model, tensor_parallel_refusal
-from benchmarks.serving.profiler import profile_request, profiler_config
+from benchmarks.serving.profiler import move_traces, profile_prefill, profile_request, profiler_config
 from benchmarks.serving.report import write_report
 from benchmarks.serving.runners import CliBenchRunner, WorkerBenchRunner, bench_args
 from benchmarks.serving.schema import KIND, RESULT_NAME, make_record, parse_bench_result
@@ -64,6 +64,37 @@ def write_decode_profile(out: Path, tokens: int, model_size: str) -> Path | None
     return out / "decode-profile.json"
 
 
+def write_prefill_profile(out: Path, prompt_tokens: int, model_size: str) -> Path | None:
+    """prefill-profile.json/.md from out/prefill-traces/<config>/: the kernels of one prefill step."""
+    if not (out / "prefill-traces").is_dir():
+        return None
+    doc = profile_analysis.profile_doc(out / "prefill-traces", 1,
+                                       {"model_size": model_size, "phase": "prefill", "prompt_tokens": prompt_tokens,
+                                        "source": "serving_bench --profile-prefill-tokens"})
+    if not doc["records"]:
+        return None
+    profile_analysis.write_doc(out, doc, profile_analysis.PREFILL_NAME)
+    return out / f"{profile_analysis.PREFILL_NAME}.json"
+
+
+def profile_server(args: argparse.Namespace, server, cfg: str, model_dir: Path, out: Path,
+                   deadline: Deadline, reserve_s: float, say: Callable[[str], None]) -> None:
+    """The decode profile (--profile-tokens) and the prefill profile (--profile-prefill-tokens) of one
+    running server, each moved from the server's profiler directory to out/traces/<cfg> and
+    out/prefill-traces/<cfg>. Raises on a failed request."""
+    server_dir = out / "profiler" / cfg
+    if args.profile_tokens:
+        dur = profile_request(server.base_url, str(model_dir), args.profile_tokens, deadline, reserve_s)
+        n = move_traces(server_dir, out / "traces" / cfg)
+        say(f"{cfg}: profiled a {args.profile_tokens}-token request ({dur:.1f}s with the trace, {n} files)")
+    if args.profile_prefill_tokens:
+        dur = profile_prefill(server.base_url, str(model_dir), args.profile_prefill_tokens, args.seed, deadline,
+                              reserve_s)
+        n = move_traces(server_dir, out / "prefill-traces" / cfg)
+        say(f"{cfg}: profiled the prefill of a {args.profile_prefill_tokens}-token prompt "
+            f"({dur:.1f}s with the trace, {n} files)")
+
+
 def run(args: argparse.Namespace) -> int:
     configs = validate_args(args)
     deadline = Deadline(args.budget_s)
@@ -75,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
 
     def srv_cmd(cfg: str, port: int) -> list[str]:
         cmd = server_command_for(args, model_dir, cfg, port)
-        if args.profile_tokens:
-            cmd += ["--profiler-config", json.dumps(profiler_config(out / "traces" / cfg))]
+        if args.profile_tokens or args.profile_prefill_tokens:
+            cmd += ["--profiler-config", json.dumps(profiler_config(out / "profiler" / cfg))]
         return cmd
 
     def b_args(base_url: str, c: int, j: int, result_dir: Path, name: str) -> list[str]:
@@ -270,14 +301,12 @@ def _run_all(
                         )
                         say(f"{tag} c={c}: FAILED ({why}); see {raw_dir / (name + '.log')}")
                     write_results(json_path, doc)
-                if args.profile_tokens and rep == 1:
+                if (args.profile_tokens or args.profile_prefill_tokens) and rep == 1:
                     if deadline.remaining() < 90.0 + stop_reserve:
                         say(f"{tag}: profile skipped, not enough budget left")
                     else:
                         try:
-                            dur = profile_request(server.base_url, str(model_dir), args.profile_tokens, deadline,
-                                                  stop_reserve)
-                            say(f"{tag}: profiled a {args.profile_tokens}-token request ({dur:.1f}s with the trace)")
+                            profile_server(args, server, cfg, model_dir, out, deadline, stop_reserve, say)
                         except Exception as e:  # the measurements stand without it
                             doc["errors"].append({"config": cfg, "repeat": rep, "concurrency": None,
                                                   "error": f"profile: {type(e).__name__}: {e}"})
@@ -312,6 +341,12 @@ def _run_all(
                 say(f"decode profile: {prof or 'no GPU kernels in the traces'}")
             except Exception as e:
                 say(f"decode profile analysis FAILED: {type(e).__name__}: {e}")
+        if args.profile_prefill_tokens and (out / "prefill-traces").is_dir():
+            try:
+                prof = write_prefill_profile(out, args.profile_prefill_tokens, args.model_size)
+                say(f"prefill profile: {prof or 'no GPU kernels in the traces'}")
+            except Exception as e:
+                say(f"prefill profile analysis FAILED: {type(e).__name__}: {e}")
         md, plots = write_report(doc, json_path, out)
         say(f"wrote {json_path}, {md}" + (", " + ", ".join(str(p) for p in plots) if plots else ""))
     if interrupted is not None:

@@ -6,6 +6,9 @@ import json
 from dataclasses import dataclass
 
 NCCL_COMPILATION_CONFIG = {"pass_config": {"fuse_allreduce_rms": False}}
+# The yali configurations serve every TP world size the kernels serve, also those the plugin
+# leaves off by default (yali_vllm.config.OFF_BY_DEFAULT): measuring them is how one turns on.
+YALI_ON = {"YALI_ENABLE": "1", "YALI_WORLD_SIZES": "all"}
 
 
 @dataclass(frozen=True)
@@ -19,9 +22,9 @@ class ServerConfig:
 SERVER_CONFIGS: dict[str, ServerConfig] = {
     "yali": ServerConfig(
         "yali",
-        {"YALI_ENABLE": "1"},
+        YALI_ON,
         (),
-        "yali plugin on (YALI_ENABLE=1); vLLM defaults otherwise",
+        "yali plugin on (YALI_ENABLE=1, YALI_WORLD_SIZES=all); vLLM defaults otherwise",
     ),
     "vllm-default": ServerConfig(
         "vllm-default",
@@ -36,7 +39,7 @@ SERVER_CONFIGS: dict[str, ServerConfig] = {
     # kernel, as in vllm-default.
     "yali-flashinfer-fusion": ServerConfig(
         "yali-flashinfer-fusion",
-        {"YALI_ENABLE": "1", "YALI_FUSION": "0"},
+        {**YALI_ON, "YALI_FUSION": "0"},
         (),
         "yali plugin on, YALI_FUSION=0: vLLM's FlashInfer all-reduce+RMSNorm fusion serves the "
         "fused pairs (the control for effects of the plugin outside its fused kernel)",
@@ -44,7 +47,7 @@ SERVER_CONFIGS: dict[str, ServerConfig] = {
     # The prefill overlap (opt-in): compare TTFT at a long input (--random-input-len 4096) with "yali".
     "yali-overlap": ServerConfig(
         "yali-overlap",
-        {"YALI_ENABLE": "1", "YALI_OVERLAP": "1"},
+        {**YALI_ON, "YALI_OVERLAP": "1"},
         (),
         "yali plugin on, YALI_OVERLAP=1: prefill GEMM + all-reduce + RMSNorm overlapped from 512 tokens",
     ),

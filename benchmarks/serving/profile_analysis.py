@@ -16,6 +16,9 @@ from benchmarks.common.results import load_results_of_kind, results_header, writ
 
 
 KIND = "decode-profile"
+# The same analysis of a profile that holds one prefill step (serving_bench --profile-prefill-tokens):
+# its result file's name; its header says "phase": "prefill" and the records are per step.
+PREFILL_NAME = "prefill-profile"
 # First match wins; names are CUDA kernel names as the profiler records them.
 KERNEL_CLASSES = [
     ("yali", re.compile(r"yali", re.I)),
@@ -123,26 +126,40 @@ def top_kernels(trace_root: Path, tokens: int) -> dict:
 # vLLM's worker profiler annotates each engine step as execute_context_<n>(<tokens>)_generation_<n>(<tokens>);
 # its key-averages table (profiler_out_<rank>.txt) gives the GPU time under each annotation.
 # The row's last two columns are the mean CUDA time and the number of calls (groups 3-5).
-STEP_ROW = re.compile(r"^\s*execute_context_(\d+)\(\d+\)_generation_(\d+)\(\d+\)\s.*?([\d.]+)(us|ms|s)\s+(\d+)\s*$")
+STEP_ROW = re.compile(r"^\s*execute_context_(\d+)\((\d+)\)_generation_(\d+)\(\d+\)\s.*?([\d.]+)(us|ms|s)\s+(\d+)\s*$")
 
 
 def _us(value: str, unit: str) -> float:
     return float(value) * {"us": 1.0, "ms": 1e3, "s": 1e6}[unit]
 
 
+def _table_rank(name: str) -> int:
+    """The rank of a key-averages table file: profiler_out_<rank>.txt (vLLM 0.26) or
+    <...>rank<rank>.profiler_out.txt (vLLM 0.33)."""
+    m = re.search(r"rank[_-]?(\d+)", name) or re.search(r"(\d+)", name)
+    return int(m.group(1)) if m else 0
+
+
 def step_times(trace_root: Path) -> dict:
-    """Per config and rank, from vLLM's profiler_out_<rank>.txt: the mean GPU time of a pure
-    decode step (no prefill in the batch) and how many there were. This is the number to
-    compare between configurations: it excludes the host's time between steps."""
+    """Per config and rank, from vLLM's key-averages table (profiler_out): the mean GPU time of a
+    pure decode step (no prefill in the batch) and how many there were, and of a step that
+    prefills one request alone (its prompt tokens in the row). This is the number to compare
+    between configurations: it excludes the host's time between steps."""
     out: dict = {}
     for cfg_dir in sorted(p for p in trace_root.iterdir() if p.is_dir()):
-        for path in sorted(cfg_dir.glob("profiler_out_*.txt")):
-            rank = int(re.search(r"(\d+)", path.name).group(1))
+        for path in sorted({*cfg_dir.glob("profiler_out_*.txt"), *cfg_dir.glob("*.profiler_out.txt")}):
+            rank = _table_rank(path.name)
             for line in path.read_text(errors="replace").splitlines():
                 m = STEP_ROW.match(line)
-                if m and m.group(1) == "0":  # no context (prefill) requests in the step
-                    out.setdefault(cfg_dir.name, {})[str(rank)] = {
-                        "decode_steps": int(m.group(5)), "decode_step_us": round(_us(m.group(3), m.group(4)), 1)}
+                if not m:
+                    continue
+                contexts, context_tokens, generations = int(m.group(1)), int(m.group(2)), int(m.group(3))
+                steps, step_us = int(m.group(6)), round(_us(m.group(4), m.group(5)), 1)
+                entry = out.setdefault(cfg_dir.name, {}).setdefault(str(rank), {})
+                if contexts == 0:  # no context (prefill) requests in the step
+                    entry.update({"decode_steps": steps, "decode_step_us": step_us})
+                elif contexts == 1 and generations == 0:
+                    entry.update({"prefill_steps": steps, "prefill_tokens": context_tokens, "prefill_step_us": step_us})
     return out
 
 
@@ -155,10 +172,15 @@ def profile_doc(trace_root: Path, tokens: int, extra: dict) -> dict:
 
 
 def markdown(doc: dict) -> str:
-    lines = [f"# Decode profile ({doc['host']})", "", f"{doc['date']} · `{doc['command']}`", "",
-             "GPU kernels of one streamed request (torch profiler, rank 0), grouped by class; gaps are the idle "
+    prefill = doc.get("phase") == "prefill"
+    unit = "step" if prefill else "token"
+    what = (f"the one step that prefills a {doc.get('prompt_tokens')}-token prompt" if prefill
+            else "one streamed request")
+    lines = [f"# {'Prefill' if prefill else 'Decode'} profile ({doc['host']})", "",
+             f"{doc['date']} · `{doc['command']}`", "",
+             f"GPU kernels of {what} (torch profiler, rank 0), grouped by class; gaps are the idle "
              "time on the kernel's stream before / after it, averaged over that class.", "",
-             "| config | class | kernels / token | µs / token | mean µs | gap before µs | gap after µs |",
+             f"| config | class | kernels / {unit} | µs / {unit} | mean µs | gap before µs | gap after µs |",
              "|---|---|---:|---:|---:|---:|---:|"]
     totals: dict = {}
     for r in doc["records"]:
@@ -170,28 +192,33 @@ def markdown(doc: dict) -> str:
         t["busy"] += r["per_token_us"]
     if totals:
         tokens = doc["records"][0]["tokens"]
-        lines += ["", "Per token, rank 0: kernel time (sum over classes) and the span of the whole trace "
-                  "(first kernel start to last kernel end, divided by the tokens; includes the prefill).", "",
-                  "| config | kernel µs / token | span µs / token |", "|---|---:|---:|"]
+        span = ("the span of the whole trace (first kernel start to last kernel end)" if prefill else
+                "the span of the whole trace (first kernel start to last kernel end, divided by the tokens; "
+                "includes the prefill)")
+        lines += ["", f"Per {unit}, rank 0: kernel time (sum over classes) and {span}.", "",
+                  f"| config | kernel µs / {unit} | span µs / {unit} |", "|---|---:|---:|"]
         for cfg, t in totals.items():
             lines.append(f"| {cfg} | {t['busy']:.1f} | {t['span'] / tokens:.1f} |")
     if doc.get("step_times"):
-        lines += ["", "GPU time of one decode step (vLLM's step annotation in the profiler's key averages; excludes the "
-                  "host's time between steps):", "", "| config | rank | decode steps | µs / step |", "|---|---:|---:|---:|"]
+        kind, key = ("prefill", "prefill") if prefill else ("decode", "decode")
+        lines += ["", f"GPU time of one {kind} step (vLLM's step annotation in the profiler's key averages; excludes "
+                  "the host's time between steps):", "", f"| config | rank | {kind} steps | µs / step |",
+                  "|---|---:|---:|---:|"]
         for cfg, ranks in doc["step_times"].items():
-            for rank, st in sorted(ranks.items()):
-                lines.append(f"| {cfg} | {rank} | {st['decode_steps']} | {st['decode_step_us']} |")
+            for rank, st in sorted(ranks.items(), key=lambda kv: int(kv[0])):
+                if f"{key}_steps" in st:
+                    lines.append(f"| {cfg} | {rank} | {st[f'{key}_steps']} | {st[f'{key}_step_us']} |")
     for cfg, top in doc.get("top_kernels", {}).items():
-        lines += ["", f"Top kernels of {cfg} (rank 0, per token):", "", "| kernel | class | count | µs |", "|---|---|---:|---:|"]
+        lines += ["", f"Top kernels of {cfg} (rank 0, per {unit}):", "", "| kernel | class | count | µs |", "|---|---|---:|---:|"]
         for k in top:
             lines.append(f"| `{k['name'][:100]}` | {k['class']} | {k['per_token_count']} | {k['per_token_us']} |")
     return "\n".join(lines) + "\n"
 
 
-def write_doc(out: Path, doc: dict) -> str:
-    """OUT/decode-profile.json and its markdown beside it; returns the markdown."""
+def write_doc(out: Path, doc: dict, name: str = KIND) -> str:
+    """OUT/<name>.json (decode-profile, or prefill-profile) and its markdown beside it; returns the markdown."""
     md = markdown(doc)
-    write_json_and_markdown(out, "decode-profile", doc, md)
+    write_json_and_markdown(out, name, doc, md)
     return md
 
 

@@ -96,7 +96,8 @@ def test_serving_bench_profiles_into_its_out_dir(tmp_path):
     serve_lines = [ln for ln in out.stdout.splitlines() if "--tensor-parallel-size 2" in ln]
     assert len(serve_lines) == 3
     for cfg, line in zip(("yali", "vllm-default", "nccl"), serve_lines):
-        assert '"profiler": "torch"' in line and str(tmp_path / "traces" / cfg) in line
+        # The server writes into OUT/profiler/<config>; each profile's files move to OUT/traces/<config>.
+        assert '"profiler": "torch"' in line and str(tmp_path / "profiler" / cfg) in line
     d = tmp_path / "traces" / "nccl"
     d.mkdir(parents=True)
     with gzip.open(d / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz", "wt") as f:
@@ -165,7 +166,57 @@ def test_step_times_reads_decode_steps_from_vllm_key_averages(tmp_path):
     (d / "profiler_out_0.txt").write_text(PROFILER_OUT)
     (d / "profiler_out_1.txt").write_text(PROFILER_OUT.replace("20.177ms", "850.000us"))
     st = profile_analysis.step_times(tmp_path)
-    assert st == {"yali": {"0": {"decode_steps": 31, "decode_step_us": 20177.0},
-                           "1": {"decode_steps": 31, "decode_step_us": 850.0}}}
+    prefill = {"prefill_steps": 1, "prefill_tokens": 66, "prefill_step_us": 36628.0}
+    assert st == {"yali": {"0": {"decode_steps": 31, "decode_step_us": 20177.0, **prefill},
+                           "1": {"decode_steps": 31, "decode_step_us": 850.0, **prefill}}}
     md = profile_analysis.markdown({"host": "h", "date": "d", "command": "c", "records": [], "step_times": st})
-    assert "| yali | 0 | 31 | 20177.0 |" in md
+    assert "| yali | 0 | 31 | 20177.0 |" in md and "36628" not in md
+    md = profile_analysis.markdown({"host": "h", "date": "d", "command": "c", "records": [], "step_times": st,
+                                    "phase": "prefill", "prompt_tokens": 66})
+    assert md.startswith("# Prefill profile") and "| yali | 0 | 1 | 36628.0 |" in md and "20177" not in md
+
+
+def test_step_times_reads_vllm_033_table_names(tmp_path):
+    """vLLM 0.33 names the key-averages table <trace name>.profiler_out.txt, the rank last."""
+    d = tmp_path / "yali"
+    d.mkdir()
+    (d / "dp0_pp0_tp1_dcp0_ep0_rank1.profiler_out.txt").write_text(PROFILER_OUT)
+    assert profile_analysis.step_times(tmp_path)["yali"]["1"]["decode_step_us"] == 20177.0
+
+
+def test_prefill_prompt_is_fresh_and_sized():
+    from benchmarks.serving.profiler import prefill_prompt
+
+    a, b = prefill_prompt(1024, 0), prefill_prompt(1024, 1)
+    assert len(a) == 1024 and a == prefill_prompt(1024, 0) and a != b
+    assert min(a) >= 1000 and max(a) < 100_000
+
+
+def test_move_traces_empties_the_server_dir(tmp_path):
+    from benchmarks.serving.profiler import move_traces
+
+    server = tmp_path / "profiler" / "yali"
+    (server / "sub").mkdir(parents=True)
+    (server / "rank0.pt.trace.json.gz").write_text("a")
+    (server / "sub" / "rank0.profiler_out.txt").write_text("b")
+    assert move_traces(server, tmp_path / "prefill-traces" / "yali") == 2
+    assert not [p for p in server.rglob("*") if p.is_file()]
+    assert (tmp_path / "prefill-traces" / "yali" / "sub" / "rank0.profiler_out.txt").read_text() == "b"
+    assert move_traces(tmp_path / "missing", tmp_path / "x") == 0
+
+
+def test_write_prefill_profile(tmp_path):
+    d = tmp_path / "prefill-traces" / "yali"
+    d.mkdir(parents=True)
+    with gzip.open(d / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz", "wt") as f:
+        json.dump(TRACE, f)
+    (d / "dp0_pp0_tp0_dcp0_ep0_rank0.profiler_out.txt").write_text(PROFILER_OUT)
+    path = bench_run.write_prefill_profile(tmp_path, 1024, "70b")
+    assert path == tmp_path / "prefill-profile.json"
+    doc = json.loads(path.read_text())
+    assert doc["phase"] == "prefill" and doc["prompt_tokens"] == 1024
+    assert {r["kernel_class"]: r["per_token_us"] for r in doc["records"]}["gemm"] == 20.0  # per step: all of it
+    md = (tmp_path / "prefill-profile.md").read_text()
+    assert "kernels / step" in md and "1024-token prompt" in md and "| yali | 0 | 1 | 36628.0 |" in md
+    assert not (tmp_path / "decode-profile.json").exists()
+    assert bench_run.write_prefill_profile(tmp_path / "none", 1024, "70b") is None

@@ -402,7 +402,10 @@ def test_scan_ignores_own_header_lines_and_checks_yali_state(tmp_path):
     assert "YALI_FUSION=0 did not hand" in logs.yali_log_warnings("yali-flashinfer-fusion", on)[0]
     assert "no 'YALI all-reduce ON'" in logs.yali_log_warnings("yali-flashinfer-fusion", control[1:])[0]
     cfg = configs.SERVER_CONFIGS["yali-flashinfer-fusion"]
-    assert cfg.env == {"YALI_ENABLE": "1", "YALI_FUSION": "0"} and cfg.args == ()
+    assert cfg.env == {"YALI_ENABLE": "1", "YALI_WORLD_SIZES": "all", "YALI_FUSION": "0"} and cfg.args == ()
+    # Every yali configuration serves every world size the kernels serve, also those off by default.
+    assert all(c.env.get("YALI_WORLD_SIZES") == "all" for name, c in configs.SERVER_CONFIGS.items()
+               if c.env.get("YALI_ENABLE") == "1")
 
 
 # ----------------------------------------------------------- processes (fake servers)

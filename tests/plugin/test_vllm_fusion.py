@@ -71,8 +71,10 @@ class StandInYali:
     call records its arguments and returns vLLM's unfused result computed on
     `group`, so a graph using it must still produce the reference numbers."""
 
-    def __init__(self, fuse: bool, group=None):
+    def __init__(self, fuse: bool, group=None, serve_limit=None):
         self.fuse, self.group, self.calls = fuse, group, []
+        if serve_limit is not None:  # the real communicator's largest message (bytes)
+            self.serve_limit = serve_limit
 
     def can_fuse(self, x, residual, weight):
         return self.fuse
@@ -472,6 +474,27 @@ def _rewrite_results(cfg, tp, rank: int) -> dict:
     return res
 
 
+# Compile ranges as vLLM splits them at four ranks on Hopper (FlashInfer's 2 MiB: 256 rows of
+# hidden 4096 bf16) and at its default max_num_batched_tokens, plus a range straddling YALI's limit.
+RANGES = ((1, 256), (257, 1024), (257, 8192), (1025, 8192))
+
+
+def _range_results(cfg, tp) -> dict:
+    """Which compile ranges YALI's pass applies to, for communicators serving up to 8 MiB (the
+    N-rank limit: 1024 rows of the 8B model's hidden 4096 bf16) and 2 GiB (two ranks), and for
+    a stand-in that states no limit."""
+    from vllm.config.utils import Range
+
+    comm = tp.device_communicator
+    out = {}
+    for limit in (8 << 20, 2 << 30, None):
+        comm.yali_comm = StandInYali(fuse=True, group=tp, serve_limit=limit)
+        p = vllm_fusion.YaliAllReduceFusionPass(cfg)
+        out[str(limit)] = [p.max_token_num, [p.is_applicable_for_range(Range(start=a, end=b)) for a, b in RANGES]]
+    comm.yali_comm = None
+    return out
+
+
 def _record(rank: int, outdir: str, body) -> None:
     """Runs `body()` in a spawned rank and writes its dict, or the error, to rank<N>.json."""
     res: dict = {}
@@ -496,7 +519,7 @@ def _rank_worker(rank: int, port: int, world_size: int, model_dir: str, outdir: 
 
     def body() -> dict:
         cfg, tp = _tp_setup(rank, port, world_size, model_dir)
-        return {**_factory_choices(cfg, tp), **_rewrite_results(cfg, tp, rank)}
+        return {**_factory_choices(cfg, tp), **_rewrite_results(cfg, tp, rank), "ranges": _range_results(cfg, tp)}
 
     _record(rank, outdir, body)
 
@@ -576,6 +599,17 @@ def test_ranks_overlap_pass_serves_two_ranks_only(tp_ranks):
         assert res["overlap_log"] == [
             f"YALI fusion pass ON (replaces vLLM's FlashInfer all-reduce+RMSNorm fusion): {served}; {note}"
         ]
+
+
+def test_ranks_pass_applies_only_to_the_token_counts_yali_serves(tp_ranks):
+    """Like vLLM's FlashInfer pass: a compile range whose largest token count is above what YALI's
+    communicator serves keeps vLLM's compiled all-reduce + RMSNorm (no eager fallback inside
+    YALI's op for every prefill layer)."""
+    for res in tp_ranks:
+        assert res["ranges"][str(8 << 20)] == [1024, [True, True, False, False]]
+        assert res["ranges"][str(2 << 30)] == [262144, [True, True, True, True]]
+        assert res["ranges"]["None"] == [None, [True, True, True, True]]
+    assert any("compile ranges up to" in ln or "every token count" in ln for ln in tp_ranks[0]["patterns_log"])
 
 
 def test_ranks_vllm_pass_manager_builds_yali_pass_only(tp_ranks):

@@ -80,11 +80,53 @@ def test_enable_bad_value_names_variable(raw):
 
 
 # ----------------------------------------------------------------------- gating
+@pytest.fixture
+def every_world_size(monkeypatch):
+    """YALI_WORLD_SIZES=all: the plugin serves every world size the kernels serve."""
+    monkeypatch.setenv("YALI_WORLD_SIZES", "all")
+
+
 @pytest.mark.parametrize("world_size", [2, 4, 6, 8])
-def test_gate_on_for_served_world_sizes_on_one_host(world_size):
+def test_gate_on_for_served_world_sizes_on_one_host(world_size, every_world_size):
     assert world_size in config.WORLD_SIZES
     assert yali_gate("tp:0", world_size, ["gpu-a"] * world_size, True, True) == (True, "ok")
     assert yali_gate("tp:3", world_size, ["h"] * world_size, True, True, p2p=True) == (True, "ok")
+
+
+@pytest.mark.parametrize("world_size", [4, 6, 8])
+def test_gate_leaves_unmeasured_world_sizes_off_by_default(world_size, monkeypatch):
+    """Only world sizes whose serving runs show YALI at parity with vLLM's defaults are on
+    without YALI_WORLD_SIZES; the reason names the result and the variable that turns it on."""
+    monkeypatch.delenv("YALI_WORLD_SIZES", raising=False)
+    assert yali_gate("tp:0", 2, ["h"] * 2, True, True) == (True, "ok")
+    ok, reason = yali_gate("tp:0", world_size, ["h"] * world_size, True, True, p2p=True)
+    assert not ok
+    assert reason == (f"world size {world_size} is off by default: {config.OFF_BY_DEFAULT[world_size]}; "
+                      f"YALI_WORLD_SIZES=2,{world_size} turns it on")
+    monkeypatch.setenv("YALI_WORLD_SIZES", f"2,{world_size}")
+    assert yali_gate("tp:0", world_size, ["h"] * world_size, True, True, p2p=True) == (True, "ok")
+    monkeypatch.setenv("YALI_WORLD_SIZES", str(world_size))  # two ranks off, named with the default reason
+    ok, reason = yali_gate("tp:0", 2, ["h"] * 2, True, True)
+    assert not ok and reason.startswith("world size 2 is off by default") and f"YALI_WORLD_SIZES=2,{world_size}" in reason
+
+
+@pytest.mark.parametrize("raw, bad", [("3", "'3'"), ("2,x", "'x'"), ("2;4", "'2;4'"), ("16", "'16'"), ("2,,4", "''")])
+def test_world_sizes_bad_value_names_the_variable(raw, bad, monkeypatch):
+    monkeypatch.setenv("YALI_WORLD_SIZES", raw)
+    with pytest.raises(ValueError) as e:
+        config.plugin_world_sizes()
+    msg = str(e.value)
+    assert f"invalid YALI_WORLD_SIZES={raw!r}" in msg and f"{bad} is not a world size YALI serves" in msg
+    assert "2, 4, 6, 8" in msg
+    ok, reason = yali_gate("tp:0", 2, ["h"] * 2, True, True)
+    assert not ok and reason == f"invalid YALI_* setting: {msg}"
+
+
+@pytest.mark.parametrize("raw, sizes", [("", (2,)), ("2", (2,)), (" 4 , 2 ", (2, 4)), ("all", (2, 4, 6, 8)),
+                                        ("ALL", (2, 4, 6, 8)), ("8,8", (8,))])
+def test_world_sizes_values(raw, sizes):
+    assert config.plugin_world_sizes({"YALI_WORLD_SIZES": raw}) == sizes
+    assert config.plugin_world_sizes({}) == config.DEFAULT_WORLD_SIZES == (2,)
 
 
 @pytest.mark.parametrize("world_size", [1, 3, 5, 7, 16])
@@ -96,7 +138,7 @@ def test_gate_refuses_other_world_sizes_with_the_reason(world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
-def test_gate_p2p_refusal_names_every_pair(world_size):
+def test_gate_p2p_refusal_names_every_pair(world_size, every_world_size):
     ok, reason = yali_gate("tp:0", world_size, ["h"] * world_size, True, True, p2p=False)
     assert not ok
     assert reason == f"no CUDA peer-to-peer access between every pair of the group's {world_size} GPUs"
@@ -123,7 +165,7 @@ def test_gate_p2p_refusal_names_every_pair(world_size):
         (dict(stateless=True), "stateless"),
     ],
 )
-def test_gate_stays_off(kwargs, why):
+def test_gate_stays_off(kwargs, why, every_world_size):
     args = dict(
         unique_name="tp:0",
         world_size=2,
@@ -545,6 +587,7 @@ def _rank_worker(rank: int, port: int, world_size: int, outdir: str) -> None:
     written to rank<N>.json."""
     os.environ["VLLM_DISABLE_PYNCCL"] = "1"  # no NCCL library on a CPU box
     os.environ["YALI_ENABLE"] = "1"
+    os.environ["YALI_WORLD_SIZES"] = "all"  # every world size the kernels serve; the default is below
     handler = _ListHandler()
     logging.getLogger("vllm.yali").addHandler(handler)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
@@ -585,6 +628,11 @@ def _rank_worker(rank: int, port: int, world_size: int, outdir: str) -> None:
         os.environ["YALI_FUSION"] = "1" if rank == 0 else "0"
         res["cuda_fusion_differs"] = _decision(comm)
         del os.environ["YALI_FUSION"]
+        del os.environ["YALI_WORLD_SIZES"]  # the default: two ranks only
+        res["cuda_default_world_sizes"] = _decision(comm)
+        os.environ["YALI_WORLD_SIZES"] = "2,5"
+        res["cuda_bad_world_sizes"] = _decision(comm)
+        os.environ["YALI_WORLD_SIZES"] = "all"
         comm.use_custom_allreduce = False  # as under --disable-custom-all-reduce
         res["cuda_no_custom_ar"] = _decision(comm)
         res["checkpoint"] = _checkpoint_cases(comm, rank)
@@ -680,6 +728,20 @@ def test_ranks_agree_on_yali_enable(cpu_ranks):
     assert f"YALI_FUSION / YALI_OVERLAP settings differ: {settings}" in reason and warn
     reason, warn = _same_on_every_rank(cpu_ranks, "cuda_no_custom_ar")
     assert "custom all-reduce is disabled" in reason and not warn
+    reason, warn = _same_on_every_rank(cpu_ranks, "cuda_bad_world_sizes")
+    assert "invalid YALI_* setting: invalid YALI_WORLD_SIZES='2,5'" in reason and warn
+
+
+def test_ranks_follow_the_default_world_sizes(cpu_ranks):
+    """Without YALI_WORLD_SIZES two ranks go on to the communicator (which refuses on a CPU
+    machine); four stay off, every rank with the one reason that names the variable."""
+    n = len(cpu_ranks)
+    reason, warn = _same_on_every_rank(cpu_ranks, "cuda_default_world_sizes")
+    if n == 2:
+        assert "YALI unavailable" in reason or "cannot be imported" in reason
+    else:
+        assert reason == config.plugin_world_size_refusal(n, {}) and not warn
+        assert f"world size {n} is off by default" in reason and f"YALI_WORLD_SIZES=2,{n} turns it on" in reason
 
 
 # ------------------------------------------- the plugin's lines in vLLM's log

@@ -55,8 +55,8 @@ def yali_gate(
     access between every pair of the group's GPUs (both directions), None
     when it cannot be told here (YaliCommunicator checks it again).
     stateless: vLLM's stateless (elastic) process groups, not supported.
-    world_size: the group's ranks; YALI serves the sizes in
-    ``yali_vllm.config.WORLD_SIZES``.
+    world_size: the group's ranks; the plugin serves the sizes of
+    ``yali_vllm.config.plugin_world_sizes()`` (YALI_WORLD_SIZES, default 2).
 
     Returns (ok, reason); reason says why YALI stays off (or "ok").
     """
@@ -65,9 +65,12 @@ def yali_gate(
     if not enabled:
         return False, f"disabled by {ENABLE_VAR}"
     # Imported here, as in parse_enable: importing this module needs no torch.
-    from yali_vllm.config import world_size_refusal
+    from yali_vllm.config import plugin_world_size_refusal
 
-    refusal = world_size_refusal(world_size)
+    try:
+        refusal = plugin_world_size_refusal(world_size)
+    except ValueError as e:  # a bad YALI_WORLD_SIZES: every rank inherits the same one
+        return False, f"invalid YALI_* setting: {e}"
     if refusal is not None:
         return False, refusal
     if not platform_is_cuda:

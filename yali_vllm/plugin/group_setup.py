@@ -150,8 +150,8 @@ def setup_yali(comm: Any, *, platform_is_cuda: bool, stateless: bool = False) ->
         True,
         stateless=stateless,
     )
-    if not ok:
-        return Decision(None, reason)
+    if not ok:  # a bad setting deserves a warning; every other rank-uniform refusal is plain
+        return Decision(None, reason, reason.startswith("invalid YALI_* setting"))
 
     infos = gather_group_info(comm)
     ok, reason = yali_gate(
