@@ -62,7 +62,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--report-only", type=Path, default=None, metavar="TRACES_DIR",
                     help="analyse TRACES_DIR/<config>/... again, run nothing")
-    ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="DECODE_PROFILE.json",
+    ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="PROFILE.json",
                     help="merge the records of several decode-profile.json files (e.g. one per run) into "
                          "--out/decode-profile.json/.md, run nothing")
     args = ap.parse_args()

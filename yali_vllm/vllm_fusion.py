@@ -122,13 +122,30 @@ def norm_after_all_reduce(ar: torch.Tensor, residual, weight: torch.Tensor, eps:
     return out, res
 
 
+_first_calls: set[tuple[str, bool]] = set()
+
+
+def _log_first_call(group, yali: bool) -> None:
+    """One line per process and (group, path) the first time the op runs. It says that YALI's fused
+    op is in the compiled graph also when vLLM loaded that graph from its compile cache, where
+    the fusion pass is never built and its ON line never appears."""
+    key = (str(getattr(group, "unique_name", "?")), yali)
+    if key in _first_calls:
+        return
+    _first_calls.add(key)
+    logger.info("YALI fused all-reduce + RMSNorm op: first call on group '%s' runs %s", key[0],
+                "YALI's fused kernel" if yali else "the group's all-reduce, then vLLM's RMSNorm")
+
+
 def run_on_group(group, input: torch.Tensor, residual, weight: torch.Tensor, eps: float):
     """YALI's fused kernel when the group's YaliCommunicator takes the tensors,
     else the unfused sequence.  Every rank decides alike (same shapes, dtypes
     and layouts), so all run the same collective."""
     yc = getattr(getattr(group, "device_communicator", None), "yali_comm", None)
     if yc is not None and yc.can_fuse(input, residual, weight):
+        _log_first_call(group, True)
         return yc.fused_allreduce_rmsnorm(input, residual, weight, eps)
+    _log_first_call(group, False)
     return unfused(group, input, residual, weight, eps)
 
 

@@ -258,11 +258,36 @@ def now_iso() -> str:
 def ranks_keys(world_size: int, shared: bool = False, ids: Sequence[dict[str, str]] | None = None) -> dict[str, Any]:
     """The header keys of a run of ``world_size`` ranks: ``world_size``, ``gpus_used`` (gpus_used())
     and, when the ranks shared GPU 0, ``shared_gpu: true`` (its timings are not valid)."""
-    keys: dict[str, Any] = {"world_size": world_size,
-                            "gpus_used": gpus_used(world_size, shared, ids, os.environ.get("CUDA_VISIBLE_DEVICES"))}
-    if shared:
-        keys["shared_gpu"] = True
-    return keys
+    return {"world_size": world_size, "shared_gpu": bool(shared),
+            "gpus_used": gpus_used(world_size, shared, ids, os.environ.get("CUDA_VISIBLE_DEVICES"))}
+
+
+_WORLD_ARG = re.compile(r"--(?:world-size|tensor-parallel-size)[ =](\d+)")
+_RANKS_TEST = re.compile(r"\[(\d+)-ranks\]")
+
+
+def with_schema_keys(obj: dict[str, Any]) -> dict[str, Any]:
+    """``obj`` with the two keys the results schema asks of every file, where missing: how many
+    ranks ran (``world_size``: the command's --world-size / --tensor-parallel-size, else 2; a
+    ``gpu-test-run`` names every world size its tests exercised, ``world_sizes``) and whether
+    they shared one GPU (``shared_gpu``: YALI_ALLOW_SHARED_GPU=1 in the run's environment)."""
+    if "kind" not in obj or "records" not in obj:
+        return obj
+    out = dict(obj)
+    if out["kind"] == "gpu-test-run":
+        if "world_sizes" not in out:
+            ran = [r["test"] for r in out["records"] if r.get("outcome") != "skipped"]
+            sizes = {int(m) for t in ran for m in _RANKS_TEST.findall(t)}
+            # every other GPU test is a two-rank one (tests/gpu: a pair of processes, or of GPUs)
+            if any("tests/gpu/" in t and not _RANKS_TEST.search(t) for t in ran):
+                sizes.add(2)
+            out["world_sizes"] = sorted(sizes)
+    elif "world_size" not in out:
+        m = _WORLD_ARG.search(str(out.get("command", "")))
+        out["world_size"] = int(m.group(1)) if m else 2
+    if "shared_gpu" not in out:
+        out["shared_gpu"] = (out.get("yali_env") or {}).get("YALI_ALLOW_SHARED_GPU") == "1"
+    return out
 
 
 def results_header(kind: str, extra: dict[str, Any] | None = None, *, world_size: int | None = None,
@@ -292,7 +317,9 @@ def results_header(kind: str, extra: dict[str, Any] | None = None, *, world_size
 
 
 def write_results(path: str | os.PathLike[str], obj: dict[str, Any]) -> Path:
-    """Write ``obj`` as indented JSON atomically (tmp file + rename)."""
+    """Write ``obj`` as indented JSON atomically (tmp file + rename), with the schema's world size
+    and shared-GPU keys (with_schema_keys)."""
+    obj = with_schema_keys(obj)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

@@ -24,6 +24,9 @@ ERROR_PATTERNS = [re.compile(r"\bERROR\b"), re.compile(r"Traceback")]
 YALI_ON_RE = re.compile(r"YALI all-reduce ON")
 YALI_OFF_RE = re.compile(r"YALI all-reduce OFF")
 YALI_FUSION_ON_RE = re.compile(r"YALI fusion pass ON")
+# The fused op's first call (yali_vllm/vllm_fusion.py): the only sign of YALI's fused op when vLLM
+# loaded the compiled graph from its cache and never built the fusion pass.
+YALI_FUSED_OP_RE = re.compile(r"YALI fused all-reduce \+ RMSNorm op: first call .* runs YALI's fused kernel")
 _OWN_HEADER_PREFIXES = ("$ ", "# env: ")  # lines start_server()/run_bounded() write themselves
 
 
@@ -35,7 +38,7 @@ def yali_log_warnings(config: str, key_lines: Sequence[str]) -> list[str]:
     wants_fusion = wants_yali and env.get("YALI_FUSION") != "0"
     on = any(YALI_ON_RE.search(ln) for ln in key_lines)
     off = [ln for ln in key_lines if YALI_OFF_RE.search(ln)]
-    fused = any(YALI_FUSION_ON_RE.search(ln) for ln in key_lines)
+    fused = any(YALI_FUSION_ON_RE.search(ln) or YALI_FUSED_OP_RE.search(ln) for ln in key_lines)
     warnings: list[str] = []
     if not wants_yali:
         if on:
@@ -47,8 +50,8 @@ def yali_log_warnings(config: str, key_lines: Sequence[str]) -> list[str]:
     if off:
         warnings.append(f"the {config} server logged 'YALI all-reduce OFF': " + off[0][-200:])
     if wants_fusion and on and not fused:
-        warnings.append(f"no 'YALI fusion pass ON' line in the {config} server's log: the all-reduce + RMSNorm "
-                        "pairs ran through vLLM's FlashInfer fusion or unfused")
+        warnings.append(f"no 'YALI fusion pass ON' line and no first call of YALI's fused op in the {config} "
+                        "server's log: the all-reduce + RMSNorm pairs ran through vLLM's FlashInfer fusion or unfused")
     if not wants_fusion and fused:
         warnings.append(f"'YALI fusion pass ON' in the {config} server's log: YALI_FUSION=0 did "
                         "not hand the fused pairs to FlashInfer")

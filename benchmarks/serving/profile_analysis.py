@@ -226,7 +226,8 @@ def merge(paths: list[Path], out: Path) -> int:
     """One decode-profile document from several: records and top kernels of each, in order
     (a config in two files keeps the later one's top kernels); the sources are listed."""
     docs = load_results_of_kind(paths, KIND)
-    doc = results_header(KIND, {"tokens": docs[0].get("tokens"), "model_size": docs[0].get("model_size"),
+    phase = {k: docs[0][k] for k in ("phase", "prompt_tokens") if k in docs[0]}  # a prefill profile stays one
+    doc = results_header(KIND, {"tokens": docs[0].get("tokens"), "model_size": docs[0].get("model_size"), **phase,
                                 "merged_from": [{"file": str(p), "date": d.get("date"), "command": d.get("command")}
                                                 for p, d in zip(paths, docs)]})
     doc["records"] = [r for d in docs for r in d["records"]]
@@ -235,7 +236,7 @@ def merge(paths: list[Path], out: Path) -> int:
     doc["host"], doc["versions"] = docs[0].get("host", doc["host"]), docs[0].get("versions", doc["versions"])
     doc["step_times"] = {}
     for p, d in zip(paths, docs):
-        traces = Path(p).parent / "traces"
+        traces = Path(p).parent / ("prefill-traces" if phase else "traces")
         doc["step_times"].update(d.get("step_times") or (step_times(traces) if traces.is_dir() else {}))
-    print(write_doc(out, doc))
+    print(write_doc(out, doc, PREFILL_NAME if phase.get("phase") == "prefill" else KIND))
     return 0

@@ -106,7 +106,7 @@ def test_write_outputs_names_the_ranks_in_a_schema_valid_result(tmp_path, capsys
            "skipped": {"yali-flash": ab.backend_refusal("yali-flash", 4, False)}}
     ab.write_outputs(args, res)
     doc = json.loads((tmp_path / "ar.json").read_text())
-    assert doc["kind"] == "allreduce-microbench" and doc["world_size"] == 4 and "shared_gpu" not in doc
+    assert doc["kind"] == "allreduce-microbench" and doc["world_size"] == 4 and doc["shared_gpu"] is False
     assert [g["rank"] for g in doc["gpus_used"]] == [0, 1, 2, 3]
     assert [g["cuda_device"] for g in doc["gpus_used"]] == [0, 1, 2, 3]
     assert all(k in r for r in doc["records"] for k in ROW_KEYS["allreduce-microbench"])

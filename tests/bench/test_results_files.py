@@ -26,6 +26,8 @@ ROW_KEYS = {
 # Every run's JSON: current/ (the quoted runs) and archive/ (the rest), each <kind>/<date>-<topic>/.
 FILES = sorted(glob.glob(os.path.join(RESULTS, "current", "**", "*.json"), recursive=True)
                + glob.glob(os.path.join(RESULTS, "archive", "**", "*.json"), recursive=True))
+# Runs from this date on state world_size (world_sizes for a gpu-test-run) and shared_gpu in the file.
+SCHEMA_KEYS_SINCE = "2026-11-26"
 CURRENT = [f for f in FILES if f.startswith(os.path.join(RESULTS, "current", ""))]
 
 
@@ -50,6 +52,26 @@ def test_result_file_follows_schema(path):
     if doc["kind"] == "gpu-test-run":
         counts = {o: sum(r["outcome"] == o for r in doc["records"]) for o in ("passed", "failed", "skipped")}
         assert counts == {o: doc[o] for o in counts}
+    if doc["date"][:10] >= SCHEMA_KEYS_SINCE:  # how many ranks, and whether they shared one GPU
+        assert isinstance(doc.get("shared_gpu"), bool), "no shared_gpu"
+        sizes = doc.get("world_sizes") if doc["kind"] == "gpu-test-run" else [doc.get("world_size")]
+        assert sizes and all(isinstance(n, int) and n >= 1 for n in sizes), "no world_size(s)"
+
+
+def test_schema_keys_are_derived_from_the_run():
+    from benchmarks.common.results import with_schema_keys
+
+    serving = with_schema_keys({"kind": "serving-benchmark", "command": "serving_bench.py --world-size 4 --x",
+                                "yali_env": {}, "records": []})
+    assert serving["world_size"] == 4 and serving["shared_gpu"] is False
+    assert with_schema_keys({"kind": "fused-allreduce-rmsnorm", "command": "x", "records": []})["world_size"] == 2
+    tests = with_schema_keys({"kind": "gpu-test-run", "command": "x", "yali_env": {"YALI_ALLOW_SHARED_GPU": "1"},
+                              "records": [{"test": "tests/gpu/test_ranks.py::t[4-ranks]", "outcome": "passed"},
+                                          {"test": "tests/gpu/test_ranks.py::t[8-ranks]", "outcome": "skipped"},
+                                          {"test": "tests/gpu/test_fused.py::t", "outcome": "passed"}]})
+    assert tests["world_sizes"] == [2, 4] and tests["shared_gpu"] is True
+    kept = {"kind": "serving-benchmark", "world_size": 8, "shared_gpu": True, "command": "--world-size 4", "records": []}
+    assert with_schema_keys(kept) == kept
 
 
 def test_current_holds_exactly_the_runs_readme_and_docs_quote():

@@ -394,6 +394,13 @@ def test_scan_ignores_own_header_lines_and_checks_yali_state(tmp_path):
           "INFO [vllm_plugin.py:420] YALI fusion pass ON (replaces vLLM's FlashInfer all-reduce+RMSNorm fusion): x"]
     assert logs.yali_log_warnings("yali", on) == []
     assert "no 'YALI fusion pass ON'" in logs.yali_log_warnings("yali", on[:1])[0]
+    # A graph loaded from vLLM's compile cache: no pass is built, the op's first call says it runs.
+    cached = [on[0], "INFO [vllm_fusion.py:101] YALI fused all-reduce + RMSNorm op: first call on group 'tp:0' "
+                     "runs YALI's fused kernel"]
+    assert logs.yali_log_warnings("yali", cached) == []
+    unfused_first = [on[0], "INFO [vllm_fusion.py:101] YALI fused all-reduce + RMSNorm op: first call on group "
+                            "'tp:0' runs the group's all-reduce, then vLLM's RMSNorm"]
+    assert "no 'YALI fusion pass ON'" in logs.yali_log_warnings("yali", unfused_first)[0]
     assert logs.yali_log_warnings("nccl", scan["key_lines"]) == []
     assert "did not keep it off" in logs.yali_log_warnings("vllm-default", on)[0]
     # the control: YALI on, its fusion pass off (FlashInfer's fusion serves the fused pairs)

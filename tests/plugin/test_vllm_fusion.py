@@ -196,6 +196,24 @@ def test_fallback_is_the_unfused_sequence(dtype, with_residual):
     assert torch.equal(norm, ir[0]) and torch.equal(res_out, ir[1])
 
 
+def test_first_call_of_each_path_is_logged_once(caplog):
+    """The op says once per group and path what it runs: the sign of YALI's fused op in a graph
+    that vLLM loaded from its compile cache (no fusion pass is built then)."""
+    x, peer, res, w = _tensors()
+    vllm_fusion._first_calls.clear()
+    group = StandInGroup(peer, StandInYali(fuse=True, group=StandInGroup(peer)))
+    group.unique_name = "tp:7"
+    with caplog.at_level("INFO", logger="vllm.yali"):
+        for _ in range(3):
+            vllm_fusion.run_on_group(group, x, res, w, EPS)
+        group.device_communicator.yali_comm = StandInYali(fuse=False)
+        vllm_fusion.run_on_group(group, x, res, w, EPS)
+    lines = [r.getMessage() for r in caplog.records if "first call" in r.getMessage()]
+    assert lines == ["YALI fused all-reduce + RMSNorm op: first call on group 'tp:7' runs YALI's fused kernel",
+                     "YALI fused all-reduce + RMSNorm op: first call on group 'tp:7' runs the group's all-reduce, "
+                     "then vLLM's RMSNorm"]
+
+
 def test_fallback_when_yali_refuses_the_tensors():
     """Stand-in YALI communicator (see module docstring) that refuses: the
     unfused sequence runs, the fused call does not."""
