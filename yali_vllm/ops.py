@@ -58,7 +58,8 @@ def fused_allreduce_rmsnorm(comm: int, x: torch.Tensor, residual: torch.Tensor |
     s = sum of x over both ranks (rounded to x.dtype, as a plain all-reduce returns it),
     z = s + residual in fp32 (z = s without a residual), residual_out = z rounded,
     norm_out = (z * rsqrt(mean(z^2) + eps)) rounded, times weight, rounded: vLLM's
-    fused_add_rms_norm / rms_norm semantics. Returns (norm_out, residual_out).
+    fused_add_rms_norm / rms_norm semantics. Returns (norm_out, residual_out). Neither output may
+    overlap `x` (ValueError naming it): the other ranks read `x` while the outputs are written.
     """
     if norm_out is None:
         norm_out = torch.empty_like(x)

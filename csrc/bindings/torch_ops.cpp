@@ -211,6 +211,26 @@ void attach_peer(int64_t handle, int64_t peer_handle) {
   core([&] { r->attach_peer(*p); });
 }
 
+// The setting that bounds the messages `r` serves (for a refusal): at N ranks YALI_DEV_RANKS_MAX
+// or YALI_MAX_BYTES, whichever is lower; at two, YALI_MAX_BYTES and, for the plain all-reduce in
+// flash mode, the flash limit.
+std::string serve_limit(const yali::Rank& r, bool flash_mode) {
+  const yali::Config& c = r.config();
+  if (r.world() > 2) {
+    if (c.ranks_max < c.max_bytes)
+      return "YALI_DEV_RANKS_MAX=" + std::to_string(c.ranks_max) + " at " + std::to_string(r.world()) + " ranks";
+    return "YALI_MAX_BYTES=" + std::to_string(c.max_bytes);
+  }
+  if (flash_mode) return "flash limit " + std::to_string(c.flash_bytes) + ", YALI_DEV_FLASH_BYTES";
+  return "YALI_MAX_BYTES=" + std::to_string(c.max_bytes);
+}
+
+// Whether two byte ranges of `n` bytes overlap.
+bool overlap(const void* a, const void* b, size_t n) {
+  const uintptr_t x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return x < y + n && y < x + n;
+}
+
 // out = sum over both ranks of `input`; out may be `input` (in-place).
 void all_reduce(int64_t handle, const Tensor& input, const Tensor& out, int64_t mode) {
   const yali::Rank* r = get(handle);
@@ -225,8 +245,8 @@ void all_reduce(int64_t handle, const Tensor& input, const Tensor& out, int64_t 
                    "input and out must be 16-byte aligned (a sliced view may not be)");
   const yali::KernelMode m = to_mode(mode, *r);
   YALI_CHECK_VALUE(r->plan(nbytes, m).kernel != yali::Kernel::None, "a ", nbytes,
-                   "-byte all-reduce is not served in this mode (YALI_MAX_BYTES=", r->config().max_bytes,
-                   ", flash limit ", r->config().flash_bytes, "); check should_use() first");
+                   "-byte all-reduce is not served in this mode (", serve_limit(*r, m == yali::KernelMode::Flash),
+                   "); check should_use() first");
   const torch::stable::accelerator::DeviceGuard guard(r->device());
   const cudaError_t e = r->all_reduce(input.data_ptr(), out.data_ptr(), nbytes, dt, current_stream(r->device()), m);
   YALI_CHECK(e == cudaSuccess, "all_reduce launch failed: ", cudaGetErrorString(e), after_abort(*r));
@@ -256,15 +276,21 @@ void fused_allreduce_rmsnorm(int64_t handle, const Tensor& input, const std::opt
   YALI_CHECK_VALUE(norm_out.data_ptr() != residual_out.data_ptr() &&
                        (!residual || norm_out.data_ptr() != residual->data_ptr()),
                    "norm_out must not alias residual or residual_out");
-  if (rows == 0) return;
   const size_t row_bytes = size_t(hidden) * input.element_size();
+  // The other ranks read this rank's input while its CTAs write the outputs (a CTA normalises rows
+  // another CTA may not have sent yet): an output over the input would send them the result.
+  YALI_CHECK_VALUE(!overlap(norm_out.data_ptr(), input.data_ptr(), size_t(rows) * row_bytes),
+                   "norm_out must not overlap input (the other ranks read input while norm_out is written)");
+  YALI_CHECK_VALUE(!overlap(residual_out.data_ptr(), input.data_ptr(), size_t(rows) * row_bytes),
+                   "residual_out must not overlap input (the other ranks read input while residual_out is written)");
+  if (rows == 0) return;
   YALI_CHECK_VALUE(row_bytes % 16 == 0 && row_bytes <= yali::kFusedMaxRowBytes, "a row of ", hidden, " ",
                    input.scalar_type(), " elements (", row_bytes, " bytes) is not served: it must be a multiple of ",
                    "16 bytes and at most ", yali::kFusedMaxRowBytes, " bytes");
   const size_t nbytes = size_t(rows) * row_bytes;
   YALI_CHECK_VALUE(r->fused_one_launch(size_t(rows), size_t(hidden), dt) ||
                        r->plan(nbytes, r->config().mode).kernel != yali::Kernel::None,
-                   "a ", nbytes, "-byte fused all-reduce is not served (YALI_MAX_BYTES=", r->config().max_bytes, ")");
+                   "a ", nbytes, "-byte fused all-reduce is not served (", serve_limit(*r, false), ")");
   const torch::stable::accelerator::DeviceGuard guard(r->device());
   const cudaError_t e = r->fused_allreduce_rmsnorm(
       input.data_ptr(), residual ? residual->data_ptr() : nullptr, weight.data_ptr(), float(eps), norm_out.data_ptr(),

@@ -232,7 +232,8 @@ def test_results_header_has_common_keys(tmp_path, monkeypatch):
     with pytest.raises(ValueError):
         results.results_header("x", {"date": "overridden"})
     path = results.write_results(tmp_path / "sub" / "r.json", hdr)
-    assert json.loads(path.read_text()) == json.loads(json.dumps(hdr))
+    # The file adds the schema's two keys: 2 ranks unless the command says otherwise, GPUs not shared.
+    assert json.loads(path.read_text()) == {**json.loads(json.dumps(hdr)), "world_size": 2, "shared_gpu": False}
     assert not list(path.parent.glob("*.tmp"))
     assert "world_size" not in hdr and "gpus_used" not in hdr  # only a run of ranks names them
 
@@ -240,7 +241,7 @@ def test_results_header_has_common_keys(tmp_path, monkeypatch):
 def test_results_header_names_the_ranks_and_their_gpus(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     hdr = results.results_header("allreduce-microbench", {"records": []}, world_size=4)
-    assert hdr["world_size"] == 4 and "shared_gpu" not in hdr
+    assert hdr["world_size"] == 4 and hdr["shared_gpu"] is False
     assert [(g["rank"], g["cuda_device"]) for g in hdr["gpus_used"]] == [(0, 0), (1, 1), (2, 2), (3, 3)]
     assert [g.get("uuid") for g in hdr["gpus_used"]] == [g.get("uuid") for g in (hdr["gpus"] + [{}] * 4)[:4]]
     shared = results.results_header("allreduce-microbench", {"records": []}, world_size=8, shared_gpu=True)

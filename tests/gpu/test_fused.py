@@ -220,3 +220,31 @@ def test_fused_sweep_nondefault_configs(name):
     assert res[0]["digests"] == res[1]["digests"], "the ranks' outputs differ"
     bad = check_overridden_launches(one_launch_calls(res[0]["stats"]), res[0]["config"])
     assert not bad, f"{name}: " + "\n".join(bad[:10])
+
+
+@pytest.mark.two_gpus
+def test_outputs_over_the_input_are_refused_before_any_launch():
+    """norm_out or residual_out over the input (the whole input or part of it) is refused with the
+    argument named, before anything is launched: the other ranks read this rank's input while its
+    CTAs write the outputs, so an output there would send them the result."""
+    import torch
+
+    from yali_vllm import ops
+    from yali_vllm.communicator import YaliPair
+
+    pair = YaliPair(0, 1)
+    try:
+        before = pair.device_calls()
+        h = pair._handles[0]
+        x = torch.randn(16, 8192, dtype=torch.bfloat16, device="cuda:0")
+        res = torch.randn_like(x)
+        w = torch.ones(8192, dtype=torch.bfloat16, device="cuda:0")
+        big = torch.empty(32, 8192, dtype=torch.bfloat16, device="cuda:0")
+        cases = ((x, {"norm_out": x}, "norm_out"), (x, {"residual_out": x}, "residual_out"),
+                 (big[:16], {"norm_out": big[8:24]}, "norm_out"))  # half of the rows shared
+        for inp, outs, name in cases:
+            with pytest.raises(ValueError, match=f"{name} must not overlap input"):
+                ops.fused_allreduce_rmsnorm(h, inp, res, w, 1e-6, **outs)
+        assert pair.device_calls() == before  # nothing was launched
+    finally:
+        pair.close()

@@ -384,8 +384,12 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
   const uintptr_t any = reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(residual) |
                         reinterpret_cast<uintptr_t>(weight) | reinterpret_cast<uintptr_t>(norm_out) |
                         reinterpret_cast<uintptr_t>(residual_out);
+  const auto over_in = [&](const void* p) {  // overlaps `in`: the peers would read the result
+    const uintptr_t a = reinterpret_cast<uintptr_t>(in), b = reinterpret_cast<uintptr_t>(p);
+    return a < b + rows * row_bytes && b < a + rows * row_bytes;
+  };
   if (!connected() || rows == 0 || hidden == 0 || row_bytes % 16 != 0 || row_bytes > kFusedMaxRowBytes ||
-      any % 16 != 0 || rows > size_t(INT32_MAX))
+      any % 16 != 0 || rows > size_t(INT32_MAX) || over_in(norm_out) || over_in(residual_out))
     return cudaErrorInvalidValue;
   if (world_ > 2) return ranks_fused(in, residual, weight, eps, norm_out, residual_out, rows, hidden, dtype, stream);
   const size_t nbytes = rows * row_bytes;
@@ -404,8 +408,8 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
   if (l.one_launch) {
     a.x.call = call_check(desc);
   } else {
-    // All-reduce into norm_out (it may be `in`; never residual, which may alias
-    // residual_out), then the epilogue reads the sum from there, row by row.
+    // All-reduce into norm_out (never residual, which may alias residual_out),
+    // then the epilogue reads the sum from there, row by row.
     const cudaError_t e = all_reduce(in, norm_out, nbytes, dtype, stream, config_.mode, &desc);
     if (e != cudaSuccess) return e;
     a.sum = norm_out;

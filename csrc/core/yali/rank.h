@@ -55,11 +55,12 @@ class Rank {
 
   // Fused all-reduce + residual add + RMSNorm over rows of `hidden` elements
   // (see fused.cuh for the exact arithmetic). `residual` may be nullptr and may
-  // alias `residual_out`; `norm_out` may alias `in`. One launch while
-  // rows * hidden * dtype size <= Config::flash_bytes (fused_one_launch), else a
-  // YALI all-reduce into norm_out followed by the add + norm kernel. Rows must be
+  // alias `residual_out`; neither output may overlap `in` (the other ranks read
+  // `in` while the outputs are written). One launch while fused_one_launch (two
+  // ranks: up to Config::flash_bytes; more: one rank's push slot), else a YALI
+  // all-reduce into norm_out followed by the add + norm kernel. Rows must be
   // 16-byte multiples of at most kFusedMaxRowBytes and pointers 16-byte aligned;
-  // otherwise (or above YALI_MAX_BYTES) returns cudaErrorInvalidValue.
+  // otherwise (or above what the rank serves) returns cudaErrorInvalidValue.
   cudaError_t fused_allreduce_rmsnorm(const void* in, const void* residual, const void* weight, float eps,
                                       void* norm_out, void* residual_out, size_t rows, size_t hidden, DType dtype,
                                       cudaStream_t stream) const;
