@@ -254,10 +254,14 @@ def test_former_module_path_still_serves():
 
 def test_wheel_ships_every_package():
     # pyproject.toml lists the packages a wheel (deploy/Dockerfile) installs: yali_vllm.plugin too.
+    # Read from the imported package: the checkout, or the installed wheel in CI's wheel legs.
+    import yali_vllm
+
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     root = Path(__file__).resolve().parents[2]
     listed = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    found = [".".join(p.parent.relative_to(root).parts) for p in sorted((root / "yali_vllm").rglob("__init__.py"))]
+    pkg = Path(yali_vllm.__file__).parent
+    found = [".".join(p.parent.relative_to(pkg.parent).parts) for p in sorted(pkg.rglob("__init__.py"))]
     assert sorted(listed) == found
 
 

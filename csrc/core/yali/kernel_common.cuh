@@ -15,10 +15,14 @@ namespace yali {
 // `theirs` (what = 9, a call mismatch): the peer's descriptor; otherwise the record takes this
 // rank's current call from LocalState and the peer's unread descriptor, if any, from its slots.
 // `peer`: the rank waited for or disagreeing (N ranks; -1: the peer of a two-rank communicator).
+// One record per communicator: the first thread to give up claims it (an atomic on this GPU's
+// LocalState), so with several waiters timing out at once (every CTA, N ranks) its fields all
+// come from one of them; the others trap without writing.
 __device__ __noinline__ static void abort_from(AbortInfo* abort, Kernel kernel, int what, uint64_t expected,
                                         uint64_t seen, const CallDesc* theirs, int peer) {
   volatile AbortInfo* a = abort;
   const volatile LocalState* st = abort->state;
+  if (st && atomicCAS(const_cast<uint32_t*>(&st->abort_claim), 0u, 1u) != 0u) __trap();
   for (int i = 0; i < 4; ++i) a->mine.w[i] = st ? st->current_call.w[i] : kCallEmpty;
   for (int i = 0; i < 4; ++i) a->theirs.w[i] = theirs ? theirs->w[i] : kCallEmpty;
   // The unread descriptor of the peer: two slots with two ranks, slot [parity][peer] with more.

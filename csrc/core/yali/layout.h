@@ -86,6 +86,7 @@ struct LocalState {
   uint64_t fused_calls;                 // fused all-reduce + RMSNorm operations that ran
   uint64_t call_seq;      // calls made so far (every kernel that checks its call advances it)
   CallDesc current_call;  // the call running now, for the abort record of any CTA
+  uint32_t abort_claim;   // 0 until a thread claims the abort record (one writer per record)
 };
 
 // Written by a kernel that gave up waiting for its peer, read by the host after
