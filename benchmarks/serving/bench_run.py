@@ -335,18 +335,15 @@ def _run_all(
         write_results(json_path, doc)
         if args.load_tests is not None:
             args.load_tests.write(say)
-        if args.profile_tokens and (out / "traces").is_dir():
-            try:
-                prof = write_decode_profile(out, args.profile_tokens, args.model_size)
-                say(f"decode profile: {prof or 'no GPU kernels in the traces'}")
-            except Exception as e:
-                say(f"decode profile analysis FAILED: {type(e).__name__}: {e}")
-        if args.profile_prefill_tokens and (out / "prefill-traces").is_dir():
-            try:
-                prof = write_prefill_profile(out, args.profile_prefill_tokens, args.model_size)
-                say(f"prefill profile: {prof or 'no GPU kernels in the traces'}")
-            except Exception as e:
-                say(f"prefill profile analysis FAILED: {type(e).__name__}: {e}")
+        for phase, n, write, traces in (("decode", args.profile_tokens, write_decode_profile, "traces"),
+                                         ("prefill", args.profile_prefill_tokens, write_prefill_profile,
+                                          "prefill-traces")):
+            if n and (out / traces).is_dir():
+                try:
+                    prof = write(out, n, args.model_size)
+                    say(f"{phase} profile: {prof or 'no GPU kernels in the traces'}")
+                except Exception as e:
+                    say(f"{phase} profile analysis FAILED: {type(e).__name__}: {e}")
         md, plots = write_report(doc, json_path, out)
         say(f"wrote {json_path}, {md}" + (", " + ", ".join(str(p) for p in plots) if plots else ""))
     if interrupted is not None:

@@ -31,6 +31,9 @@ KERNEL_CLASSES = [
 
 
 TOP_KERNELS = 25  # kernel names kept per trace, by total time
+# The classes whose kernels wait for the other ranks: their time on one rank includes that rank's
+# wait for the last one to arrive (collective_net).
+COLLECTIVE_CLASSES = ("yali", "flashinfer-allreduce", "vllm-custom-allreduce", "nccl")
 
 
 def kernel_class(name: str) -> str:
@@ -79,8 +82,30 @@ def analyze(trace: dict) -> dict:
     span = 0.0
     if kernels:
         span = max(float(e["ts"]) + float(e["dur"]) for e in kernels) - min(float(e["ts"]) for e in kernels)
+    calls = {cls: [float(e["dur"]) for e in sorted((e for e in kernels if kernel_class(e["name"]) == cls),
+                                                   key=lambda e: e["ts"])] for cls in COLLECTIVE_CLASSES}
     return {"classes": out, "kernels": len(kernels), "span_us": round(span, 1),
-            "top": [{"name": n[:160], "class": kernel_class(n), "count": c, "total_us": round(t, 1)} for n, (c, t) in top]}
+            "top": [{"name": n[:160], "class": kernel_class(n), "count": c, "total_us": round(t, 1)} for n, (c, t) in top],
+            "collective_calls": {cls: d for cls, d in calls.items() if d}}
+
+
+def collective_net(calls_by_rank: dict[int, dict[str, list[float]]], tokens: int) -> dict:
+    """Per collective class: the time of its calls net of the ranks' arrival skew. The k-th call of a
+    class is one collective on every rank, and the rank that arrived last waited least: its time
+    (the shortest over the ranks) is the collective's own. Summed over the calls, per token; only
+    where every rank made the same number of calls of the class."""
+    out = {}
+    classes = {cls for calls in calls_by_rank.values() for cls in calls}
+    for cls in sorted(classes):
+        per_rank = [calls.get(cls, []) for calls in calls_by_rank.values()]
+        if len(per_rank) < 2 or len({len(d) for d in per_rank}) != 1:
+            continue
+        net = sum(min(ds) for ds in zip(*per_rank))
+        out[cls] = {"count": len(per_rank[0]), "ranks": len(per_rank), "net_us": round(net, 1),
+                    "per_token_net_us": round(net / tokens, 1),
+                    "per_token_rank_us": {str(r): round(sum(calls.get(cls, [])) / tokens, 1)
+                                          for r, calls in sorted(calls_by_rank.items())}}
+    return out
 
 
 def rank_of(path: str) -> int | None:
@@ -88,19 +113,23 @@ def rank_of(path: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def summarize_traces(trace_root: Path, tokens: int) -> tuple[list[dict], dict]:
+def summarize_traces(trace_root: Path, tokens: int) -> tuple[list[dict], dict, dict]:
     """Each trace under trace_root/<config>/ loaded and analysed once: one row per config x rank x
-    kernel class, and per config rank 0's kernels with the most time, per token (names cut to
-    160 chars). Traces without GPU kernels (the API server's CPU-only one) give nothing."""
+    kernel class, per config rank 0's kernels with the most time, per token (names cut to
+    160 chars), and per config the collectives net of the ranks' arrival skew (collective_net).
+    Traces without GPU kernels (the API server's CPU-only one) give nothing."""
     rows: list[dict] = []
     top: dict = {}
+    nets: dict = {}
     for cfg_dir in sorted(p for p in trace_root.iterdir() if p.is_dir()):
         files = sorted(glob.glob(str(cfg_dir / "**" / "*.json*"), recursive=True))
+        calls_by_rank: dict = {}
         for i, path in enumerate(files):
             res = analyze(load_trace(path))
             if not res["kernels"]:
                 continue
             rank = rank_of(path)
+            calls_by_rank[i if rank is None else rank] = res["collective_calls"]
             for cls, st in sorted(res["classes"].items()):
                 rows.append({"config": cfg_dir.name, "rank": i if rank is None else rank, "kernel_class": cls,
                              "trace": os.path.relpath(path, trace_root), "tokens": tokens,
@@ -110,7 +139,10 @@ def summarize_traces(trace_root: Path, tokens: int) -> tuple[list[dict], dict]:
             if rank in (0, None) and cfg_dir.name not in top:
                 top[cfg_dir.name] = [{**k, "per_token_count": round(k["count"] / tokens, 2),
                                       "per_token_us": round(k["total_us"] / tokens, 1)} for k in res["top"]]
-    return rows, top
+        net = collective_net(calls_by_rank, tokens)
+        if net:
+            nets[cfg_dir.name] = net
+    return rows, top, nets
 
 
 def rows_from_traces(trace_root: Path, tokens: int) -> list[dict]:
@@ -166,7 +198,7 @@ def step_times(trace_root: Path) -> dict:
 def profile_doc(trace_root: Path, tokens: int, extra: dict) -> dict:
     """The decode-profile result document of the traces under trace_root/<config>/."""
     doc = results_header(KIND, {"tokens": tokens, **extra})
-    doc["records"], doc["top_kernels"] = summarize_traces(trace_root, tokens)
+    doc["records"], doc["top_kernels"], doc["collective_net"] = summarize_traces(trace_root, tokens)
     doc["step_times"] = step_times(trace_root)
     return doc
 
@@ -208,6 +240,14 @@ def markdown(doc: dict) -> str:
             for rank, st in sorted(ranks.items(), key=lambda kv: int(kv[0])):
                 if f"{key}_steps" in st:
                     lines.append(f"| {cfg} | {rank} | {st[f'{key}_steps']} | {st[f'{key}_step_us']} |")
+    if doc.get("collective_net"):
+        lines += ["", f"Collective kernels net of the ranks' arrival skew, per {unit}: the k-th call's shortest time over "
+                  "the ranks (the last rank to arrive waits least), summed; beside it each rank's own total.", "",
+                  "| config | class | calls | net µs | µs per rank |", "|---|---|---:|---:|---|"]
+        for cfg, classes in doc["collective_net"].items():
+            for cls, st in classes.items():
+                ranks = ", ".join(f"{r}: {v}" for r, v in st["per_token_rank_us"].items())
+                lines.append(f"| {cfg} | {cls} | {st['count']} | {st['per_token_net_us']} | {ranks} |")
     for cfg, top in doc.get("top_kernels", {}).items():
         lines += ["", f"Top kernels of {cfg} (rank 0, per {unit}):", "", "| kernel | class | count | µs |", "|---|---|---:|---:|"]
         for k in top:
@@ -232,6 +272,7 @@ def merge(paths: list[Path], out: Path) -> int:
                                                 for p, d in zip(paths, docs)]})
     doc["records"] = [r for d in docs for r in d["records"]]
     doc["top_kernels"] = {cfg: top for d in docs for cfg, top in d.get("top_kernels", {}).items()}
+    doc["collective_net"] = {cfg: net for d in docs for cfg, net in (d.get("collective_net") or {}).items()}
     # The profile's host and versions are those of the runs (the first one), not of this merge.
     doc["host"], doc["versions"] = docs[0].get("host", doc["host"]), docs[0].get("versions", doc["versions"])
     doc["step_times"] = {}

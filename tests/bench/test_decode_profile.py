@@ -220,3 +220,26 @@ def test_write_prefill_profile(tmp_path):
     assert "kernels / step" in md and "1024-token prompt" in md and "| yali | 0 | 1 | 36628.0 |" in md
     assert not (tmp_path / "decode-profile.json").exists()
     assert bench_run.write_prefill_profile(tmp_path / "none", 1024, "70b") is None
+
+
+def test_collectives_net_of_the_ranks_arrival_skew(tmp_path):
+    """The k-th all-reduce is one collective on every rank; the rank that arrived last waited
+    least, so the shortest time over the ranks, summed over the calls, is what the collective
+    itself took. Rank 0 arrives late at the first call, rank 1 at the second."""
+    d = tmp_path / "yali"
+    d.mkdir()
+    rank_calls = {0: (10, 300), 1: (250, 12), 2: (200, 100)}
+    for r, (a, b) in rank_calls.items():
+        with gzip.open(d / f"dp0_pp0_tp{r}_dcp0_ep0_rank{r}.1.pt.trace.json.gz", "wt") as f:
+            json.dump({"traceEvents": [k("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 0, a),
+                                       k("nvjet_tst_gemm", 400, 50),
+                                       k("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 500, b)]}, f)
+    rows, top, nets = profile_analysis.summarize_traces(tmp_path, tokens=2)
+    assert nets == {"yali": {"nccl": {"count": 2, "ranks": 3, "net_us": 22.0, "per_token_net_us": 11.0,
+                                      "per_token_rank_us": {"0": 155.0, "1": 131.0, "2": 150.0}}}}
+    md = profile_analysis.markdown({"host": "h", "date": "d", "command": "c", "records": rows, "collective_net": nets})
+    assert "| yali | nccl | 2 | 11.0 | 0: 155.0, 1: 131.0, 2: 150.0 |" in md
+    # A rank that made another number of calls of the class: no pairing, no net figure.
+    with gzip.open(d / "dp0_pp0_tp3_dcp0_ep0_rank3.1.pt.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": [k("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 0, 5)]}, f)
+    assert profile_analysis.summarize_traces(tmp_path, tokens=2)[2] == {}
