@@ -38,23 +38,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
 from benchmarks.common.processes import free_port, stop_process_group
+
+from . import vllm_serve
 
 HERE = Path(__file__).resolve().parent
 RUNNER = HERE / "vllm_generate.py"
-REPO = HERE.parents[1]
 
 RUN_TIMEOUT_S = 900  # one vLLM start-up + generation (compile included)
 SERVE_TIMEOUT_S = 900
@@ -95,36 +90,10 @@ pytestmark = [
 ]
 
 
-def _entry_point_installed() -> bool:
-    from importlib.metadata import entry_points
-
-    return any(
-        ep.value == "yali_vllm.plugin:register"
-        for ep in entry_points(group="vllm.general_plugins")
-    )
-
-
 @pytest.fixture(scope="module")
 def plugin_path(tmp_path_factory) -> str:
-    """Extra PYTHONPATH so vLLM's processes load the plugin.
-
-    vLLM finds general plugins through package metadata.  When yali-vllm is
-    not pip-installed (tests run from the checkout), a minimal .dist-info
-    declaring the same entry point is written next to the checkout's path.
-    """
-    paths = [str(REPO)]
-    if not _entry_point_installed():
-        site = tmp_path_factory.mktemp("plugin-site")
-        info = site / "yali_vllm_checkout-0.0.0.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(
-            "Metadata-Version: 2.1\nName: yali-vllm-checkout\nVersion: 0.0.0\n"
-        )
-        (info / "entry_points.txt").write_text(
-            "[vllm.general_plugins]\nyali = yali_vllm.plugin:register\n"
-        )
-        paths.append(str(site))
-    return os.pathsep.join(paths)
+    """Extra PYTHONPATH so vLLM's processes load the plugin (vllm_serve.plugin_path)."""
+    return vllm_serve.plugin_path(tmp_path_factory.mktemp("plugin-site"))
 
 
 _CACHE_ROOT: str | None = None
@@ -140,14 +109,7 @@ def _fresh_compile_cache(tmp_path_factory):
 
 
 def _env(plugin_path: str, yali: bool) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(MULTICAST_OFF_ENV)
-    if _CACHE_ROOT:
-        env["VLLM_CACHE_ROOT"] = _CACHE_ROOT
-    env["YALI_ENABLE"] = "1" if yali else "0"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (plugin_path, env.get("PYTHONPATH", "")) if p)
-    env.setdefault("VLLM_NO_USAGE_STATS", "1")
-    return env
+    return vllm_serve.serve_env(plugin_path, yali, _CACHE_ROOT)
 
 
 @pytest.fixture(scope="module")
@@ -373,96 +335,38 @@ def test_overlap_tokens_match_without_overlap(model_dir, plugin_path, tmp_path_f
 
 
 # ------------------------------------------------------------------ vllm serve
-def _vllm_cmd() -> list[str]:
-    exe = shutil.which("vllm")
-    return [exe] if exe else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
-
-
-def _post(url: str, body: dict, timeout: float = 120) -> dict:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        assert r.status == 200
-        return json.loads(r.read())
-
-
 @_timeout(SERVE_TIMEOUT_S + 120)
 def test_vllm_serve_selects_yali_and_answers(model_dir, plugin_path, tmp_path):
     port = free_port()
     log = tmp_path / "serve.log"
-    cmd = _vllm_cmd() + [
-        "serve",
-        str(model_dir),
-        "--tensor-parallel-size",
-        "2",
-        "--load-format",
-        "dummy",
-        "--tokenizer-mode",
-        "mistral",
-        "--max-model-len",
-        "2048",
-        "--max-num-seqs",
-        "8",
-        "--gpu-memory-utilization",
-        "0.5",
-        # Eager keeps start-up short; CUDA graphs are covered above.
-        "--enforce-eager",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
     base = f"http://127.0.0.1:{port}"
-    with open(log, "wb") as logf:
-        proc = subprocess.Popen(
-            cmd,
-            env=_env(plugin_path, True),
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+    # Eager keeps start-up short; CUDA graphs are covered above.
+    proc = vllm_serve.start_healthy(vllm_serve.serve_argv(model_dir, port), _env(plugin_path, True), log, port,
+                                    SERVE_TIMEOUT_S)
+    try:
+        comp = vllm_serve.post_json(
+            base + "/v1/completions",
+            {
+                "model": str(model_dir),
+                "prompt": "The capital of France is",
+                "max_tokens": 16,
+                "temperature": 0,
+            },
         )
-        try:
-            deadline = time.monotonic() + SERVE_TIMEOUT_S
-            while True:
-                assert proc.poll() is None, (
-                    f"vllm serve exited with {proc.returncode}:\n"
-                    + log.read_text(errors="replace")[-6000:]
-                )
-                try:
-                    with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                        if r.status == 200:
-                            break
-                except (urllib.error.URLError, ConnectionError, TimeoutError):
-                    pass
-                assert time.monotonic() < deadline, (
-                    "vllm serve not healthy in time:\n" + log.read_text(errors="replace")[-6000:]
-                )
-                time.sleep(3)
-
-            comp = _post(
-                base + "/v1/completions",
-                {
-                    "model": str(model_dir),
-                    "prompt": "The capital of France is",
-                    "max_tokens": 16,
-                    "temperature": 0,
-                },
-            )
-            assert comp["choices"] and comp["usage"]["completion_tokens"] > 0
-            chat = _post(
-                base + "/v1/chat/completions",
-                {
-                    "model": str(model_dir),
-                    "messages": [{"role": "user", "content": "Say hello."}],
-                    "max_tokens": 16,
-                    "temperature": 0,
-                },
-            )
-            assert chat["choices"] and chat["choices"][0]["message"]["role"] == "assistant"
-            assert chat["usage"]["completion_tokens"] > 0
-        finally:
-            stop_process_group(proc, grace_s=60)
+        assert comp["choices"] and comp["usage"]["completion_tokens"] > 0
+        chat = vllm_serve.post_json(
+            base + "/v1/chat/completions",
+            {
+                "model": str(model_dir),
+                "messages": [{"role": "user", "content": "Say hello."}],
+                "max_tokens": 16,
+                "temperature": 0,
+            },
+        )
+        assert chat["choices"] and chat["choices"][0]["message"]["role"] == "assistant"
+        assert chat["usage"]["completion_tokens"] > 0
+    finally:
+        stop_process_group(proc, grace_s=60)
     text = log.read_text(errors="replace")
     on_lines = [ln for ln in text.splitlines() if "YALI all-reduce ON for group 'tp:0'" in ln]
     assert len(on_lines) == 2, "expected one YALI selection line per TP rank:\n" + text[-6000:]
