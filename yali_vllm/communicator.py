@@ -481,9 +481,10 @@ class YaliCommunicator:
 
     def fused_launch(self, rows: int, hidden: int, dtype: torch.dtype) -> dict:
         """How a fused call of `rows` x `hidden` `dtype` runs: one launch or not, CTAs, batched receive
-        poll, row loads before the epoch fetch, message bytes sent per CTA, CTAs per thread block cluster."""
+        poll, row loads before the epoch fetch, message bytes sent per CTA, CTAs per thread block cluster,
+        CTAs per row (N ranks with YALI_DEV_RANKS_FUSED_SPREAD; 1: a CTA owns whole rows)."""
         v = _ext.ops().fused_launch(self._handle, rows, hidden, dtype)
-        keys = ("one_launch", "grid", "batch_poll", "row_loads_early", "cta_bytes", "cluster")
+        keys = ("one_launch", "grid", "batch_poll", "row_loads_early", "cta_bytes", "cluster", "spread")
         return dict(zip(keys, (int(x) for x in v)))
 
     def abort_message(self) -> str:

@@ -337,7 +337,7 @@ std::string abort_message(int64_t handle) { return get(handle)->abort_message();
 std::vector<int64_t> fused_launch(int64_t handle, int64_t rows, int64_t hidden, ScalarType dtype) {
   YALI_CHECK_VALUE(rows > 0 && hidden > 0, "fused_launch needs rows > 0 and hidden > 0, got ", rows, ", ", hidden);
   const yali::FusedLaunch l = get(handle)->fused_launch(size_t(rows), size_t(hidden), to_dtype(dtype));
-  return {l.one_launch, l.grid, l.batch_poll, l.row_loads_early, int64_t(l.cta_bytes), l.cluster};
+  return {l.one_launch, l.grid, l.batch_poll, l.row_loads_early, int64_t(l.cta_bytes), l.cluster, l.spread};
 }
 std::string handle_config(int64_t handle) { return get(handle)->config().to_string(); }
 

@@ -61,7 +61,15 @@ def test_stream_mode_has_no_n_rank_kernel(monkeypatch):
     assert config.plan(1 * MiB, world_size=4)[0] == "push-twoshot"
 
 
+def test_fused_spread_knob(monkeypatch):
+    assert config.kernel_config()["ranks_fused_spread"] == 0  # off by default: not measured yet
+    monkeypatch.setenv("YALI_DEV_RANKS_FUSED_SPREAD", "4")
+    assert config.kernel_config()["ranks_fused_spread"] == 4
+
+
 @pytest.mark.parametrize("var, value, fragment", [
+    ("YALI_DEV_RANKS_FUSED_SPREAD", "3", "0 (off), 2, 4 or 8"),
+    ("YALI_DEV_RANKS_FUSED_SPREAD", "16", "YALI_DEV_RANKS_FUSED_SPREAD"),
     ("YALI_DEV_RANKS_MAX", "1000", "YALI_DEV_RANKS_MAX=1000 is invalid"),
     ("YALI_DEV_RANKS_MAX", "128M", "[4096, 67108864]"),
     ("YALI_DEV_RANKS_ONESHOT_MAX", "16M", "YALI_DEV_RANKS_ONESHOT_MAX"),

@@ -295,7 +295,7 @@ def fused_sweep(rank, group, comm, plan, seed):
     dev = _device()
     specs = with_two_launch_specs(comm, plan)
     failures, digests = [], {}
-    launched = one_launch = 0
+    launched = one_launch = spread = 0
     before = comm.device_fused_calls()
     for k, spec in enumerate(specs):
         call = fused_call(comm, spec, rank, seed * CALLS_PER_BASE + k, dev)
@@ -304,10 +304,12 @@ def fused_sweep(rank, group, comm, plan, seed):
         failures += problems
         if not call["refused"]:
             launched += 1
-            one_launch += comm.fused_launch(spec["tokens"], spec["hidden"], DTYPES[spec["dtype"]])["one_launch"]
+            launch = comm.fused_launch(spec["tokens"], spec["hidden"], DTYPES[spec["dtype"]])
+            one_launch += launch["one_launch"]
+            spread += launch["one_launch"] and launch["spread"] > 1  # a row over a cluster of CTAs
             digests[f"{k}: {_fused_tag(spec)}"] = digest(call["norm"], call["res_out"])
         del call
-    return {"failures": failures, "specs": len(specs), "launched": launched, "one_launch": one_launch,
+    return {"failures": failures, "specs": len(specs), "launched": launched, "one_launch": one_launch, "spread": spread,
             "two_launch": launched - one_launch, "two_launch_served": len(specs) > len(plan),
             "device_fused_calls": comm.device_fused_calls() - before, "differing": differing(group, digests)}
 

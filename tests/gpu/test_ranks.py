@@ -130,6 +130,32 @@ def test_interleaved_stress_every_kernel_call_after_call(suite):
     assert_ranks_agree(parts)
 
 
+# The fused op with every row spread over a cluster of CTAs (YALI_DEV_RANKS_FUSED_SPREAD): the same
+# suite, run at the world sizes above two, where the knob applies.
+SPREAD = "4"
+
+
+@pytest.fixture(scope="module", params=[n for n in WORLD_SIZES if n > 2], ids=lambda n: f"{n}-ranks")
+def spread_suite(request):
+    n = request.param
+    return n, run_ranks(rs.ranks_suite, DTYPES, fused_ranks_plan(), GRAPH_REPLAYS, SEED, STRESS_ROUNDS, world_size=n,
+                        timeout=SUITE_BOUND_S[n],
+                        env={"YALI_TIMEOUT_S": SUITE_TIMEOUT_S, "YALI_DEV_RANKS_FUSED_SPREAD": SPREAD})
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(max(SUITE_BOUND_S.values()) + 30)
+def test_fused_spread_over_a_cluster_matches_vllm_reference(spread_suite):
+    n, res = spread_suite
+    for name in ("fused", "graph"):
+        parts = checked_parts(res, name)
+        assert_ranks_agree(parts)
+    fused = suite_part(res, "fused")
+    assert all(r["spread"] > 0 for r in fused), fused[0]  # some calls ran the spread kernel
+    for r in suite_part(res, "graph"):
+        assert r["device_fused_calls"] == r["expected_fused_calls"], r
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(max(MISMATCH_BOUND_S.values()) + 30)
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=lambda n: f"{n}-ranks")

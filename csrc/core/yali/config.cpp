@@ -140,6 +140,7 @@ Config Config::from_env() {
   dev_int("YALI_DEV_FUSED_CLUSTER", -1, 8, &c.fused_cluster);
   dev_bytes("YALI_DEV_RANKS_MAX", 4096, size_t(64) << 20, 4096, &c.ranks_max);
   dev_bytes("YALI_DEV_RANKS_ONESHOT_MAX", 0, size_t(64) << 20, 4096, &c.ranks_oneshot_max);
+  dev_int("YALI_DEV_RANKS_FUSED_SPREAD", 0, 8, &c.ranks_fused_spread);
   refuse_unknown_dev_knobs(dev_knobs);
   // Limits that depend on the flash buffer: a default follows a smaller YALI_DEV_FLASH_BYTES; a
   // value the user set that does not fit is refused naming both variables.
@@ -189,6 +190,8 @@ void Config::validate() const {
   check_range("YALI_DEV_RANKS_MAX", ranks_max, 4096, size_t(64) << 20, 4096);
   // The one-shot limit, like the other buffer sizes, is a multiple of 4 KiB (0: by world size).
   if (ranks_oneshot_max != 0) check_range("YALI_DEV_RANKS_ONESHOT_MAX", ranks_oneshot_max, 4096, ranks_max, 4096);
+  if (ranks_fused_spread != 0 && ranks_fused_spread != 2 && ranks_fused_spread != 4 && ranks_fused_spread != 8)
+    bad("YALI_DEV_RANKS_FUSED_SPREAD", std::to_string(ranks_fused_spread), "0 (off), 2, 4 or 8 (CTAs of a cluster)");
   if (!(timeout_s == 0.0 || (timeout_s >= kMinTimeoutS && timeout_s <= 86400.0)))
     bad("YALI_TIMEOUT_S", std::to_string(timeout_s), "0 (no watchdog) or seconds in [0.001, 86400]");
   if (!kLegacyKernels && selects_legacy_kernels(*this))
@@ -209,6 +212,7 @@ std::string Config::to_string() const {
     << " fused_cta_bytes=" << fused_cta_bytes
     << " fused_row_loads_early=" << fused_row_loads_early << " fused_cluster=" << fused_cluster
     << " ranks_max=" << ranks_max << " ranks_oneshot_max=" << ranks_oneshot_max
+    << " ranks_fused_spread=" << ranks_fused_spread
     << " timeout_s=" << timeout_s;
   return o.str();
 }

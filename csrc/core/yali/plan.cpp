@@ -169,6 +169,15 @@ FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType 
   // (archive/fused/20261122-variants-batch-poll).
   // N ranks: the receivers wait for each rank's row in turn (ranks.cuh), never batched.
   l.batch_poll = world == 2 && nbytes >= c.fused_batch_poll_min;
+  // N ranks, YALI_DEV_RANKS_FUSED_SPREAD: every row over a cluster of that many CTAs, while the
+  // grid (rows x spread) fits the flash CTAs; a thread holds its vectors of the row's slice.
+  const size_t spread = size_t(c.ranks_fused_spread);
+  if (world > 2 && spread > 1 && rows * spread <= size_t(c.flash_ctas)) {
+    l.spread = l.cluster = int(spread);
+    l.grid = int(rows * spread);
+    const size_t slice_per_thread = ceil_div(ceil_div(row_bytes / 16, spread), kFlashThreads);
+    l.row_vecs_per_thread = slice_per_thread <= 1 ? 1 : slice_per_thread <= 2 ? 2 : slice_per_thread <= 4 ? 4 : 8;
+  }
   return l;
 }
 

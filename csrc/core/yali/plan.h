@@ -41,6 +41,7 @@ struct FusedLaunch {
   bool row_loads_early = true;  // a row's loads before the epoch fetch, or after the send
   bool pdl = true;              // programmatic dependent launch
   int cluster = 1;              // CTAs per thread block cluster (1 = no clusters)
+  int spread = 1;               // N ranks: CTAs per row (its cluster), each owning a slice; 1 = whole rows
 };
 
 // The fused op's launch table for `rows` rows of `hidden` elements of `dtype`

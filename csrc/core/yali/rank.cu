@@ -421,6 +421,7 @@ namespace {
 
 template <typename T, int kV>
 cudaError_t launch_fused_ranks_with(const FusedRanksArgs& a, const FusedLaunch& l, cudaStream_t stream) {
+  if (l.spread > 1) return launch(fused_ranks_spread_kernel<T, kV>, l.grid, kFlashThreads, stream, l.pdl, a, l.cluster);
   return launch(l.row_loads_early ? fused_ranks_kernel<T, kV, true> : fused_ranks_kernel<T, kV, false>, l.grid,
                 kFlashThreads, stream, l.pdl, a, l.cluster);
 }

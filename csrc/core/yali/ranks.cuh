@@ -25,6 +25,8 @@
 // rank's call), which my call e + 1 sends only after my call e, with the clearing of parity q,
 // completed. The epochs are flash-push's (advance_epochs), per CTA, shared by every kernel.
 #pragma once
+#include <cooperative_groups.h>
+
 #include "fused.cuh"
 
 namespace yali {
@@ -220,6 +222,23 @@ __global__ void __launch_bounds__(kFlashThreads, 1) push_twoshot_kernel(RanksArg
   }
 }
 
+// The fused op's exchange, by all threads of every CTA: the epoch and the call check (CTA 0's last
+// thread), the fused call's count (CTA 0's first), and vectors `chunk` of my input (the first batch
+// in p already) to every other rank. Returns the call's parity.
+template <typename T, int kU, typename Load>
+__device__ __forceinline__ int fused_ranks_exchange(const RanksArgs& x, Vec16 (&p)[kU], Range chunk, Load input) {
+  const int t = threadIdx.x;
+  const bool checker = blockIdx.x == 0 && t == kFlashThreads - 1;
+  const uint64_t call_n = checker ? x.state->call_seq + 1 : 0;
+  uint32_t* call_slots = nullptr;
+  const int parity = ranks_begin(x, checker, call_n, &call_slots);
+  if (blockIdx.x == 0 && t == 0) atomicAdd(reinterpret_cast<unsigned long long*>(&x.state->fused_calls), 1ull);
+
+  send_to_ranks<T>(x, parity, p, chunk, input);
+  if (checker) ranks_call_verify(x.call, call_slots, x.rank, x.world, x.timeout_ns, x.abort, Kernel::PushOneShot);
+  return parity;
+}
+
 struct FusedRanksArgs {
   RanksArgs x;  // x.in is the input, x.nbytes = rows * row bytes; x.out unused
   RowNorm n;
@@ -245,14 +264,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_ranks_kernel(FusedRank
   };
   load_batch(p, chunk.begin + t, chunk.end, input);
   if constexpr (kRowLoadsEarly) load_first_row();
-  const bool checker = blockIdx.x == 0 && t == kFlashThreads - 1;
-  const uint64_t call_n = checker ? a.x.state->call_seq + 1 : 0;
-  uint32_t* call_slots = nullptr;
-  const int parity = ranks_begin(a.x, checker, call_n, &call_slots);
-  if (blockIdx.x == 0 && t == 0) atomicAdd(reinterpret_cast<unsigned long long*>(&a.x.state->fused_calls), 1ull);
-
-  send_to_ranks<T>(a.x, parity, p, chunk, input);
-  if (checker) ranks_call_verify(a.x.call, call_slots, a.x.rank, a.x.world, a.x.timeout_ns, a.x.abort, Kernel::PushOneShot);
+  const int parity = fused_ranks_exchange<T>(a.x, p, chunk, input);
   if constexpr (!kRowLoadsEarly) load_first_row();
   for (int row = first; row < a.n.rows; row += gridDim.x) {
     const size_t base = size_t(row) * a.n.row_vecs;
@@ -267,6 +279,98 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_ranks_kernel(FusedRank
     }
     rmsnorm_row<T, kV>(a.n, row, x, r, w);
   }
+}
+
+// The spread kernel's vectors of a row slice: `count` vectors from vector `first` of `base`, this
+// thread's at j = t + u * kFlashThreads. (Its own copies of fused.cuh's load_row and rmsnorm_row:
+// sharing them changes the measured kernels' machine code.)
+template <int kV>
+__device__ __forceinline__ void load_slice(Vec16 (&v)[kV], const void* base, size_t first, int count) {
+  if (base == nullptr) return;
+  const Vec16* q = static_cast<const Vec16*>(base) + first;
+#pragma unroll
+  for (int u = 0; u < kV; ++u)
+    if (threadIdx.x + u * kFlashThreads < count) v[u] = load_local_input(q + threadIdx.x + u * kFlashThreads);
+}
+
+// The epilogue on a slice (fused.cuh's rmsnorm_row): z = sum [+ residual] to residual_out, then
+// z * rsqrt(row's mean square + eps), rounded, times the weight, to norm_out; `row_sq` turns this
+// CTA's sum of squares into the row's.
+template <typename T, int kV, typename RowSq>
+__device__ __forceinline__ void rmsnorm_slice(const RowNorm& a, size_t first, int count, const Vec16 (&s)[kV],
+                                              const Vec16 (&r)[kV], const Vec16 (&w)[kV], RowSq row_sq) {
+  constexpr int kN = 16 / sizeof(T);
+  float z[kV][kN];
+  float sq = 0.f;
+#pragma unroll
+  for (int u = 0; u < kV; ++u) {
+    const int j = threadIdx.x + u * kFlashThreads;
+    if (j >= count) continue;
+    unpack<T>(s[u], z[u]);
+    float rr[kN];
+    if (a.residual) unpack<T>(r[u], rr);
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      if (a.residual) z[u][i] += rr[i];
+      sq = fmaf(z[u][i], z[u][i], sq);
+    }
+    store_vec(static_cast<Vec16*>(a.residual_out) + first + j, pack<T>(z[u]));
+  }
+  const float inv_rms = rsqrtf(row_sq(block_sum(sq)) / float(a.hidden) + a.eps);
+#pragma unroll
+  for (int u = 0; u < kV; ++u) {
+    const int j = threadIdx.x + u * kFlashThreads;
+    if (j >= count) continue;
+    float ww[kN], o[kN];
+    unpack<T>(w[u], ww);
+#pragma unroll
+    for (int i = 0; i < kN; ++i) o[i] = round_to<T>(z[u][i] * inv_rms) * ww[i];
+    store_vec(static_cast<Vec16*>(a.norm_out) + first + j, pack<T>(o));
+  }
+}
+
+// The fused op for N ranks with every row spread over a thread block cluster of S CTAs
+// (YALI_DEV_RANKS_FUSED_SPREAD; grid = rows x S, cluster = S): CTA s of row r's cluster sends slice
+// s of the row (split_range of its vectors) to every other rank, adds the N copies of that slice,
+// and the cluster's CTAs add their sums of squares in cluster rank order through distributed shared
+// memory, so every CTA of the row, on every rank, normalises with the same bits. A CTA waits only
+// for its own slice, which the same CTA of every rank sends, and writes only the outputs of its
+// slice, which no CTA sends: an output over the input cannot be read by a peer, and no CTA waits for
+// one that is not scheduled.
+template <typename T, int kV>
+__global__ void __launch_bounds__(kFlashThreads, 1) fused_ranks_spread_kernel(FusedRanksArgs a) {
+  namespace cg = cooperative_groups;
+  wait_prior_grids();
+  constexpr int kU = 4;
+  __shared__ float cta_sq;  // this CTA's sum of squares, read by the cluster
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int spread = int(cluster.num_blocks()), s = int(cluster.block_rank());
+  const int t = threadIdx.x, row = blockIdx.x / spread;
+  const Range slice = split_range(0, a.n.row_vecs, spread, s);
+  const size_t base = size_t(row) * a.n.row_vecs;
+  const Range chunk{base + slice.begin, base + slice.end};  // what this CTA sends and adds
+  const Vec16* in = static_cast<const Vec16*>(a.x.in);
+  const auto input = [&](size_t k) { return load_local_input(in + k); };
+  Vec16 p[kU], w[kV], x[kV], r[kV];
+  load_batch(p, chunk.begin + t, chunk.end, input);
+  const int count = int(slice.end - slice.begin);
+  load_slice(w, a.n.weight, slice.begin, count);
+  load_slice(x, a.x.in, chunk.begin, count);
+  load_slice(r, a.n.residual, chunk.begin, count);
+  const int parity = fused_ranks_exchange<T>(a.x, p, chunk, input);
+#pragma unroll
+  for (int u = 0; u < kV; ++u) {
+    const size_t j = slice.begin + t + size_t(u) * kFlashThreads;
+    if (j < slice.end) x[u] = sum_ranks<T>(a.x, parity, base + j, canonical<T>(x[u]), Kernel::PushOneShot);
+  }
+  rmsnorm_slice<T, kV>(a.n, chunk.begin, count, x, r, w, [&](float sq) {
+    if (t == 0) cta_sq = sq;
+    cluster.sync();  // every CTA's sum is written
+    float total = 0.f;
+    for (int c = 0; c < spread; ++c) total += *cluster.map_shared_rank(&cta_sq, c);  // in cluster rank order
+    cluster.sync();  // no CTA leaves while another still reads its sum
+    return total;
+  });
 }
 
 }  // namespace yali
