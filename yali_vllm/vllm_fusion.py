@@ -294,7 +294,7 @@ def fused_max_tokens(group, config) -> int | None:
     model = getattr(config, "model_config", None)
     if limit is None or model is None:
         return None
-    row_bytes = model.get_hidden_size() * torch.empty((), dtype=model.dtype).element_size()
+    row_bytes = model.get_hidden_size() * model.dtype.itemsize
     return int(limit) // row_bytes
 
 

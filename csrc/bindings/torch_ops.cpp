@@ -225,12 +225,6 @@ std::string serve_limit(const yali::Rank& r, bool flash_mode) {
   return "YALI_MAX_BYTES=" + std::to_string(c.max_bytes);
 }
 
-// Whether two byte ranges of `n` bytes overlap.
-bool overlap(const void* a, const void* b, size_t n) {
-  const uintptr_t x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
-  return x < y + n && y < x + n;
-}
-
 // out = sum over both ranks of `input`; out may be `input` (in-place).
 void all_reduce(int64_t handle, const Tensor& input, const Tensor& out, int64_t mode) {
   const yali::Rank* r = get(handle);
@@ -279,9 +273,9 @@ void fused_allreduce_rmsnorm(int64_t handle, const Tensor& input, const std::opt
   const size_t row_bytes = size_t(hidden) * input.element_size();
   // The other ranks read this rank's input while its CTAs write the outputs (a CTA normalises rows
   // another CTA may not have sent yet): an output over the input would send them the result.
-  YALI_CHECK_VALUE(!overlap(norm_out.data_ptr(), input.data_ptr(), size_t(rows) * row_bytes),
+  YALI_CHECK_VALUE(!yali::ranges_overlap(norm_out.data_ptr(), input.data_ptr(), size_t(rows) * row_bytes),
                    "norm_out must not overlap input (the other ranks read input while norm_out is written)");
-  YALI_CHECK_VALUE(!overlap(residual_out.data_ptr(), input.data_ptr(), size_t(rows) * row_bytes),
+  YALI_CHECK_VALUE(!yali::ranges_overlap(residual_out.data_ptr(), input.data_ptr(), size_t(rows) * row_bytes),
                    "residual_out must not overlap input (the other ranks read input while residual_out is written)");
   if (rows == 0) return;
   YALI_CHECK_VALUE(row_bytes % 16 == 0 && row_bytes <= yali::kFusedMaxRowBytes, "a row of ", hidden, " ",

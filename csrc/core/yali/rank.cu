@@ -384,12 +384,9 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
   const uintptr_t any = reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(residual) |
                         reinterpret_cast<uintptr_t>(weight) | reinterpret_cast<uintptr_t>(norm_out) |
                         reinterpret_cast<uintptr_t>(residual_out);
-  const auto over_in = [&](const void* p) {  // overlaps `in`: the peers would read the result
-    const uintptr_t a = reinterpret_cast<uintptr_t>(in), b = reinterpret_cast<uintptr_t>(p);
-    return a < b + rows * row_bytes && b < a + rows * row_bytes;
-  };
   if (!connected() || rows == 0 || hidden == 0 || row_bytes % 16 != 0 || row_bytes > kFusedMaxRowBytes ||
-      any % 16 != 0 || rows > size_t(INT32_MAX) || over_in(norm_out) || over_in(residual_out))
+      any % 16 != 0 || rows > size_t(INT32_MAX) || ranges_overlap(norm_out, in, rows * row_bytes) ||
+      ranges_overlap(residual_out, in, rows * row_bytes))  // the peers would read the result
     return cudaErrorInvalidValue;
   if (world_ > 2) return ranks_fused(in, residual, weight, eps, norm_out, residual_out, rows, hidden, dtype, stream);
   const size_t nbytes = rows * row_bytes;

@@ -22,6 +22,12 @@ struct RanksArgs;
 
 using IpcHandleBytes = std::array<uint8_t, sizeof(cudaIpcMemHandle_t)>;
 
+// Whether the `n`-byte ranges at `a` and `b` overlap (the fused op refuses outputs over its input).
+inline bool ranges_overlap(const void* a, const void* b, size_t n) {
+  const uintptr_t x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return x < y + n && y < x + n;
+}
+
 class Rank {
  public:
   // Allocates and zeroes this rank's buffers on `device`, as rank `rank` of `world` ranks
