@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Do the kernels of the working tree compile to the same machine code as those of REV?
 #   scripts/same_kernels.sh [REV]        (default HEAD)
-# Compiles csrc/core/yali/rank.cu (it includes every kernel header; the legacy kernels under
-# csrc/core/yali/legacy/ with -DYALI_LEGACY_KERNELS, which both trees get) of REV and of the working
-# tree for sm_90a and compares the SASS of every function, with the anonymous-namespace hash (which
+# Compiles every csrc/core/yali/*.cu (rank.cu includes the all-reduce kernel headers, ep.cu the
+# expert-parallel ones, overlap.cu the overlap's; the legacy kernels under csrc/core/yali/legacy/
+# with -DYALI_LEGACY_KERNELS, which both trees get) of REV and of the working tree for sm_90a and compares the SASS of every function, with the anonymous-namespace hash (which
 # depends on the file's contents) masked. A function of REV is
 #   the same     if some function of the tree has its code instruction for instruction;
 #   the same but for its parameter offsets  if that holds once each function's kernel-parameter
@@ -25,8 +25,11 @@ fi
 tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
 git -C "$root" archive "$rev" csrc | tar -x -C "$tmp"
 sass() {  # $1: tree with csrc/, $2: output
-  nvcc -O3 -std=c++17 -arch=sm_90a -cubin -DYALI_LEGACY_KERNELS -I "$1/csrc/core" -o "$2.cubin" "$1/csrc/core/yali/rank.cu"
-  "$cuobjdump" -sass "$2.cubin" 2>/dev/null | sed 's/_GLOBAL__N__[0-9a-f]*_/_GLOBAL__N_/' > "$2.sass"
+  : > "$2.sass"
+  for cu in "$1"/csrc/core/yali/*.cu; do
+    nvcc -O3 -std=c++17 -arch=sm_90a -cubin -DYALI_LEGACY_KERNELS -I "$1/csrc/core" -o "$2.cubin" "$cu"
+    "$cuobjdump" -sass "$2.cubin" 2>/dev/null | sed 's/_GLOBAL__N__[0-9a-f]*_/_GLOBAL__N_/' >> "$2.sass"
+  done
 }
 sass "$tmp" "$tmp/rev" & p1=$!
 sass "$root" "$tmp/tree" & p2=$!

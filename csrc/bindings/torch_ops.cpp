@@ -153,8 +153,13 @@ void check_world(int64_t world, int64_t lowest = 2) {
 std::string after_abort(const yali::Rank& r) { return r.aborted() ? " <- " + r.abort_message() : std::string(); }
 
 // ------------------------------------------------------------------ ops
-int64_t create(int64_t device, int64_t rank, int64_t world) {
-  const yali::Config c = config_from_env();
+// `ep_slot_bytes` > 0: the communicator of an expert-parallel group, with an EP push area of slots
+// of that size (YALI_EP_SLOT_BYTES, read by yali_vllm.ep).
+int64_t create(int64_t device, int64_t rank, int64_t world, int64_t ep_slot_bytes) {
+  yali::Config c = config_from_env();
+  YALI_CHECK_VALUE(ep_slot_bytes >= 0, "ep_slot_bytes must be >= 0, got ", ep_slot_bytes);
+  c.ep_slot_bytes = size_t(ep_slot_bytes);
+  core([&] { c.validate(); });
   check_world(world);
   YALI_CHECK_VALUE(rank >= 0 && rank < world, "rank ", rank, " is not in [0, ", world, ")");
   int count = 0;
@@ -291,6 +296,107 @@ void fused_allreduce_rmsnorm(int64_t handle, const Tensor& input, const std::opt
       residual_out.data_ptr(), size_t(rows), size_t(hidden), dt, current_stream(r->device()));
   YALI_CHECK(e == cudaSuccess, "fused_allreduce_rmsnorm launch failed: ", cudaGetErrorString(e),
              r->aborted() ? after_abort(*r) : std::string(" (tensors must be 16-byte aligned)"));
+}
+
+// ------------------------------------------------------------------ expert parallelism
+// Every rank's token count as the core takes them; the list must name every rank.
+std::vector<uint32_t> ep_counts(const yali::Rank& r, const std::vector<int64_t>& counts) {
+  YALI_CHECK_VALUE(int64_t(counts.size()) == r.world(), "counts must give the tokens of each of the ", r.world(),
+                   " ranks, got ", counts.size(), " values");
+  std::vector<uint32_t> c;
+  for (int64_t n : counts) {
+    YALI_CHECK_VALUE(n >= 0 && n <= 0x7fffffff, "a token count must be in [0, 2^31), got ", n);
+    c.push_back(uint32_t(n));
+  }
+  return c;
+}
+
+// Bytes of one row of t ([rows, ...]): the product of its other dimensions times the element size.
+size_t row_bytes_of(const Tensor& t) {
+  size_t n = size_t(t.element_size());
+  for (int64_t d = 1; d < t.dim(); ++d) n *= size_t(t.size(d));
+  return n;
+}
+
+bool ep_serves_dispatch(int64_t handle, std::vector<int64_t> row_bytes, std::vector<int64_t> counts) {
+  const yali::Rank* r = get(handle);
+  const std::vector<uint32_t> c = ep_counts(*r, counts);
+  std::vector<size_t> rb(row_bytes.begin(), row_bytes.end());
+  for (int64_t b : row_bytes) YALI_CHECK_VALUE(b >= 0, "row bytes must be >= 0, got ", b);
+  return r->ep_gather_serves(rb.data(), int(rb.size()), c.data());
+}
+
+bool ep_serves_combine(int64_t handle, int64_t hidden, ScalarType dtype, std::vector<int64_t> counts) {
+  const yali::Rank* r = get(handle);
+  const std::vector<uint32_t> c = ep_counts(*r, counts);
+  YALI_CHECK_VALUE(hidden >= 0, "hidden must be >= 0, got ", hidden);
+  return r->ep_combine_serves(size_t(hidden), to_dtype(dtype), c.data());
+}
+
+int64_t ep_slot_bytes(int64_t handle) { return int64_t(get(handle)->ep_slot_bytes()); }
+
+// Dispatch: outputs[i] = inputs[i] of every rank, rank order ([sum counts, ...]).
+void ep_dispatch(int64_t handle, std::vector<Tensor> inputs, std::vector<Tensor> outputs, std::vector<int64_t> counts) {
+  const yali::Rank* r = get(handle);
+  const std::vector<uint32_t> c = ep_counts(*r, counts);
+  YALI_CHECK_VALUE(!inputs.empty() && inputs.size() == outputs.size() && inputs.size() <= size_t(yali::kEpMaxParts),
+                   "ep_dispatch takes 1 to ", yali::kEpMaxParts, " inputs and as many outputs, got ", inputs.size(),
+                   " and ", outputs.size());
+  int64_t total = 0;
+  for (uint32_t n : c) total += n;
+  std::vector<yali::EpTensor> ts;
+  std::vector<size_t> rb;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const Tensor& in = inputs[i];
+    const Tensor& out = outputs[i];
+    YALI_CHECK_VALUE(on(in, r->device()) && in.is_contiguous() && in.dim() >= 1 && in.size(0) == c[r->rank()],
+                     "inputs[", i, "] must be a contiguous [", c[r->rank()], ", ...] tensor on cuda:", r->device(),
+                     " (this rank's token count), got ", shape_of(in), " on ", device_of(in));
+    YALI_CHECK_VALUE(on(out, r->device()) && out.is_contiguous() && out.scalar_type() == in.scalar_type() &&
+                         out.dim() == in.dim() && out.size(0) == total && row_bytes_of(out) == row_bytes_of(in),
+                     "outputs[", i, "] must be a contiguous [", total, ", ...] tensor shaped and typed like inputs[",
+                     i, "] ", shape_of(in), ", got ", shape_of(out));
+    YALI_CHECK_VALUE(row_bytes_of(in) % 4 == 0 && row_bytes_of(in) > 0, "inputs[", i, "]: a row of ",
+                     row_bytes_of(in), " bytes is not served (a positive multiple of 4 bytes)");
+    YALI_CHECK_VALUE((reinterpret_cast<uintptr_t>(in.data_ptr()) | reinterpret_cast<uintptr_t>(out.data_ptr())) % 4 == 0,
+                     "inputs[", i, "] and outputs[", i, "] must be 4-byte aligned");
+    ts.push_back({in.data_ptr(), out.data_ptr(), row_bytes_of(in)});
+    rb.push_back(row_bytes_of(in));
+  }
+  YALI_CHECK_VALUE(r->ep_gather_serves(rb.data(), int(rb.size()), c.data()),
+                   "this dispatch is not served: some rank's tokens of every input, each padded to 16 bytes, exceed "
+                   "the EP slot (", r->ep_slot_bytes(), " bytes, YALI_EP_SLOT_BYTES); check ep_serves_dispatch first");
+  const torch::stable::accelerator::DeviceGuard guard(r->device());
+  const cudaError_t e = r->ep_gather(ts.data(), int(ts.size()), c.data(), current_stream(r->device()));
+  YALI_CHECK(e == cudaSuccess, "ep_dispatch launch failed: ", cudaGetErrorString(e),
+             r->aborted() ? after_abort(*r) : std::string(" (an output overlaps an input?)"));
+}
+
+// Combine: out = this rank's rows of input ([sum counts, hidden]) summed over the ranks.
+void ep_combine(int64_t handle, const Tensor& input, const Tensor& out, std::vector<int64_t> counts) {
+  const yali::Rank* r = get(handle);
+  const std::vector<uint32_t> c = ep_counts(*r, counts);
+  int64_t total = 0;
+  for (uint32_t n : c) total += n;
+  YALI_CHECK_VALUE(on(input, r->device()) && input.is_contiguous() && input.dim() == 2 && input.size(0) == total,
+                   "input must be a contiguous [", total, ", hidden] tensor on cuda:", r->device(),
+                   " (every rank's tokens), got ", shape_of(input), " on ", device_of(input));
+  const yali::DType dt = to_dtype(input.scalar_type());
+  const int64_t hidden = input.size(1);
+  YALI_CHECK_VALUE(on(out, r->device()) && out.is_contiguous() && out.scalar_type() == input.scalar_type() &&
+                       out.dim() == 2 && out.size(0) == c[r->rank()] && out.size(1) == hidden,
+                   "out must be a contiguous [", c[r->rank()], ", ", hidden, "] tensor like input, got ", shape_of(out));
+  YALI_CHECK_VALUE((reinterpret_cast<uintptr_t>(input.data_ptr()) | reinterpret_cast<uintptr_t>(out.data_ptr())) % 16 == 0,
+                   "input and out must be 16-byte aligned (a sliced view may not be)");
+  YALI_CHECK_VALUE(r->ep_combine_serves(size_t(hidden), dt, c.data()),
+                   "this combine is not served: rows of ", hidden, " ", input.scalar_type(),
+                   " must be a multiple of 16 bytes and every rank's rows at most the EP slot (", r->ep_slot_bytes(),
+                   " bytes, YALI_EP_SLOT_BYTES); check ep_serves_combine first");
+  const torch::stable::accelerator::DeviceGuard guard(r->device());
+  const cudaError_t e = r->ep_reduce_scatter(input.data_ptr(), out.data_ptr(), size_t(hidden), dt, c.data(),
+                                             current_stream(r->device()));
+  YALI_CHECK(e == cudaSuccess, "ep_combine launch failed: ", cudaGetErrorString(e),
+             r->aborted() ? after_abort(*r) : std::string(" (out overlaps input?)"));
 }
 
 std::vector<int64_t> plan(int64_t nbytes, int64_t mode, int64_t world) {
@@ -478,7 +584,7 @@ std::string overlap_abort_message(int64_t handle) { return get_overlap(handle)->
 }  // namespace
 
 STABLE_TORCH_LIBRARY(yali, m) {
-  m.def("create(int device, int rank, int world=2) -> int");
+  m.def("create(int device, int rank, int world=2, int ep_slot_bytes=0) -> int");
   m.def("destroy(int comm) -> ()");
   m.def("close_peer(int comm) -> ()");
   m.def("ipc_handle(int comm) -> int[]");
@@ -500,6 +606,12 @@ STABLE_TORCH_LIBRARY(yali, m) {
   m.def("handle_config(int comm) -> str");
   m.def("device_count() -> int");
   m.def("build_info() -> str");
+  // expert parallelism (see the block above)
+  m.def("ep_serves_dispatch(int comm, int[] row_bytes, int[] counts) -> bool");
+  m.def("ep_serves_combine(int comm, int hidden, ScalarType dtype, int[] counts) -> bool");
+  m.def("ep_slot_bytes(int comm) -> int");
+  m.def("ep_dispatch(int comm, Tensor[] inputs, Tensor(a!)[] outputs, int[] counts) -> ()");
+  m.def("ep_combine(int comm, Tensor input, Tensor(a!) out, int[] counts) -> ()");
   // overlap (see the overlap block above)
   m.def("overlap_create(int device, int rank, int slot_bytes) -> int");
   m.def("overlap_destroy(int overlap) -> ()");
@@ -535,6 +647,9 @@ STABLE_TORCH_LIBRARY_IMPL(yali, CompositeExplicitAutograd, m) {
   m.impl("handle_config", TORCH_BOX(&handle_config));
   m.impl("device_count", TORCH_BOX(&device_count));
   m.impl("build_info", TORCH_BOX(&build_info));
+  m.impl("ep_serves_dispatch", TORCH_BOX(&ep_serves_dispatch));
+  m.impl("ep_serves_combine", TORCH_BOX(&ep_serves_combine));
+  m.impl("ep_slot_bytes", TORCH_BOX(&ep_slot_bytes));
   m.impl("overlap_create", TORCH_BOX(&overlap_create));
   m.impl("overlap_destroy", TORCH_BOX(&overlap_destroy));
   m.impl("overlap_close_peer", TORCH_BOX(&overlap_close_peer));
@@ -548,6 +663,8 @@ STABLE_TORCH_LIBRARY_IMPL(yali, CompositeExplicitAutograd, m) {
 STABLE_TORCH_LIBRARY_IMPL(yali, CUDA, m) {
   m.impl("all_reduce", TORCH_BOX(&all_reduce));
   m.impl("fused_allreduce_rmsnorm", TORCH_BOX(&fused_allreduce_rmsnorm));
+  m.impl("ep_dispatch", TORCH_BOX(&ep_dispatch));
+  m.impl("ep_combine", TORCH_BOX(&ep_combine));
   m.impl("overlap_send", TORCH_BOX(&overlap_send));
   m.impl("overlap_consume", TORCH_BOX(&overlap_consume));
 }

@@ -23,6 +23,8 @@ const char* kernel_name(Kernel k) {
     case Kernel::FlashPush: return "flash-push";
     case Kernel::PushOneShot: return "push-oneshot";
     case Kernel::PushTwoShot: return "push-twoshot";
+    case Kernel::EpGather: return "ep-gather";
+    case Kernel::EpReduceScatter: return "ep-reduce-scatter";
     default: return "none";
   }
 }
@@ -192,6 +194,7 @@ void Config::validate() const {
   if (ranks_oneshot_max != 0) check_range("YALI_DEV_RANKS_ONESHOT_MAX", ranks_oneshot_max, 4096, ranks_max, 4096);
   if (ranks_fused_spread != 0 && ranks_fused_spread != 2 && ranks_fused_spread != 4 && ranks_fused_spread != 8)
     bad("YALI_DEV_RANKS_FUSED_SPREAD", std::to_string(ranks_fused_spread), "0 (off), 2, 4 or 8 (CTAs of a cluster)");
+  if (ep_slot_bytes != 0) check_range("YALI_EP_SLOT_BYTES", ep_slot_bytes, 4096, size_t(256) << 20, 4096);
   if (!(timeout_s == 0.0 || (timeout_s >= kMinTimeoutS && timeout_s <= 86400.0)))
     bad("YALI_TIMEOUT_S", std::to_string(timeout_s), "0 (no watchdog) or seconds in [0.001, 86400]");
   if (!kLegacyKernels && selects_legacy_kernels(*this))
@@ -213,7 +216,7 @@ std::string Config::to_string() const {
     << " fused_row_loads_early=" << fused_row_loads_early << " fused_cluster=" << fused_cluster
     << " ranks_max=" << ranks_max << " ranks_oneshot_max=" << ranks_oneshot_max
     << " ranks_fused_spread=" << ranks_fused_spread
-    << " timeout_s=" << timeout_s;
+    << " timeout_s=" << timeout_s << " ep_slot_bytes=" << ep_slot_bytes;
   return o.str();
 }
 

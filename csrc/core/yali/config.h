@@ -15,7 +15,8 @@ namespace yali {
 enum class KernelMode : int { Auto = 0, Flash = 1, Stream = 2 };
 enum class Kernel : int {
   None = 0, FlashOneShot = 1, FlashTwoShot = 2, Stream = 3, FlashLL = 4, FlashPush = 5,
-  PushOneShot = 6, PushTwoShot = 7  // N ranks (ranks.cuh)
+  PushOneShot = 6, PushTwoShot = 7,  // N ranks (ranks.cuh)
+  EpGather = 8, EpReduceScatter = 9   // expert parallelism, 2 to kMaxRanks ranks (ep.cuh)
 };
 enum class DType : int { F32 = 0, F16 = 1, BF16 = 2 };
 
@@ -26,6 +27,8 @@ size_t dtype_size(DType t);
 constexpr int kMaxFlashCtas = 128;
 // Most ranks of one communicator: the N-rank kernels (ranks.cuh) keep one pointer per rank.
 constexpr int kMaxRanks = 8;
+// Most tensors one expert-parallel dispatch carries (ep.cuh: hidden states, scales, top-k ids, ...).
+constexpr int kEpMaxParts = 8;
 constexpr int kMaxLanes = 128;
 constexpr int kMaxSlots = 16;
 constexpr int kFlashThreads = 512;
@@ -88,6 +91,11 @@ struct Config {
   // (ranks.cuh fused_ranks_spread_kernel); 0 = a CTA owns whole rows. Not measured yet.
   int ranks_fused_spread = 0;
   double timeout_s = 300.0;            // YALI_TIMEOUT_S: a kernel waiting longer aborts (0 = never)
+  // Expert parallelism (ep.cuh): one rank's slot of each parity of the EP push area, the largest
+  // dispatch message (every part of one rank's tokens, each padded to 16 bytes) or combine
+  // message (one rank's rows) it serves. 0 = no EP area (an all-reduce communicator). Set by
+  // the EP communicator from YALI_EP_SLOT_BYTES, not read by from_env().
+  size_t ep_slot_bytes = 0;
 
   static Config from_env();  // throws std::invalid_argument naming the bad variable
   void validate() const;     // same checks, for configs built in code

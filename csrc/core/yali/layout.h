@@ -17,14 +17,15 @@ namespace yali {
 // to the peer by every default kernel and compared there (call_check.cuh). Every word keeps bit
 // 31 clear, so no descriptor word ever equals kCallEmpty.
 //   w[0], w[1]: message bytes, low and high 31 bits
-//   w[2]: op (bits 0-1: 1 all-reduce, 2 fused all-reduce + RMSNorm) | kernel (bits 2-5) |
+//   w[2]: op (bits 0-1: 1 all-reduce, 2 fused all-reduce + RMSNorm, 3 expert parallelism) | kernel (bits 2-5) |
 //         dtype (bits 6-7) | CTAs or lanes of the launch (bits 8-19)
-//   w[3]: the fused op's hidden size (0 for a plain all-reduce)
+//   w[3]: the fused op's hidden size (0 for a plain all-reduce); expert parallelism: a 31-bit
+//         digest of every rank's token count and the parts' row bytes (rank.cu: ep_digest)
 struct CallDesc {
   uint32_t w[4];
 };
 constexpr uint32_t kCallEmpty = 0xffffffffu;
-enum class CallOp : uint32_t { AllReduce = 1, Fused = 2 };
+enum class CallOp : uint32_t { AllReduce = 1, Fused = 2, Ep = 3 };
 
 struct SharedLayout {
   // Flag words, 8 bytes each, written only by the peer, polled only locally.
@@ -44,6 +45,9 @@ struct SharedLayout {
   size_t ranks_push;     // N ranks: 2 parities x 2 phases x N x ranks_slot_bytes (ranks.cuh), written by
                          // the other ranks (rank r into slot r); kPushEmpty wherever no unread data is
   size_t ranks_slot;     // ranks_slot_bytes(c, world); 0 with two ranks
+  size_t ep_push;        // expert parallelism (ep.cuh): 2 parities x N x ep_slot, rank r writes slot r;
+                         // kPushEmpty wherever no unread data is
+  size_t ep_slot;        // Config::ep_slot_bytes (0: no EP area)
   size_t total;
 
   // `world` ranks: two use the two-rank areas (flash-push, stream), more use only the N-rank push
@@ -71,6 +75,8 @@ struct SharedLayout {
     stream_slots = take(pair * size_t(c.lanes) * c.slots * c.slot_bytes);
     ranks_slot = pair ? 0 : ranks_slot_bytes(c, world);
     ranks_push = take(2 * 2 * size_t(world) * ranks_slot);
+    ep_slot = c.ep_slot_bytes;
+    ep_push = take(2 * size_t(world) * ep_slot);  // after ranks_push: the Rank fills both with kPushEmpty
     total = off;
   }
   size_t flags_end;  // [0, flags_end) must be zeroed before the peer may write

@@ -6,6 +6,7 @@
 
 #include "cuda_check.h"
 #include "fused.cuh"
+#include "launch.cuh"
 #include "push.cuh"
 #include "ranks.cuh"
 #include "stream.cuh"
@@ -22,47 +23,6 @@ uint64_t* flag_words(char* base, size_t off) { return reinterpret_cast<uint64_t*
 
 __global__ void fill_words(uint32_t* p, size_t n, uint32_t v) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) p[i] = v;
-}
-
-// One launch, with programmatic dependent launch when `pdl` (see ptx.cuh:
-// wait_prior_grids, which every YALI kernel runs first).
-// `cluster` > 1: as thread block clusters of that many CTAs (it divides grid).
-template <typename Args>
-cudaError_t launch(void (*kernel)(Args), int grid, int threads, cudaStream_t stream, bool pdl, const Args& args,
-                   int cluster = 1) {
-  cudaLaunchAttribute attr[2];
-  unsigned n = 0;
-  if (pdl) {
-    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (cluster > 1) {
-    attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = unsigned(cluster);
-    attr[n].val.clusterDim.y = 1;
-    attr[n++].val.clusterDim.z = 1;
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(grid));
-  cfg.blockDim = dim3(unsigned(threads));
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = n;
-  return cudaLaunchKernelEx(&cfg, kernel, args);
-}
-
-// Calls f with a value of dtype's element type; f uses only its type, e.g.
-// [&](auto zero) { using T = decltype(zero); ... }: the one place that maps the
-// DType enum to the kernels' template argument.
-template <typename F>
-cudaError_t with_element_type(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::F32: return f(float{});
-    case DType::F16: return f(__half{});
-    case DType::BF16: return f(__nv_bfloat16{});
-  }
-  return cudaErrorInvalidValue;
 }
 
 }  // namespace
@@ -91,7 +51,8 @@ Rank::Rank(int device, int rank, int world, const Config& config)
   check_cuda(cudaMemset(shared_, 0, layout_.flags_end), "cudaMemset(flags)");
   // The call descriptor slots start empty (call_check.cuh: kCallEmpty is all ones).
   check_cuda(cudaMemset(shared_ + layout_.call_slots, 0xff, layout_.call_slots_bytes), "cudaMemset(call slots)");
-  // The push areas (flash-push's with two ranks, the N-rank one with more) start empty (exchange.cuh).
+  // The push areas (flash-push's with two ranks, the N-rank one with more, the EP area) start empty
+  // (exchange.cuh).
   for (const auto& [off, bytes] : {std::pair<size_t, size_t>{layout_.flash_push, layout_.flash_stage - layout_.flash_push},
                                    std::pair<size_t, size_t>{layout_.ranks_push, layout_.total - layout_.ranks_push}})
     if (bytes > 0) fill_words<<<256, 256>>>(reinterpret_cast<uint32_t*>(shared_ + off), bytes / 4, kPushEmpty);
@@ -218,9 +179,12 @@ std::string describe_call(const CallDesc& d) {
   const uint64_t nbytes = uint64_t(d.w[0]) | uint64_t(d.w[1]) << 31;
   const uint32_t op = d.w[2] & 0x3u, dtype = (d.w[2] >> 6) & 0x3u, ctas = (d.w[2] >> 8) & 0xfffu;
   const Kernel kernel = Kernel((d.w[2] >> 2) & 0xfu);
-  const std::string what = op == uint32_t(CallOp::Fused)
-                               ? "fused all-reduce + RMSNorm of hidden " + std::to_string(d.w[3]) + ", "
-                               : op == uint32_t(CallOp::AllReduce) ? std::string("all_reduce of ") : std::string("? of ");
+  const std::string what =
+      op == uint32_t(CallOp::Fused)       ? "fused all-reduce + RMSNorm of hidden " + std::to_string(d.w[3]) + ", "
+      : op == uint32_t(CallOp::AllReduce) ? std::string("all_reduce of ")
+      : op == uint32_t(CallOp::Ep)        ? (kernel == Kernel::EpGather ? "EP dispatch (tokens and layout " : "EP combine (tokens and layout ") +
+                                                std::to_string(d.w[3]) + ") of "
+                                          : std::string("? of ");
   return what + std::to_string(nbytes) + " bytes " + dtypes[dtype] + " by " + kernel_name(kernel) + " on " +
          std::to_string(ctas) + (kernel == Kernel::Stream ? " lanes" : " CTAs");
 }

@@ -19,6 +19,15 @@ struct CallCheck;
 struct StreamArgs;
 struct LegacyArgs;
 struct RanksArgs;
+struct EpArgs;
+
+// One tensor of an expert-parallel dispatch (Rank::ep_gather): `in` is this rank's [T_me, row_bytes],
+// `out` the gathered [T_0 + ... + T_{N-1}, row_bytes].
+struct EpTensor {
+  const void* in;
+  void* out;
+  size_t row_bytes;
+};
 
 using IpcHandleBytes = std::array<uint8_t, sizeof(cudaIpcMemHandle_t)>;
 
@@ -73,6 +82,21 @@ class Rank {
   bool fused_one_launch(size_t rows, size_t hidden, DType dtype) const;
   FusedLaunch fused_launch(size_t rows, size_t hidden, DType dtype) const;  // fused_launch_for(config())
 
+  // Expert parallelism (ep.cuh), on a rank whose Config::ep_slot_bytes is not 0. `counts[r]` is
+  // rank r's tokens, the same array on every rank. Dispatch: every tensor of every rank into
+  // every rank's `out` (rows of 4-byte multiples, pointers 4-byte aligned, at most kEpMaxParts
+  // tensors). Combine: `in` is [T_0 + ... + T_{N-1}, hidden] of dtype, `out` this rank's
+  // [T_me, hidden] summed over the ranks in rank order (rows of 16-byte multiples, pointers
+  // 16-byte aligned). Every rank must make the same calls. Returns cudaErrorInvalidValue for what
+  // it does not serve (ep_gather_serves / ep_combine_serves say it first, from values every rank
+  // shares) and for bad pointers, else the launch's error; no tokens anywhere: no launch.
+  cudaError_t ep_gather(const EpTensor* tensors, int n, const uint32_t* counts, cudaStream_t stream) const;
+  cudaError_t ep_reduce_scatter(const void* in, void* out, size_t hidden, DType dtype, const uint32_t* counts,
+                                cudaStream_t stream) const;
+  bool ep_gather_serves(const size_t* row_bytes, int n, const uint32_t* counts) const;
+  bool ep_combine_serves(size_t hidden, DType dtype, const uint32_t* counts) const;
+  size_t ep_slot_bytes() const { return layout_.ep_slot; }
+
   uint64_t device_calls() const;      // synchronising read of LocalState::calls
   uint64_t device_fused_calls() const;  // synchronising read of LocalState::fused_calls
   std::string abort_message() const;  // "" unless a kernel gave up waiting
@@ -90,6 +114,7 @@ class Rank {
   StreamArgs stream_args(const void* in, void* out, size_t nbytes, const Plan& p) const;
   char* peer_buf() const { return bufs_[1 - rank_]; }  // two ranks: the peer's buffer, mapped
   RanksArgs ranks_args(const void* in, void* out, size_t nbytes, const CallDesc& desc) const;
+  EpArgs ep_args(const uint32_t* counts, const CallDesc& desc) const;
   cudaError_t ranks_fused(const void* in, const void* residual, const void* weight, float eps, void* norm_out,
                           void* residual_out, size_t rows, size_t hidden, DType dtype, cudaStream_t stream) const;
 #ifdef YALI_LEGACY_KERNELS
