@@ -22,6 +22,8 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Longest row the fused all-reduce + RMSNorm kernel holds in registers: 512 threads x
 # 8 vectors x 16 bytes (hidden 32768 in bf16/fp16, 16384 in fp32). Mirrors kFusedMaxRowBytes.
 MAX_FUSED_HIDDEN_BYTES = 512 * 8 * 16
+# Most tensors one ep_dispatch carries (csrc/core/yali/config.h: kEpMaxParts).
+EP_MAX_TENSORS = 8
 
 
 def servable(x, device: torch.device, limit_bytes: int) -> bool:
@@ -64,6 +66,14 @@ def aligned(t: torch.Tensor | None) -> torch.Tensor | None:
 # two-rank protocol be tested on a machine with a single GPU. Off by default: in serving two ranks
 # on one GPU are a misconfiguration, and the memory in between is local, not NVLink.
 SHARED_GPU_VAR = "YALI_ALLOW_SHARED_GPU"
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    """Bytes of one row (index of dim 0) of t."""
+    n = t.element_size()
+    for d in t.shape[1:]:
+        n *= int(d)
+    return n
 
 
 def shared_gpu_allowed() -> bool:
@@ -164,6 +174,9 @@ def _check_same_everywhere(peers: list) -> None:
         if d["config"] != first["config"]:
             raise YaliUnavailable(f"the ranks' YALI_* settings differ: rank 0 [{first['config']}] vs rank {r} "
                                   f"[{d['config']}]")
+        if d.get("ep_slot_bytes") != first.get("ep_slot_bytes"):
+            raise YaliUnavailable(f"the ranks' EP slot sizes differ: rank 0 {first.get('ep_slot_bytes')} vs rank {r} "
+                                  f"{d.get('ep_slot_bytes')} (YALI_EP_SLOT_BYTES)")
         if d["overlap"] != first["overlap"]:
             raise YaliUnavailable(f"the ranks' {OVERLAP_VAR} differ: rank 0 {first['overlap']} vs rank {r} "
                                   f"{d['overlap']}")
@@ -200,10 +213,13 @@ class YaliCommunicator:
     node with P2P access between every pair (and NVLink between every pair above two ranks), or
     the extension/GPU is missing, or the ranks' YALI_* settings differ. `max_bytes` caps the
     message size served (default: the configured YALI_MAX_BYTES; above two ranks also
-    YALI_DEV_RANKS_MAX, beyond which vLLM's chain is faster).
+    YALI_DEV_RANKS_MAX, beyond which vLLM's chain is faster). `ep_slot_bytes` > 0 adds the
+    expert-parallel dispatch and combine (ep_dispatch, ep_combine; csrc/core/yali/ep.cuh), each
+    rank's message up to that many bytes (yali_vllm.ep reads it from YALI_EP_SLOT_BYTES).
     """
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device | int | str, max_bytes: int | None = None):
+    def __init__(self, group: dist.ProcessGroup, device: torch.device | int | str, max_bytes: int | None = None,
+                 ep_slot_bytes: int = 0):
         self._handle: int | None = None
         self._overlap: overlap.OverlapEngine | None = None
         self._watcher: _AbortWatcher | None = None
@@ -220,7 +236,9 @@ class YaliCommunicator:
         # the outcome, so both ranks raise together and neither is left waiting
         # in a collective the other will never enter: up to the first exchange,
         # any rank-local error (a bad device argument included) is only recorded.
-        me = {"host": socket.gethostname(), "boot_id": _boot_id(), "error": _ext.unavailable_reason()}
+        self.ep_slot_bytes = int(ep_slot_bytes)
+        me = {"host": socket.gethostname(), "boot_id": _boot_id(), "error": _ext.unavailable_reason(),
+              "ep_slot_bytes": self.ep_slot_bytes}
         try:
             device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
             if device.type != "cuda":
@@ -256,7 +274,7 @@ class YaliCommunicator:
         step: dict = {"error": None}
         try:
             self._check_p2p([d["uuid"] for d in peers])
-            self._handle = y.create(self.device.index, self.rank, self.world_size)
+            self._handle = y.create(self.device.index, self.rank, self.world_size, self.ep_slot_bytes)
             step["ipc"] = bytes(y.ipc_handle(self._handle))
             if self.overlap_enabled:  # the overlapped GEMM + all-reduce + RMSNorm's receive slots
                 self._overlap_handle = y.overlap_create(self.device.index, self.rank, overlap.SLOT_BYTES)
@@ -449,6 +467,73 @@ class YaliCommunicator:
             if given[i] is not None and given[i] is not outs[i]:
                 outs[i] = given[i].copy_(outs[i])
         return outs[0], outs[1]
+
+    # ------------------------------------------------------------------ expert parallelism
+    def ep_serves_dispatch(self, tensors: list[torch.Tensor], counts: list[int]) -> bool:
+        """Whether ep_dispatch(tensors, counts) is served: decided from the tensors' row shapes and
+        dtypes and the token counts, which are the same on every rank, so every rank answers alike.
+        Every tensor is [counts[rank], ...] on this GPU with rows of a positive multiple of 4 bytes,
+        at most 8 tensors, and every rank's rows of all of them (each padded to 16 bytes) fit the
+        EP slot."""
+        if self._handle is None or self.ep_slot_bytes == 0 or len(counts) != self.world_size:
+            return False
+        if not 1 <= len(tensors) <= EP_MAX_TENSORS:
+            return False
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.device != self.device:
+                return False
+            if t.shape[0] != counts[self.rank]:
+                return False
+        rows = [_row_bytes(t) for t in tensors]
+        return bool(_ext.ops().ep_serves_dispatch(self._handle, rows, [int(c) for c in counts]))
+
+    def ep_dispatch(self, tensors: list[torch.Tensor], counts: list[int]) -> list[torch.Tensor]:
+        """Every rank's `tensors`, gathered in rank order: tensor i becomes [sum(counts), ...], rank
+        r's rows first at row sum(counts[:r]). Bit for bit the inputs, except that a 32-bit word
+        0x80008000 arrives as 0x80000000 (two zeros with another sign, or no valid index: ep.cuh).
+        Every rank calls it alike (the same counts, row shapes and dtypes); check
+        ep_serves_dispatch first. Any address and layout: non-contiguous or unaligned tensors go
+        through copies."""
+        if self._handle is None:
+            raise RuntimeError("yali: ep_dispatch on a closed YaliCommunicator")
+        self._note_capture()
+        total = sum(int(c) for c in counts)
+        ins = [t if t.is_contiguous() and t.data_ptr() % 4 == 0 else aligned(t.contiguous()) for t in tensors]
+        outs = [torch.empty((total, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in ins]
+        ops.ep_dispatch(self._handle, ins, outs, [int(c) for c in counts])
+        return outs
+
+    def ep_serves_combine(self, x: torch.Tensor, counts: list[int]) -> bool:
+        """Whether ep_combine(x, counts) is served: x a [sum(counts), hidden] fp32 / fp16 / bf16
+        tensor on this GPU, rows a multiple of 16 bytes, every rank's rows within the EP slot
+        (values every rank shares, so every rank answers alike)."""
+        if self._handle is None or self.ep_slot_bytes == 0 or len(counts) != self.world_size:
+            return False
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.device != self.device:
+            return False
+        return x.shape[0] == sum(counts) and self.ep_serves_rows(int(x.shape[1]), x.dtype, counts)
+
+    def ep_serves_rows(self, hidden: int, dtype: torch.dtype, counts: list[int]) -> bool:
+        """ep_serves_combine for a [sum(counts), hidden] tensor of `dtype` yet to be made."""
+        if self._handle is None or self.ep_slot_bytes == 0 or len(counts) != self.world_size:
+            return False
+        if dtype not in SUPPORTED_DTYPES:
+            return False
+        return bool(_ext.ops().ep_serves_combine(self._handle, int(hidden), dtype, [int(c) for c in counts]))
+
+    def ep_combine(self, x: torch.Tensor, counts: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's rows of x (rows sum(counts[:rank]) on) summed over the ranks, in rank order in
+        fp32, rounded once: bitwise the same whatever the order of arrival. Into `out` ([counts[rank],
+        hidden], any layout) or a new tensor. Every rank calls it alike; check ep_serves_combine first."""
+        if self._handle is None:
+            raise RuntimeError("yali: ep_combine on a closed YaliCommunicator")
+        self._note_capture()
+        src = x if x.is_contiguous() and x.data_ptr() % 16 == 0 else aligned(x.contiguous())
+        mine = int(counts[self.rank])
+        direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
+        dst = out if direct else torch.empty((mine, x.shape[1]), dtype=x.dtype, device=x.device)
+        ops.ep_combine(self._handle, src, dst, [int(c) for c in counts])
+        return dst if out is None or direct else out.copy_(dst)
 
     def synchronize(self) -> None:
         """Waits until every kernel on this rank's GPU has finished (YALI's included). Raises

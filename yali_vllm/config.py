@@ -16,7 +16,7 @@ _FALSE = {"0", "false", "no", "off"}
 
 # Kernel ids as returned by plan() (csrc/core/yali/config.h: enum class Kernel).
 KERNEL_NAMES = {0: None, 1: "flash-oneshot", 2: "flash-twoshot", 3: "stream", 4: "flash-ll", 5: "flash-push",
-                6: "push-oneshot", 7: "push-twoshot"}
+                6: "push-oneshot", 7: "push-twoshot", 8: "ep-gather", 9: "ep-reduce-scatter"}
 # The world sizes (ranks of a tensor-parallel group) YALI serves: 2 with the two-rank kernels
 # (flash-push, stream), 4, 6 and 8 with the N-rank push one-shot and two-shot (csrc/core/yali/ranks.cuh).
 WORLD_SIZES = (2, 4, 6, 8)
@@ -64,7 +64,15 @@ SETTINGS = {
     "YALI_KERNEL_MODE": "auto, flash or stream",
     "YALI_TIMEOUT_S": "the kernels' watchdog",
     "YALI_ALLOW_SHARED_GPU": "both ranks on one GPU, for testing",
+    "YALI_EP": "YALI's expert-parallel dispatch / combine in vLLM's DP + EP MoE serving (default on)",
+    "YALI_EP_SLOT_BYTES": "largest EP message of one rank (dispatch: all its tensors; default 2 MiB)",
 }
+EP_VAR = "YALI_EP"
+EP_SLOT_VAR = "YALI_EP_SLOT_BYTES"
+# 2 MiB holds 500 tokens of a 2048-wide bf16 model with top-8 ids and weights (4160 bytes a token)
+# and 256 of a 4096-wide one: every decode batch and small prefill chunks; larger ones go to vLLM.
+EP_SLOT_DEFAULT = 2 << 20
+EP_SLOT_RANGE = (4096, 256 << 20)
 # Read by the project's scripts and tests, not by the library; accepted so they can be exported.
 TOOL_VARIABLES = (
     "YALI_SKIP_INSTALL", "YALI_VLLM_VERSION",  # scripts/quickstart.sh
@@ -92,6 +100,22 @@ def check_environment(environ=None) -> None:
         given = ", ".join(f"{k}={env[k]!r}" for k in unknown)
         raise ValueError(f"unknown YALI_* variable(s) {given}: yali-vllm's settings are "
                          f"{', '.join(SETTINGS)} and the {DEV_PREFIX}* tuning knobs")
+
+
+def ep_slot_bytes(environ=None) -> int:
+    """YALI_EP_SLOT_BYTES (default EP_SLOT_DEFAULT): a multiple of 4096 in EP_SLOT_RANGE; ValueError
+    naming the variable otherwise."""
+    raw = (os.environ if environ is None else environ).get(EP_SLOT_VAR, "").strip()
+    if raw == "":
+        return EP_SLOT_DEFAULT
+    lo, hi = EP_SLOT_RANGE
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if not (lo <= n <= hi and n % 4096 == 0):
+        raise ValueError(f"invalid {EP_SLOT_VAR}={raw!r}: expected a byte count in [{lo}, {hi}] and a multiple of 4096")
+    return n
 
 
 def kernel_config() -> dict:

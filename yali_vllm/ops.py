@@ -30,6 +30,14 @@ def register_fakes() -> None:
         torch._check(norm_out.shape == input.shape, lambda: "yali: norm_out must have input's shape")
         torch._check(residual_out.shape == input.shape, lambda: "yali: residual_out must have input's shape")
 
+    @torch.library.register_fake("yali::ep_dispatch")
+    def _(comm: int, inputs: list[torch.Tensor], outputs: list[torch.Tensor], counts: list[int]) -> None:
+        torch._check(len(inputs) == len(outputs), lambda: "yali: ep_dispatch needs one output per input")
+
+    @torch.library.register_fake("yali::ep_combine")
+    def _(comm: int, input: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
+        torch._check(out.dtype == input.dtype, lambda: "yali: out must have input's dtype")
+
     _registered = True
 
 
@@ -103,3 +111,13 @@ def _(overlap, x, weight, residual, norm_weight, eps, chunks, norm_out, residual
     torch._check(norm_out.shape[0] == x.shape[0], lambda: "yali: norm_out must have x's rows")
     torch._check(norm_out.shape[-1] == weight.shape[0], lambda: "yali: norm_out must have weight.shape[0] columns")
     torch._check(residual_out.shape == norm_out.shape, lambda: "yali: residual_out must have norm_out's shape")
+
+
+def ep_dispatch(comm: int, inputs: list[torch.Tensor], outputs: list[torch.Tensor], counts: list[int]) -> None:
+    """outputs[i] = inputs[i] of every rank of communicator `comm`, in rank order (ep.cuh)."""
+    _launch(torch.ops.yali.ep_dispatch, comm, inputs, outputs, counts)
+
+
+def ep_combine(comm: int, x: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
+    """out = this rank's rows of x summed over the ranks of communicator `comm`, in rank order (ep.cuh)."""
+    _launch(torch.ops.yali.ep_combine, comm, x, out, counts)

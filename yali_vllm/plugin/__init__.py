@@ -13,6 +13,8 @@ and registers YALI's fused all-reduce+RMSNorm op (yali_vllm/vllm_fusion.py).
 * group_setup.py: building YaliCommunicator for vLLM's TP group, and the one log
   line per group and rank that says whether YALI serves it, and why.
 * fusion_patch.py: YALI's fusion pass in place of vLLM's FlashInfer one.
+* ep_manager.py: YALI's dispatch and combine in front of vLLM's all-to-all manager of the
+  expert-parallel group (``--data-parallel-size N --enable-expert-parallel``).
 * patch.py: applying the hook to the class, once.
 * stats.py: the dispatch log line and :func:`yali_tp_stats`.
 

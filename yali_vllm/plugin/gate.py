@@ -92,3 +92,63 @@ def yali_gate(
     if p2p is False:
         return False, f"no CUDA peer-to-peer access between every pair of the group's {world_size} GPUs"
     return True, "ok"
+
+
+def is_ep_group(unique_name: str) -> bool:
+    """Whether a group's unique name ("ep:0") names vLLM's expert-parallel group, the only group
+    whose communicator builds an all-to-all manager."""
+    return unique_name.split(":")[0] == "ep"
+
+
+def ep_gate(
+    unique_name: str,
+    manager_class: str,
+    world_size: int,
+    dp_world_size: int,
+    same_ranks: bool,
+    hostnames: Sequence[str],
+    platform_is_cuda: bool,
+    enabled: bool,
+    *,
+    stateless: bool = False,
+    p2p: bool | None = None,
+    hook_problem: str | None = None,
+) -> tuple[bool, str]:
+    """Decide whether YALI serves the dispatch and combine of vLLM's expert-parallel group.
+
+    Pure function of values equal on every rank (the caller gathers the per-rank ones).
+    manager_class: the class name of the group's all-to-all manager; YALI takes over only vLLM's
+    default ``AgRsAll2AllManager`` (all2all backend ``allgather_reducescatter``). dp_world_size,
+    same_ranks: the manager gathers over the DP group; YALI serves it when that group is the EP
+    group itself (the same ranks in the same order: no TP or PCP inside the EP group).
+    enabled: YALI_ENABLE and YALI_EP on every rank. hook_problem: what differs in the manager's
+    methods from those YALI overrides (ep_manager.agrs_hook_problem), None when they match.
+
+    Returns (ok, reason); reason says why YALI stays off (or "ok").
+    """
+    if not is_ep_group(unique_name):
+        return False, "not an expert-parallel group"
+    if manager_class != "AgRsAll2AllManager":
+        return False, (f"vLLM's all-to-all manager is {manager_class}; YALI serves the default "
+                       f"allgather_reducescatter backend (AgRsAll2AllManager)")
+    if hook_problem is not None:
+        return False, f"vLLM internals not recognised: {hook_problem}"
+    if not enabled:
+        return False, "disabled by YALI_ENABLE or YALI_EP"
+    from yali_vllm.config import world_size_refusal
+
+    refusal = world_size_refusal(world_size)
+    if refusal is not None:
+        return False, refusal
+    if not platform_is_cuda:
+        return False, "vLLM platform is not CUDA"
+    if stateless:
+        return False, "stateless (elastic) process groups are not supported"
+    if dp_world_size != world_size or not same_ranks:
+        return False, (f"the MoE layers gather over the data-parallel group ({dp_world_size} ranks), which is not "
+                       f"this {world_size}-rank expert-parallel group (tensor or context parallelism inside it)")
+    if len(hostnames) != world_size or len(set(hostnames)) != 1:
+        return False, f"ranks are not on one host: {list(hostnames)}"
+    if p2p is False:
+        return False, f"no CUDA peer-to-peer access between every pair of the group's {world_size} GPUs"
+    return True, "ok"

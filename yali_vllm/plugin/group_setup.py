@@ -215,6 +215,10 @@ def after_init(comm: Any, stateless: bool) -> None:
         # In the worker, before its model is compiled; which fusion pass is
         # built is decided when vLLM's pass manager asks for it.
         install_fusion_hooks()
+    # The expert-parallel group's all-to-all manager (DP + EP MoE serving): ep_manager.py.
+    from .ep_manager import setup_ep
+
+    setup_ep(comm, platform_is_cuda=current_platform.is_cuda(), stateless=stateless)
 
 
 def _group_name(comm: Any) -> str:

@@ -1,0 +1,129 @@
+"""The expert-parallel dispatch and combine (csrc/core/yali/ep.cuh) at N = 2, 4, 6 and 8 ranks: one
+process per rank, each on its own GPU, or all on GPU 0 with YALI_ALLOW_SHARED_GPU=1 (correctness
+only). Skipped without a GPU or the extension (conftest.py), and for N ranks on fewer than N GPUs
+unless they share GPU 0 (pair.run_ranks).
+
+Per N, one process group runs the dispatch sweep (every part set of vLLM's MoE layers x equal,
+uneven and empty token counts), the combine sweep (3 dtypes x 3 hidden sizes x the same counts),
+the slot limits and a CUDA graph of 3 MoE layers' dispatch + combine replayed with fresh inputs
+(ep_scenarios.ep_suite); the mismatched call runs in its own group, since its kernels trap.
+
+The tests marked cpu check the references on CPU torch."""
+import pytest
+import torch
+
+from yali_vllm.communicator import shared_gpu_allowed
+
+from . import ep_scenarios as es
+from .pair import run_ranks
+from .scenarios import suite_part
+
+WORLD_SIZES = (2, 4, 6, 8)
+GRAPH_REPLAYS = 40
+SEED = 7070
+SUITE_BOUND_S = {2: 150, 4: 180, 6: 220, 8: 260}  # start-up included; a hang is a failure
+MISMATCH_BOUND_S = {2: 90, 4: 110, 6: 125, 8: 140}
+SUITE_TIMEOUT_S = "30"
+MISMATCH_TIMEOUT_S = 10.0
+MISMATCH_MARGIN_S = 20.0
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"{n}-ranks")
+def suite(request):
+    n = request.param
+    return n, run_ranks(es.ep_suite, GRAPH_REPLAYS, SEED, world_size=n, timeout=SUITE_BOUND_S[n],
+                        env={"YALI_TIMEOUT_S": SUITE_TIMEOUT_S})
+
+
+def checked_parts(res, name: str) -> list:
+    parts = suite_part(res, name)
+    for rank, r in enumerate(parts):
+        failures = r.get("failures", [])
+        assert not failures, f"rank {rank} {name}: {len(failures)} failed checks:\n" + "\n".join(failures[:20])
+    return parts
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(max(SUITE_BOUND_S.values()) + 30)
+def test_dispatch_returns_every_ranks_tensors_bit_for_bit(suite):
+    n, res = suite
+    parts = checked_parts(res, "dispatch")
+    cases = len(es.PART_SETS) * len(es.count_cases(n))
+    for rank, r in enumerate(parts):
+        assert r["served"] == cases, (rank, r["served"], cases)
+        assert not r["differing"], f"rank {rank}: outputs differ between ranks in {r['differing'][:10]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(max(SUITE_BOUND_S.values()) + 30)
+def test_combine_is_the_rank_order_fp32_sum(suite):
+    n, res = suite
+    parts = checked_parts(res, "combine")
+    cases = len(es.COMBINE_DTYPES) * len(es.COMBINE_HIDDEN) * len(es.count_cases(n))
+    for rank, r in enumerate(parts):
+        assert r["served"] == cases, (rank, r["served"], cases)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(max(SUITE_BOUND_S.values()) + 30)
+def test_slot_limit_is_the_same_on_every_rank_and_named_when_hit(suite):
+    n, res = suite
+    parts = suite_part(res, "limits")
+    for rank, r in enumerate(parts):
+        assert r["cap"] == es.SLOT_BYTES // 4160
+        assert r["at_cap"] and not r["above"], (rank, r)
+        assert "YALI_EP_SLOT_BYTES" in r["refusal"], (rank, r)
+        assert r["combine_at_cap"] and not r["combine_above"] and not r["combine_odd_row"], (rank, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(max(SUITE_BOUND_S.values()) + 30)
+def test_cuda_graph_of_moe_layers_replays_with_fresh_inputs(suite):
+    n, res = suite
+    parts = checked_parts(res, "graph")
+    for r in parts:
+        assert r["replays"] == GRAPH_REPLAYS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids=lambda n: f"{n}-ranks")
+@pytest.mark.timeout(max(MISMATCH_BOUND_S.values()) + 30)
+def test_mismatched_counts_end_in_yali_error_on_every_rank(world_size):
+    res = run_ranks(es.mismatched_counts, MISMATCH_TIMEOUT_S + MISMATCH_MARGIN_S, world_size=world_size,
+                    timeout=MISMATCH_BOUND_S[world_size], env={"YALI_TIMEOUT_S": str(MISMATCH_TIMEOUT_S)})
+    for rank, r in enumerate(res):
+        assert r["good_call_ok"], (rank, r)
+        assert "different calls" in r["abort"] and "EP combine" in r["abort"], f"rank {rank}: {r}"
+        assert r["recorded_s"] < MISMATCH_TIMEOUT_S + MISMATCH_MARGIN_S, (rank, r)
+    raised = [r["error"] for r in res if r["error"]]
+    assert all(e.startswith("YaliError") for e in raised), raised
+    assert len(raised) >= (1 if shared_gpu_allowed() else world_size), res
+
+
+# ------------------------------------------------------------------------ on CPU torch
+CPU = torch.device("cpu")
+
+
+@pytest.mark.cpu
+def test_gathered_reference_is_the_ranks_inputs_in_order_with_the_sentinel_replaced():
+    parts = es.PART_SETS["odd-rows"]
+    counts = [2, 0, 3]
+    ref = es.gathered_reference(11, counts, parts, CPU)
+    for i, (dtype, shape) in enumerate(parts):
+        ins = [es.part_input(11, r, i, n, dtype, shape, CPU) for r, n in enumerate(counts)]
+        words = torch.cat(ins).contiguous().view(torch.int32)
+        planted = words == es.SENTINEL
+        assert planted.any()  # every input carries sentinel words
+        assert torch.equal(ref[i][~planted], words[~planted])
+        assert bool((ref[i][planted] == es.SENT_AS).all())
+        assert ref[i].numel() * 4 == sum(counts) * torch.Size(shape).numel() * ins[0].element_size()
+
+
+@pytest.mark.cpu
+def test_combine_reference_adds_in_rank_order_then_rounds_once():
+    counts = [1, 2]
+    ref = es.combine_reference(5, counts, 1, 16, torch.bfloat16, CPU)
+    x0 = es.combine_input(5, 0, 3, 16, torch.bfloat16, CPU)[1:3].float()
+    x1 = es.combine_input(5, 1, 3, 16, torch.bfloat16, CPU)[1:3].float()
+    assert torch.equal(ref, (x0 + x1).to(torch.bfloat16))
+    assert ref.shape == (2, 16)
