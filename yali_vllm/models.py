@@ -1,4 +1,5 @@
-"""Embedded Llama-shaped model directories for running vLLM without a model hub.
+"""Embedded model directories (Llama-shaped dense, Qwen3-MoE- and Mixtral-shaped MoE) for running
+vLLM without a model hub.
 
 The GPU hosts cannot reach a model hub, so end-to-end runs use a directory
 that holds only a ``config.json`` (Llama-3 8B / 70B shapes) and a real
@@ -12,7 +13,14 @@ package, which vLLM already depends on).  vLLM is then started with
         --load-format dummy --tokenizer-mode mistral
 
 The shapes are what matter for all-reduce traffic: every decoder layer does
-two all-reduces of ``tokens x hidden_size`` activations at TP=2.
+two all-reduces of ``tokens x hidden_size`` activations at TP=2. The MoE shapes
+("qwen3-30b-a3b": 128 experts, top-8, hidden 2048; "mixtral-8x7b": 8 experts,
+top-2, hidden 4096) are served with data + expert parallelism, where every MoE
+layer dispatches and combines its tokens across the ranks:
+
+    yali-vllm-model /tmp/qwen3-moe --size qwen3-30b-a3b
+    vllm serve /tmp/qwen3-moe --data-parallel-size 2 --enable-expert-parallel \\
+        --load-format dummy --tokenizer-mode mistral
 """
 
 from __future__ import annotations
@@ -76,6 +84,62 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 8,
     },
 }
+
+
+# The MoE shapes keep Tekken's vocabulary and special ids (the tokenizer is the same file).
+_MOE_COMMON: dict[str, Any] = {
+    "hidden_act": "silu",
+    "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+    "use_cache": True,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "attention_dropout": 0.0,
+}
+CONFIGS["qwen3-30b-a3b"] = {  # Qwen3-30B-A3B's shape: 48 layers, 128 experts of 768, top-8
+    **_MOE_COMMON,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "attention_bias": False,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+}
+CONFIGS["mixtral-8x7b"] = {  # Mixtral-8x7B's shape: 32 layers, 8 experts of 14336, top-2
+    **_MOE_COMMON,
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.02,
+    "output_router_logits": False,
+    "sliding_window": None,
+}
+# The sizes served with data + expert parallelism (serve_command's default for them).
+MOE_SIZES = ("qwen3-30b-a3b", "mixtral-8x7b")
 
 
 def model_config(size: str = "8b") -> dict[str, Any]:
@@ -154,15 +218,17 @@ def write_model_dir(path: str | Path, size: str = "8b", *, force: bool = False) 
 
 
 def serve_command(path: str | Path, tensor_parallel_size: int = 2, *, vllm: Sequence[str] = ("vllm",),
-                  max_model_len: int = 4096) -> list[str]:
+                  max_model_len: int = 4096, data_parallel_size: int = 0) -> list[str]:
     """The ``vllm serve`` argv that fits a directory from write_model_dir
-    (``vllm``: the program, possibly several words)."""
+    (``vllm``: the program, possibly several words). ``data_parallel_size`` > 0: that many
+    data-parallel ranks with expert parallelism (a MoE model) instead of tensor parallelism."""
+    parallel = (["--data-parallel-size", str(data_parallel_size), "--enable-expert-parallel"]
+                if data_parallel_size > 0 else ["--tensor-parallel-size", str(tensor_parallel_size)])
     return [
         *vllm,
         "serve",
         str(path),
-        "--tensor-parallel-size",
-        str(tensor_parallel_size),
+        *parallel,
         "--load-format",
         "dummy",
         "--tokenizer-mode",
@@ -182,8 +248,8 @@ def _directory(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="yali-vllm-model",
-        description="Write a Llama-shaped model directory (config.json + "
-        "Tekken tokenizer) for vLLM dummy-weight runs.",
+        description="Write a model directory (config.json + Tekken tokenizer) of a Llama (8b, 70b), "
+        "Qwen3-MoE or Mixtral shape for vLLM dummy-weight runs.",
     )
     parser.add_argument("dir", type=_directory, help="directory to write (created if missing; refused if not empty, "
                         "unless --force)")
@@ -202,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     print(f"wrote {out / CONFIG_FILE} and {out / TOKENIZER_FILE}")
     print("serve it with:")
-    print("  " + shlex.join(serve_command(out)))
+    print("  " + shlex.join(serve_command(out, data_parallel_size=2 if args.size in MOE_SIZES else 0)))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""CPU tests of yali_vllm/models.py: the embedded Llama-shaped model directories."""
+"""CPU tests of yali_vllm/models.py: the embedded model directories (Llama, Qwen3-MoE, Mixtral shapes)."""
 
 from __future__ import annotations
 
@@ -23,10 +23,33 @@ SHAPES = {
         num_key_value_heads=8,
         intermediate_size=28672,
     ),
+    "qwen3-30b-a3b": dict(
+        hidden_size=2048,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+    ),
+    "mixtral-8x7b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    ),
 }
+ARCHITECTURES = {"8b": "LlamaForCausalLM", "70b": "LlamaForCausalLM", "qwen3-30b-a3b": "Qwen3MoeForCausalLM",
+                 "mixtral-8x7b": "MixtralForCausalLM"}
+MODEL_TYPES = {"8b": "llama", "70b": "llama", "qwen3-30b-a3b": "qwen3_moe", "mixtral-8x7b": "mixtral"}
+CONFIG_CLASSES = {"8b": "LlamaConfig", "70b": "LlamaConfig", "qwen3-30b-a3b": "Qwen3MoeConfig",
+                  "mixtral-8x7b": "MixtralConfig"}
 
 
-@pytest.fixture(scope="module", params=["8b", "70b"])
+@pytest.fixture(scope="module", params=list(SHAPES))
 def model_dir(request, tmp_path_factory):
     pytest.importorskip("mistral_common")
     size = request.param
@@ -39,12 +62,14 @@ def test_written_dir_has_config_and_tokenizer(model_dir):
     cfg = json.loads((path / "config.json").read_text())
     for key, value in SHAPES[size].items():
         assert cfg[key] == value, key
-    assert cfg["architectures"] == ["LlamaForCausalLM"]
-    assert cfg["model_type"] == "llama"
+    assert cfg["architectures"] == [ARCHITECTURES[size]]
+    assert cfg["model_type"] == MODEL_TYPES[size]
     assert cfg["vocab_size"] == 131072
     assert cfg["torch_dtype"] == "bfloat16"
-    assert cfg["rope_scaling"] is None
-    assert cfg["hidden_size"] // cfg["num_attention_heads"] == cfg["head_dim"] == 128
+    assert cfg.get("rope_scaling") is None
+    assert cfg["head_dim"] == 128
+    if size not in models.MOE_SIZES:  # Qwen3-MoE's attention is wider than its hidden size
+        assert cfg["hidden_size"] // cfg["num_attention_heads"] == 128
 
 
 def test_tokenizer_is_mistral_commons_tekken_with_matching_vocab(model_dir):
@@ -80,7 +105,7 @@ def test_vllm_config_loader_accepts_dir(model_dir):
 
     size, path = model_dir
     cfg = get_config(str(path), trust_remote_code=False)
-    assert type(cfg).__name__ == "LlamaConfig"
+    assert type(cfg).__name__ == CONFIG_CLASSES[size]
     assert cfg.vocab_size == 131072
     for key, value in SHAPES[size].items():
         assert getattr(cfg, key) == value, key
@@ -95,7 +120,7 @@ def test_vllm_model_config_from_engine_args(model_dir):
     mc = EngineArgs(
         model=str(path), tokenizer_mode="mistral", load_format="dummy", max_model_len=2048
     ).create_model_config()
-    assert mc.architectures == ["LlamaForCausalLM"]
+    assert mc.architectures == [ARCHITECTURES[size]]
     assert mc.dtype == torch.bfloat16
     assert mc.get_vocab_size() == 131072
     assert mc.get_hidden_size() == SHAPES[size]["hidden_size"]
@@ -201,3 +226,10 @@ def test_write_file_does_not_follow_a_link_created_after_the_check(tmp_path):
 def test_parser_defaults():
     args = models.build_parser().parse_args(["m"])
     assert (args.dir, args.size, args.force) == ("m", "8b", False)
+
+
+def test_moe_serve_command_uses_data_and_expert_parallelism(tmp_path, capsys):
+    assert models.main([str(tmp_path / "m"), "--size", "qwen3-30b-a3b"]) == 0
+    out = capsys.readouterr().out
+    assert "--data-parallel-size 2 --enable-expert-parallel" in out and "--tensor-parallel-size" not in out
+    assert set(models.MOE_SIZES) <= set(models.CONFIGS)

@@ -1,0 +1,38 @@
+"""CPU tests of benchmarks/moe_bench.py: its arguments and its report (the GPU run is
+benchmarks/results; the kernels' own tests are tests/gpu/test_ep.py)."""
+import argparse
+
+import pytest
+
+from benchmarks import moe_bench
+
+
+def test_shapes_parse_and_bad_ones_are_named():
+    assert moe_bench.shape_list("2048x8, 4096X2") == [(2048, 8), (4096, 2)]
+    for bad in ("2048", "2048x", "x8", "2050x8", "0x8", "2048x0"):
+        with pytest.raises(argparse.ArgumentTypeError, match=bad.split(",")[0] if bad else ""):
+            moe_bench.shape_list(bad)
+
+
+def test_defaults_cover_the_studied_models_and_quick_is_smaller():
+    args = moe_bench.build_parser().parse_args([])
+    assert (2048, 8) in args.shapes and (4096, 2) in args.shapes and (7168, 8) in args.shapes
+    assert args.tokens[0] == 1 and args.tokens[-1] == 512 and args.world_size == 2
+    assert args.backends == moe_bench.BACKENDS
+    with pytest.raises(SystemExit):
+        moe_bench.build_parser().parse_args(["--world-size", "3"])
+
+
+def _row(backend, op, us, tokens=8, ok=True):
+    return {"backend": backend, "hidden": 2048, "topk": 8, "tokens": tokens, "op": op, "us_p50": us, "us_p99": us,
+            "samples": 20, "correct": ok, "combine_max_abs_err": 0.0}
+
+
+def test_report_gives_the_ratio_per_layer_and_flags_a_wrong_result():
+    doc = {"world_size": 2, "shared_gpu": False, "skipped_backends": {},
+           "records": [_row("yali", "dispatch", 2.5), _row("yali", "combine", 2.6), _row("yali", "layer", 5.0),
+                       _row("vllm-agrs", "layer", 20.0, ok=False)]}
+    md = moe_bench.markdown_table(doc)
+    assert "| 2048 | 8 | 8 | 2.50 | 2.60 | 5.00 | 20.00 | 0.25 | NO |" in md
+    doc["shared_gpu"] = True
+    assert "timings are not valid" in moe_bench.markdown_table(doc)
