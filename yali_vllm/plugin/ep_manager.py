@@ -45,6 +45,24 @@ def manager_class(base: type) -> type:
 
         yali_comm: Any = None
         yali_ranks: list[int] = []
+        yali_group = ""
+        _yali_logged: set = set()
+
+        def _yali_log_first(self, what: str, served: bool, tokens: list[int] | None) -> None:
+            """One line the first time `what` ("dispatch", "combine") is served by YALI and the first
+            time it goes to vLLM's manager (CUDA graph replays run no Python: these are captures and
+            eager calls)."""
+            key = (what, served)
+            if key in self._yali_logged:
+                return
+            self._yali_logged = self._yali_logged | {key}
+            if served:
+                logger.info("YALI EP: first %s on group '%s' served by YALI (tokens per rank %s)", what,
+                            self.yali_group, tokens)
+            else:
+                logger.info("YALI EP: first %s on group '%s' that YALI does not serve (sequence-parallel, another "
+                            "group, or above YALI_EP_SLOT_BYTES): vLLM's %s", what, self.yali_group,
+                            type(self).__mro__[1].__name__)
 
         def _yali_counts(self, local_tokens: int, is_sequence_parallel: bool) -> list[int] | None:
             """Every rank's token count when YALI's group is the one vLLM would use, else None."""
@@ -57,9 +75,10 @@ def manager_class(base: type) -> type:
 
         def _yali_gather(self, tensors: list[Any], is_sequence_parallel: bool) -> list[Any] | None:
             counts = self._yali_counts(tensors[0].shape[0], is_sequence_parallel)
-            if counts is None or not self.yali_comm.ep_serves_dispatch(tensors, counts):
-                return None
-            return self.yali_comm.ep_dispatch(tensors, counts)
+            served = counts is not None and self.yali_comm.ep_serves_dispatch(tensors, counts)
+            if self.yali_comm is not None:
+                self._yali_log_first("dispatch", served, counts)
+            return self.yali_comm.ep_dispatch(tensors, counts) if served else None
 
         def dispatch(self, hidden_states: Any, topk_weights: Any, topk_ids: Any,
                      is_sequence_parallel: bool = False, extra_tensors: list[Any] | None = None) -> Any:
@@ -84,9 +103,10 @@ def manager_class(base: type) -> type:
         def _yali_combine_counts(self, hidden_states: Any, is_sequence_parallel: bool) -> list[int] | None:
             world = self.yali_comm.world_size if self.yali_comm is not None else 1
             counts = self._yali_counts(hidden_states.shape[0] // world, is_sequence_parallel)
-            if counts is None or not self.yali_comm.ep_serves_combine(hidden_states, counts):
-                return None
-            return counts
+            served = counts is not None and self.yali_comm.ep_serves_combine(hidden_states, counts)
+            if self.yali_comm is not None:
+                self._yali_log_first("combine", served, counts)
+            return counts if served else None
 
         def combine(self, hidden_states: Any, is_sequence_parallel: bool = False) -> Any:
             counts = self._yali_combine_counts(hidden_states, is_sequence_parallel)
@@ -194,6 +214,7 @@ def setup_ep(comm: Any, *, platform_is_cuda: bool, stateless: bool = False) -> s
         manager.__class__ = manager_class(type(manager))
         manager.yali_comm = yc
         manager.yali_ranks = list(comm.ranks)
+        manager.yali_group = name
         line = (f"YALI EP ON for group '{name}' (rank {comm.rank_in_group} of {comm.world_size}): dispatch and "
                 f"combine by YALI up to {yc.ep_slot_bytes} bytes per rank (YALI_EP_SLOT_BYTES); other calls use "
                 f"vLLM's {type(manager).__mro__[1].__name__}")

@@ -185,7 +185,8 @@ std::string describe_call(const CallDesc& d) {
       : op == uint32_t(CallOp::Ep)        ? (kernel == Kernel::EpGather ? "EP dispatch (tokens and layout " : "EP combine (tokens and layout ") +
                                                 std::to_string(d.w[3]) + ") of "
                                           : std::string("? of ");
-  return what + std::to_string(nbytes) + " bytes " + dtypes[dtype] + " by " + kernel_name(kernel) + " on " +
+  const std::string type = kernel == Kernel::EpGather ? "" : std::string(" ") + dtypes[dtype];  // a gather moves bytes
+  return what + std::to_string(nbytes) + " bytes" + type + " by " + kernel_name(kernel) + " on " +
          std::to_string(ctas) + (kernel == Kernel::Stream ? " lanes" : " CTAs");
 }
 
