@@ -24,6 +24,12 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_FUSED_HIDDEN_BYTES = 512 * 8 * 16
 # Most tensors one ep_dispatch carries (csrc/core/yali/config.h: kEpMaxParts).
 EP_MAX_TENSORS = 8
+# The dtypes ep_dispatch carries: those in which the one 32-bit word it cannot send as it is
+# (0x80008000, csrc/core/yali/ep.cuh) is a pair of zeros, four fp8 zeros, an fp32 denormal or no
+# valid token or expert index. Bytes of other meanings (uint8-packed fp4 with e8m0 scales, int8,
+# int16) go to vLLM's manager.
+EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.int32,
+             torch.int64)
 
 
 def servable(x, device: torch.device, limit_bytes: int) -> bool:
@@ -66,6 +72,12 @@ def aligned(t: torch.Tensor | None) -> torch.Tensor | None:
 # two-rank protocol be tested on a machine with a single GPU. Off by default: in serving two ranks
 # on one GPU are a misconfiguration, and the memory in between is local, not NVLink.
 SHARED_GPU_VAR = "YALI_ALLOW_SHARED_GPU"
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes of contiguous tensors a and b overlap."""
+    x, y = a.data_ptr(), b.data_ptr()
+    return a.nbytes > 0 and b.nbytes > 0 and x < y + b.nbytes and y < x + a.nbytes
 
 
 def _row_bytes(t: torch.Tensor) -> int:
@@ -472,18 +484,20 @@ class YaliCommunicator:
     def ep_serves_dispatch(self, tensors: list[torch.Tensor], counts: list[int]) -> bool:
         """Whether ep_dispatch(tensors, counts) is served: decided from the tensors' row shapes and
         dtypes and the token counts, which are the same on every rank, so every rank answers alike.
-        Every tensor is [counts[rank], ...] on this GPU with rows of a positive multiple of 4 bytes,
-        at most 8 tensors, and every rank's rows of all of them (each padded to 16 bytes) fit the
-        EP slot."""
+        At most 8 tensors of EP_DTYPES with rows of a positive multiple of 4 bytes, and every rank's
+        rows of all of them (each padded to 16 bytes) within the EP slot. A tensor that is not
+        [counts[rank], ...] on this GPU is a caller's error on this rank alone: ValueError naming it
+        (refusing would send this rank to another collective than its peers)."""
         if self._handle is None or self.ep_slot_bytes == 0 or len(counts) != self.world_size:
             return False
         if not 1 <= len(tensors) <= EP_MAX_TENSORS:
             return False
-        for t in tensors:
-            if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.device != self.device:
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.dtype not in EP_DTYPES:
                 return False
-            if t.shape[0] != counts[self.rank]:
-                return False
+            if t.shape[0] != counts[self.rank] or t.device != self.device:
+                raise ValueError(f"yali: ep_dispatch tensor {i} is {tuple(t.shape)} on {t.device}; rank {self.rank} "
+                                 f"needs [{counts[self.rank]}, ...] (its token count in {list(counts)}) on {self.device}")
         rows = [_row_bytes(t) for t in tensors]
         return bool(_ext.ops().ep_serves_dispatch(self._handle, rows, [int(c) for c in counts]))
 
@@ -530,7 +544,8 @@ class YaliCommunicator:
         self._note_capture()
         src = x if x.is_contiguous() and x.data_ptr() % 16 == 0 else aligned(x.contiguous())
         mine = int(counts[self.rank])
-        direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
+        direct = (out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
+                  and not _overlap(out, src))  # the kernel refuses an out over its input: a rank-local condition
         dst = out if direct else torch.empty((mine, x.shape[1]), dtype=x.dtype, device=x.device)
         ops.ep_combine(self._handle, src, dst, [int(c) for c in counts])
         return dst if out is None or direct else out.copy_(dst)

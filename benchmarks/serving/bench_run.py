@@ -48,8 +48,14 @@ def validate_args(args: argparse.Namespace) -> list[str]:
     need = args.random_input_len + args.random_output_len
     if args.max_model_len < need:
         raise SystemExit(f"--max-model-len {args.max_model_len} < input+output {need}")
+    from yali_vllm.models import MOE_SIZES
+
+    dp_ep = [c for c in configs if SERVER_CONFIGS[c].parallel == "dp-ep"]
+    if dp_ep and args.model_size not in MOE_SIZES:
+        raise SystemExit(f"config(s) {dp_ep} serve a MoE model with data + expert parallelism: --model-size must be "
+                         f"one of {list(MOE_SIZES)}, not {args.model_size}")
     refusal = tensor_parallel_refusal(args.model_size, args.world_size)
-    if refusal:
+    if refusal and len(dp_ep) < len(configs):
         raise SystemExit(f"--world-size {args.world_size}: {refusal}")
     return configs
 

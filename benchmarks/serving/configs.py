@@ -1,4 +1,5 @@
-"""The server configurations compared: yali, vLLM's defaults, the FlashInfer-fusion control, NCCL only."""
+"""The server configurations compared: yali, vLLM's defaults, the FlashInfer-fusion control, NCCL only;
+and for MoE models data + expert parallelism with YALI's dispatch / combine or vLLM's manager."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ class ServerConfig:
     env: dict[str, str]
     args: tuple[str, ...]
     description: str
+    # "tp": --tensor-parallel-size N; "dp-ep": --data-parallel-size N --enable-expert-parallel (MoE)
+    parallel: str = "tp"
 
 
 SERVER_CONFIGS: dict[str, ServerConfig] = {
@@ -50,6 +53,22 @@ SERVER_CONFIGS: dict[str, ServerConfig] = {
         {**YALI_ON, "YALI_OVERLAP": "1"},
         (),
         "yali plugin on, YALI_OVERLAP=1: prefill GEMM + all-reduce + RMSNorm overlapped from 512 tokens",
+    ),
+    # MoE models (--model-size qwen3-30b-a3b or mixtral-8x7b) with data + expert parallelism over the
+    # same N GPUs: YALI's dispatch / combine against vLLM's all-gather / reduce-scatter manager (NCCL).
+    "yali-ep": ServerConfig(
+        "yali-ep",
+        {**YALI_ON, "YALI_EP": "1"},
+        (),
+        "--data-parallel-size N --enable-expert-parallel, yali plugin on: YALI's MoE dispatch and combine",
+        "dp-ep",
+    ),
+    "vllm-ep": ServerConfig(
+        "vllm-ep",
+        {"YALI_ENABLE": "0"},
+        (),
+        "--data-parallel-size N --enable-expert-parallel, YALI_ENABLE=0: vLLM's AgRsAll2AllManager on NCCL",
+        "dp-ep",
     ),
     "nccl": ServerConfig(
         "nccl",

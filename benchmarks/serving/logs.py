@@ -24,6 +24,8 @@ ERROR_PATTERNS = [re.compile(r"\bERROR\b"), re.compile(r"Traceback")]
 YALI_ON_RE = re.compile(r"YALI all-reduce ON")
 YALI_OFF_RE = re.compile(r"YALI all-reduce OFF")
 YALI_FUSION_ON_RE = re.compile(r"YALI fusion pass ON")
+YALI_EP_ON_RE = re.compile(r"YALI EP ON")
+YALI_EP_SERVED_RE = re.compile(r"YALI EP: first (dispatch|combine) on group .* served by YALI")
 # The fused op's first call (yali_vllm/vllm_fusion.py): the only sign of YALI's fused op when vLLM
 # loaded the compiled graph from its cache and never built the fusion pass.
 YALI_FUSED_OP_RE = re.compile(r"YALI fused all-reduce \+ RMSNorm op: first call .* runs YALI's fused kernel")
@@ -34,6 +36,8 @@ def yali_log_warnings(config: str, key_lines: Sequence[str]) -> list[str]:
     """Sanity checks on one server's key log lines: YALI's all-reduce and fusion pass on exactly
     where the configuration's environment (SERVER_CONFIGS) asks for them."""
     env = SERVER_CONFIGS[config].env if config in SERVER_CONFIGS else {}
+    if config in SERVER_CONFIGS and SERVER_CONFIGS[config].parallel == "dp-ep":
+        return _ep_log_warnings(config, env, key_lines)
     wants_yali = env.get("YALI_ENABLE") == "1"
     wants_fusion = wants_yali and env.get("YALI_FUSION") != "0"
     on = any(YALI_ON_RE.search(ln) for ln in key_lines)
@@ -55,6 +59,23 @@ def yali_log_warnings(config: str, key_lines: Sequence[str]) -> list[str]:
     if not wants_fusion and fused:
         warnings.append(f"'YALI fusion pass ON' in the {config} server's log: YALI_FUSION=0 did "
                         "not hand the fused pairs to FlashInfer")
+    return warnings
+
+
+def _ep_log_warnings(config: str, env: dict[str, str], key_lines: Sequence[str]) -> list[str]:
+    """A data + expert parallel server: YALI's EP line on exactly where YALI_ENABLE and YALI_EP ask for it,
+    and its first dispatch and combine served by YALI there."""
+    wants = env.get("YALI_ENABLE") == "1" and env.get("YALI_EP", "1") != "0"
+    on = any(YALI_EP_ON_RE.search(ln) for ln in key_lines)
+    served = {m.group(1) for ln in key_lines if (m := YALI_EP_SERVED_RE.search(ln))}
+    if not wants:
+        return [f"'YALI EP ON' in the {config} server's log: YALI_ENABLE=0 / YALI_EP=0 did not keep it off"] if on else []
+    warnings = []
+    if not on:
+        warnings.append(f"no 'YALI EP ON' line in the {config} server's log: vLLM's manager served the MoE layers")
+    for what in ("dispatch", "combine"):
+        if on and what not in served:
+            warnings.append(f"no MoE {what} served by YALI in the {config} server's log")
     return warnings
 
 

@@ -36,7 +36,9 @@ def server_command(
 ) -> list[str]:
     from yali_vllm.models import serve_command  # how the embedded model must be served
 
-    cmd = serve_command(model_dir, tensor_parallel_size, vllm=split_command(vllm_bin), max_model_len=max_model_len)
+    dp = tensor_parallel_size if cfg.parallel == "dp-ep" else 0  # the same N GPUs, data + expert parallel
+    cmd = serve_command(model_dir, tensor_parallel_size, vllm=split_command(vllm_bin), max_model_len=max_model_len,
+                        data_parallel_size=dp)
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", str(gpu_memory_utilization)]
     if max_num_seqs:
         cmd += ["--max-num-seqs", str(max_num_seqs)]

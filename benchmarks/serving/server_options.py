@@ -17,7 +17,8 @@ from benchmarks.common.cli_args import (
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """Server/model/budget options shared with load_test.py."""
-    p.add_argument("--model-size", choices=("70b", "8b"), default="70b", help="embedded dummy model (default 70b)")
+    p.add_argument("--model-size", choices=("70b", "8b", "qwen3-30b-a3b", "mixtral-8x7b"), default="70b",
+                   help="embedded dummy model (default 70b); the MoE shapes for the dp-ep configurations (yali-ep, vllm-ep)")
     p.add_argument("--model-dir", type=Path, default=None, help="where to write the model; its config.json and tekken.json are replaced (default: a per-user directory under the system temp dir, see default_model_dir)")
     p.add_argument("--vllm-bin", default="vllm", help="vllm command, shell-split (default: vllm on PATH)")
     add_world_size_arg(p, "tensor-parallel size of every server (vllm serve --tensor-parallel-size), one GPU per rank")

@@ -307,10 +307,12 @@ def serving_doc_schema_check(doc: dict) -> None:
 # ---------------------------------------------------------------- server configuration
 def test_server_commands_and_env_per_config():
     cmds = {name: server.server_command("vllm", "/m", cfg, 8123, max_num_seqs=64) for name, cfg in configs.SERVER_CONFIGS.items()}
-    for cmd in cmds.values():
+    for name, cmd in cmds.items():
         assert cmd[:3] == ["vllm", "serve", "/m"]
         joined = " ".join(cmd)
-        for frag in ("--tensor-parallel-size 2", "--load-format dummy", "--tokenizer-mode mistral", "--port 8123",
+        parallel = ("--data-parallel-size 2 --enable-expert-parallel" if configs.SERVER_CONFIGS[name].parallel == "dp-ep"
+                    else "--tensor-parallel-size 2")
+        for frag in (parallel, "--load-format dummy", "--tokenizer-mode mistral", "--port 8123",
                      "--max-model-len 2048", "--gpu-memory-utilization 0.9", "--max-num-seqs 64", "--host 127.0.0.1"):
             assert frag in joined
     assert "--disable-custom-all-reduce" not in cmds["yali"] and "--compilation-config" not in cmds["vllm-default"]
@@ -1191,3 +1193,41 @@ def test_soak_needs_the_yali_config():
 def test_default_model_dir_is_per_user():
     d = model.default_model_dir("8b")
     assert d.parent == Path(tempfile.gettempdir()) and d.name == f"yali-serving-model-8b-{os.getuid()}"
+
+
+# ------------------------------------------- data + expert parallel configurations (MoE)
+def test_dp_ep_configs_serve_the_moe_model_data_and_expert_parallel():
+    from benchmarks.serving.configs import SERVER_CONFIGS
+    from benchmarks.serving.server import server_command
+
+    for name in ("yali-ep", "vllm-ep"):
+        cfg = SERVER_CONFIGS[name]
+        cmd = server_command("vllm", "/m", cfg, 8100, tensor_parallel_size=4)
+        i = cmd.index("--data-parallel-size")
+        assert cmd[i + 1] == "4" and "--enable-expert-parallel" in cmd and "--tensor-parallel-size" not in cmd
+    assert SERVER_CONFIGS["yali-ep"].env["YALI_EP"] == "1" and SERVER_CONFIGS["vllm-ep"].env["YALI_ENABLE"] == "0"
+    assert "--tensor-parallel-size" in server_command("vllm", "/m", SERVER_CONFIGS["yali"], 8100)
+
+
+def test_dp_ep_configs_need_a_moe_model_size():
+    from benchmarks.serving.bench_run import validate_args
+    from benchmarks.serving_bench import build_parser
+
+    args = build_parser().parse_args(["--configs", "yali-ep,vllm-ep", "--model-size", "8b"])
+    with pytest.raises(SystemExit, match="--model-size must be one of"):
+        validate_args(args)
+    args = build_parser().parse_args(["--configs", "yali-ep,vllm-ep,yali", "--model-size", "qwen3-30b-a3b"])
+    assert validate_args(args) == ["yali-ep", "vllm-ep", "yali"]
+
+
+def test_ep_log_warnings_follow_the_config():
+    from benchmarks.serving.logs import yali_log_warnings
+
+    on = ["YALI EP ON for group 'ep:0' (rank 0 of 2): ...",
+          "YALI EP: first dispatch on group 'ep:0' served by YALI (tokens per rank [1, 1])",
+          "YALI EP: first combine on group 'ep:0' served by YALI (tokens per rank [1, 1])"]
+    assert yali_log_warnings("yali-ep", on) == []
+    assert any("no MoE combine served by YALI" in w for w in yali_log_warnings("yali-ep", on[:2]))
+    assert any("no 'YALI EP ON'" in w for w in yali_log_warnings("yali-ep", []))
+    assert yali_log_warnings("vllm-ep", []) == []
+    assert any("did not keep it off" in w for w in yali_log_warnings("vllm-ep", on))

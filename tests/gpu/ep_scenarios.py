@@ -30,7 +30,8 @@ SLOT_BYTES = 2 << 20  # the EP slot of the tests' communicators (YALI_EP_SLOT_BY
 # fp32 block scales), top-k weights (fp32) and ids (int32 or int64), an odd-sized extra.
 PART_SETS = {
     "bf16-topk8": [(torch.bfloat16, (2048,)), (torch.float32, (8,)), (torch.int32, (8,))],
-    "fp8-scales-topk6": [(torch.uint8, (2048,)), (torch.float32, (16,)), (torch.float32, (6,)), (torch.int64, (6,))],
+    "fp8-scales-topk6": [(torch.float8_e4m3fn, (2048,)), (torch.float32, (16,)), (torch.float32, (6,)),
+                         (torch.int64, (6,))],
     "fp16-topk2-extra": [(torch.float16, (4096,)), (torch.float32, (2,)), (torch.int32, (2,)), (torch.int32, (3,))],
     "odd-rows": [(torch.float32, (5, 3)), (torch.bfloat16, (6,)), (torch.int32, (1,))],
 }
@@ -69,8 +70,8 @@ def gathered_reference(seed: int, counts: list[int], parts, device) -> list[torc
     words replaced."""
     out = []
     for i, (dtype, shape) in enumerate(parts):
-        whole = torch.cat([part_input(seed, r, i, n, dtype, shape, device) for r, n in enumerate(counts)])
-        w = whole.contiguous().view(torch.int32).clone()
+        w = torch.cat([part_input(seed, r, i, n, dtype, shape, device).contiguous().view(torch.int32).reshape(-1)
+                       for r, n in enumerate(counts)])
         w[w == SENTINEL] = SENT_AS
         out.append(w)
     return out
@@ -102,10 +103,10 @@ def dispatch_sweep(rank, group, comm, seed):
             served += 1
             ref = gathered_reference(seed, counts, parts, dev)
             for i, (o, r) in enumerate(zip(outs, ref)):
-                bad = int((o.contiguous().view(torch.int32) != r).sum())
+                bad = int((o.contiguous().view(torch.int32).reshape(-1) != r).sum())
                 if bad:
                     failures.append(f"{name} {case} part {i}: {bad} words differ")
-                if api is not None and not torch.equal(api[i].contiguous().view(torch.int32), r):
+                if api is not None and not torch.equal(api[i].contiguous().view(torch.int32).reshape(-1), r):
                     failures.append(f"{name} {case} part {i}: the API's output differs")
             digests[f"{name} {case}"] = digest(*outs)
     return {"failures": failures, "served": served, "differing": differing(group, digests)}
@@ -177,7 +178,15 @@ def limits(rank, group, comm):
         message = str(e)
     x = torch.zeros(sum(counts), 2048, dtype=torch.bfloat16, device=dev)
     rows_cap = comm.ep_slot_bytes // (2048 * 2)
-    return {"cap": cap, "at_cap": at_cap, "above": above, "refusal": message,
+    byte_dtypes = {str(d): comm.ep_serves_dispatch([torch.zeros(2, 64, dtype=d, device=dev)], [2] * world)
+                   for d in (torch.uint8, torch.int8, torch.int16)}
+    wrong_rows = ""
+    try:
+        comm.ep_serves_dispatch([torch.zeros(3, 64, dtype=torch.bfloat16, device=dev)], [2] * world)
+    except ValueError as e:
+        wrong_rows = str(e)
+    return {"cap": cap, "at_cap": at_cap, "above": above, "refusal": message, "byte_dtypes": byte_dtypes,
+            "wrong_rows": wrong_rows,
             "combine_at_cap": comm.ep_serves_combine(torch.zeros(rows_cap * world, 2048, dtype=torch.bfloat16,
                                                                  device=dev), [rows_cap] * world),
             "combine_above": comm.ep_serves_combine(torch.zeros((rows_cap + 1) * world, 2048, dtype=torch.bfloat16,
@@ -221,7 +230,7 @@ def graph_replays(rank, group, comm, replays, seed):
         want = combine_reference(s, counts, rank, hidden, torch.bfloat16, dev)
         for layer, (gathered, combined) in enumerate(results):
             for i, (o, r) in enumerate(zip(gathered, ref)):
-                if not torch.equal(o.contiguous().view(torch.int32), r):
+                if not torch.equal(o.contiguous().view(torch.int32).reshape(-1), r):
                     failures.append(f"replay {rep} layer {layer} dispatch part {i} differs")
             if not torch.equal(combined.view(torch.int16), want.view(torch.int16)):
                 failures.append(f"replay {rep} layer {layer} combine differs")

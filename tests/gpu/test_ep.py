@@ -74,6 +74,8 @@ def test_slot_limit_is_the_same_on_every_rank_and_named_when_hit(suite):
         assert r["at_cap"] and not r["above"], (rank, r)
         assert "YALI_EP_SLOT_BYTES" in r["refusal"], (rank, r)
         assert r["combine_at_cap"] and not r["combine_above"] and not r["combine_odd_row"], (rank, r)
+        assert not any(r["byte_dtypes"].values()), r["byte_dtypes"]  # their 0x80008000 words have other meanings
+        assert "needs [2, ...]" in r["wrong_rows"], (rank, r)
 
 
 @pytest.mark.gpu
@@ -111,7 +113,7 @@ def test_gathered_reference_is_the_ranks_inputs_in_order_with_the_sentinel_repla
     ref = es.gathered_reference(11, counts, parts, CPU)
     for i, (dtype, shape) in enumerate(parts):
         ins = [es.part_input(11, r, i, n, dtype, shape, CPU) for r, n in enumerate(counts)]
-        words = torch.cat(ins).contiguous().view(torch.int32)
+        words = torch.cat([t.contiguous().view(torch.int32).reshape(-1) for t in ins])
         planted = words == es.SENTINEL
         assert planted.any()  # every input carries sentinel words
         assert torch.equal(ref[i][~planted], words[~planted])

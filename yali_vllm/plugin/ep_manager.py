@@ -20,6 +20,7 @@ to vLLM's own method unchanged. One log line per group says whether YALI serves 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from typing import Any
 
@@ -194,6 +195,7 @@ def _ep_info(comm: Any, manager: Any) -> dict[str, Any]:
     info["dp_world_size"] = int(getattr(manager, "dp_world_size", 0))
     device = getattr(comm, "device", None)
     info["device"] = device.index if getattr(device, "type", None) == "cuda" else None
+    info["visible"] = os.environ.get("CUDA_VISIBLE_DEVICES")  # group_setup._p2p_from_info compares them
     return info
 
 

@@ -118,6 +118,7 @@ cudaError_t Rank::ep_gather(const EpTensor* tensors, int n, const uint32_t* coun
     largest = std::max(largest, message);
     nbytes += message;
   }
+  if (total == 0) return cudaSuccess;  // nothing anywhere (an empty CUDA tensor's pointer is null)
   for (int i = 0; i < n; ++i) {
     const EpTensor& t = tensors[i];
     const size_t mine = size_t(counts[rank_]) * t.row_bytes;
@@ -125,7 +126,6 @@ cudaError_t Rank::ep_gather(const EpTensor* tensors, int n, const uint32_t* coun
     for (int j = 0; j < n; ++j)  // my own copy must not overwrite an input it has still to send
       if (spans_overlap(t.in, mine, tensors[j].out, size_t(total) * tensors[j].row_bytes)) return cudaErrorInvalidValue;
   }
-  if (total == 0) return cudaSuccess;
   const int grid = ep_grid(config_, largest);
   EpArgs a = ep_args(counts, ep_desc(Kernel::EpGather, nbytes, DType::F32, grid, ep_digest(world_, counts, row_bytes, n)));
   a.parts = n;

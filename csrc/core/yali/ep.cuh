@@ -17,11 +17,12 @@
 //    order of arrival.
 //
 // Sentinel words: a word 0x80008000 (kPushEmpty) is sent, and copied into the sender's own
-// output, as 0x80000000 (ep_canonical). Every 32-bit word that equals the sentinel is a zero or
-// no valid value in the dtypes these tensors hold: bf16 / fp16 (-0, -0) becomes (+0, -0), fp8
-// bytes (+0, -0, +0, -0) become (+0, +0, +0, -0), the fp32 denormal -4.6e-41 becomes -0, and an
-// int32 or the high word of an int64 of -2147450880 is no token or expert index. The gathered
-// copy is otherwise bit for bit the input, on every rank.
+// output, as 0x80000000 (ep_canonical). In the dtypes the callers pass (yali_vllm.communicator.
+// EP_DTYPES) such a word is a pair of zeros or no valid value: bf16 / fp16 (-0, -0) becomes
+// (+0, -0), fp8 e4m3 / e5m2 bytes (+0, -0, +0, -0) become (+0, +0, +0, -0), the fp32 denormal
+// -4.6e-41 becomes -0, and an int32 (or an int64's high word) of -2147450880 is no token or expert
+// index. Byte tensors of other meanings (int8, uint8-packed fp4 with e8m0 scales) would change
+// value and are not passed. The gathered copy is otherwise bit for bit the input, on every rank.
 //
 // CTA b of every rank owns vectors split_range(b) of every rank's message (same grid on every
 // rank, from the largest message): it sends its vectors of mine and receives its vectors of
