@@ -244,6 +244,7 @@ def ep_suite(rank, group, replays, seed):
         ("dispatch", lambda: dispatch_sweep(rank, group, comm, seed)),
         ("combine", lambda: combine_sweep(rank, group, comm, seed + 10_000)),
         ("limits", lambda: limits(rank, group, comm)),
+        ("moe", lambda: moe_layer(rank, group, comm, seed + 30_000)),
         ("graph", lambda: graph_replays(rank, group, comm, replays, seed + 20_000)),
     ])
 
@@ -272,3 +273,94 @@ def mismatched_counts(rank, group, wait_s):
     theirs = [4] * world if rank == 0 else [5] + [4] * (world - 2) + [3]
     comm.ep_combine(x, theirs)
     return {"good_call_ok": ok, **reliability._record_then_error(comm, t0, wait_s)}
+
+
+# ------------------------------------------------------------------ a whole MoE layer
+MOE_EXPERTS, MOE_TOPK, MOE_HIDDEN, MOE_INTER = 16, 4, 256, 128
+
+
+def _expert_weights(device):
+    """Every expert's (up [I, H], down [H, I]) in bf16, from one seed: the same on every rank."""
+    g = torch.Generator(device=device).manual_seed(4242)
+    up = (torch.randn(MOE_EXPERTS, MOE_INTER, MOE_HIDDEN, generator=g, device=device) / MOE_HIDDEN ** 0.5)
+    down = (torch.randn(MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, generator=g, device=device) / MOE_INTER ** 0.5)
+    router = torch.randn(MOE_EXPERTS, MOE_HIDDEN, generator=g, device=device) / MOE_HIDDEN ** 0.5
+    return up.to(torch.bfloat16), down.to(torch.bfloat16), router.to(torch.bfloat16)
+
+
+def _route(h, router):
+    """Top-k expert ids (int32) and renormalised weights (fp32) of tokens h, as vLLM's fused_topk."""
+    probs = torch.softmax((h.float() @ router.float().t()), dim=-1)
+    w, ids = probs.topk(MOE_TOPK, dim=-1)
+    return (w / w.sum(-1, keepdim=True)).float(), ids.to(torch.int32)
+
+
+def _experts(h, w, ids, experts: range, up, down):
+    """sum over the top-k slots whose expert is in `experts` of weight x down(silu(up(h))), in fp32,
+    rounded to bf16: what a rank's local experts contribute to each token (vLLM's partial sums)."""
+    out = torch.zeros(h.shape[0], MOE_HIDDEN, dtype=torch.float32, device=h.device)
+    for e in experts:
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        if tok.numel():
+            y = torch.nn.functional.silu(h[tok].float() @ up[e].float().t()) @ down[e].float().t()
+            out.index_add_(0, tok, y * w[tok, slot].unsqueeze(1))
+    return out.to(torch.bfloat16)
+
+
+def moe_layer(rank, group, comm, seed):
+    """Router -> YALI dispatch -> this rank's experts (E / N of them) on every gathered token ->
+    YALI combine, for uneven token counts; against (a) the same pipeline with the gather and the sum
+    done by torch from every rank's regenerated inputs (bitwise: YALI's semantics are vLLM's
+    manager's), and (b) one process running every expert on its own tokens (within the bf16
+    rounding of the ranks' partial sums, of their sum and of the reference)."""
+    dev = comm.device
+    world = comm.world_size
+    up, down, router = _expert_weights(dev)
+    mine = range(rank * MOE_EXPERTS // world, (rank + 1) * MOE_EXPERTS // world)
+    failures = []
+    for case, counts in {"uneven": [3 + 5 * r for r in range(world)], "decode": [1] * world,
+                         "some-empty": [0 if r % 2 else 6 for r in range(world)]}.items():
+        seed += 1
+        hs = [combine_input(seed, r, counts[r], MOE_HIDDEN, torch.bfloat16, dev) for r in range(world)]
+        routed = [_route(h, router) for h in hs]
+        w, ids = routed[rank]
+        gh, gw, gids = comm.ep_dispatch([hs[rank], w, ids], counts)
+        partial = _experts(gh, gw, gids, mine, up, down)
+        got = comm.ep_combine(partial, counts)
+        comm.synchronize()
+        # (a) the AgRs pipeline in torch: gather by concatenation, sum in rank order in fp32
+        all_h, all_w, all_ids = (torch.cat(x) for x in zip(*[(h, *rw) for h, rw in zip(hs, routed)]))
+        if not (torch.equal(gh, all_h) and torch.equal(gw, all_w) and torch.equal(gids, all_ids)):
+            failures.append(f"{case}: the dispatch differs from the concatenated inputs")
+        first = sum(counts[:rank])
+        acc, mag = None, 0.0
+        for r in range(world):
+            rr = range(r * MOE_EXPERTS // world, (r + 1) * MOE_EXPERTS // world)
+            p = _experts(all_h, all_w, all_ids, rr, up, down)[first:first + counts[rank]].float()
+            acc, mag = (p if acc is None else acc + p), mag + p.abs()
+        if not torch.equal(got, acc.to(torch.bfloat16)):
+            failures.append(f"{case}: the combine differs from the rank-order sum of the ranks' partial sums")
+        # (b) every expert in one process on this rank's tokens
+        whole = _experts(hs[rank], w, ids, range(MOE_EXPERTS), up, down).float()
+        # each rank's partial sum is rounded to bf16 (2^-8 of it), the sum once more, the reference once
+        tol = 2 ** -8 * (mag + 2 * whole.abs()) + 1e-6
+        if counts[rank] and bool(((got.float() - whole).abs() > tol).any()):
+            failures.append(f"{case}: the layer's output is off the single-process MoE by more than bf16 rounding")
+    return {"failures": failures}
+
+
+def skipped_call(rank, group, wait_s):
+    """After one good combine, every rank but 0 skips the next one: rank 0 must end in a YaliError
+    naming the wait within YALI_TIMEOUT_S plus a margin (`wait_s`), not hang; the others return."""
+    dev = _device()
+    comm = YaliCommunicator(group, dev, ep_slot_bytes=SLOT_BYTES)
+    counts = [4] * comm.world_size
+    x = combine_input(9, rank, sum(counts), 2048, torch.bfloat16, dev)
+    comm.ep_combine(x, counts)
+    comm.synchronize()
+    dist.barrier(group)
+    if rank != 0:
+        return {"skipped": True}
+    t0 = time.time()
+    comm.ep_combine(x, counts)
+    return {"skipped": False, **reliability._record_then_error(comm, t0, wait_s)}

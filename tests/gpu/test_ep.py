@@ -88,6 +88,26 @@ def test_cuda_graph_of_moe_layers_replays_with_fresh_inputs(suite):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(max(SUITE_BOUND_S.values()) + 30)
+def test_moe_layer_matches_vllms_manager_bitwise_and_one_process_within_rounding(suite):
+    n, res = suite
+    checked_parts(res, "moe")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size", (2, 4), ids=lambda n: f"{n}-ranks")
+@pytest.mark.timeout(max(MISMATCH_BOUND_S.values()) + 30)
+def test_a_skipped_call_ends_in_yali_error_after_the_watchdog(world_size):
+    res = run_ranks(es.skipped_call, MISMATCH_TIMEOUT_S + MISMATCH_MARGIN_S, world_size=world_size,
+                    timeout=MISMATCH_BOUND_S[world_size], env={"YALI_TIMEOUT_S": str(MISMATCH_TIMEOUT_S)})
+    r = res[0]
+    assert all(other["skipped"] for other in res[1:]) and not r["skipped"]
+    assert "gave up after YALI_TIMEOUT_S" in r["abort"] and "ep-reduce-scatter" in r["abort"], r
+    assert MISMATCH_TIMEOUT_S <= r["recorded_s"] < MISMATCH_TIMEOUT_S + MISMATCH_MARGIN_S, r
+    assert r["error"] is None or r["error"].startswith("YaliError"), r
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=lambda n: f"{n}-ranks")
 @pytest.mark.timeout(max(MISMATCH_BOUND_S.values()) + 30)
 def test_mismatched_counts_end_in_yali_error_on_every_rank(world_size):
