@@ -360,7 +360,10 @@ def skipped_call(rank, group, wait_s):
     comm.synchronize()
     dist.barrier(group)
     if rank != 0:
+        dist.barrier(group)  # the others stay (and keep their buffers mapped) until rank 0 has its error
         return {"skipped": True}
     t0 = time.time()
     comm.ep_combine(x, counts)
-    return {"skipped": False, **reliability._record_then_error(comm, t0, wait_s)}
+    res = {"skipped": False, **reliability._record_then_error(comm, t0, wait_s)}
+    dist.barrier(group)
+    return res
