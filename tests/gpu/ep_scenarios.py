@@ -79,7 +79,7 @@ def gathered_reference(seed: int, counts: list[int], parts, device) -> list[torc
 
 def _poisoned(rows: int, dtype, shape, device) -> torch.Tensor:
     t = torch.empty((rows, *shape), dtype=dtype, device=device)
-    t.view(torch.int32).fill_(POISON_WORD - (1 << 32))
+    t.view(torch.int32).fill_(POISON_WORD)
     return t
 
 
