@@ -35,6 +35,7 @@
 #include "yali/overlap.h"
 #include "yali/plan.h"
 #include "yali/rank.h"
+#include "yali/testing.h"
 
 #ifdef YALI_LEGACY_KERNELS
 #define YALI_BUILD_KERNELS ", with the legacy flash kernels"  // yali_vllm.config.LEGACY_BUILD_MARK
@@ -446,6 +447,15 @@ int64_t device_count() {
   return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
 
+// Test-only (tests/gpu/test_reliability.py, the PDL case): a foreign kernel on torch's current stream
+// of `device` that triggers its programmatic dependents at once and never waits.
+void testing_early_trigger(int64_t device, int64_t spin_ns) {
+  YALI_CHECK_VALUE(spin_ns >= 0, "spin_ns must be >= 0, got ", spin_ns);
+  const torch::stable::accelerator::DeviceGuard guard(device);
+  const cudaError_t e = yali::testing::launch_early_trigger_kernel(current_stream(int(device)), uint64_t(spin_ns));
+  YALI_CHECK(e == cudaSuccess, "testing_early_trigger launch failed: ", cudaGetErrorString(e));
+}
+
 // The torch the library was compiled against and the stable ABI version it targets.
 // Also readable from the file itself (yali_vllm/_ext.py does, when the library fails to load).
 std::string build_info() { return yali_build_info; }
@@ -606,6 +616,7 @@ STABLE_TORCH_LIBRARY(yali, m) {
   m.def("handle_config(int comm) -> str");
   m.def("device_count() -> int");
   m.def("build_info() -> str");
+  m.def("testing_early_trigger(int device, int spin_ns) -> ()");  // test-only
   // expert parallelism (see the block above)
   m.def("ep_serves_dispatch(int comm, int[] row_bytes, int[] counts) -> bool");
   m.def("ep_serves_combine(int comm, int hidden, ScalarType dtype, int[] counts) -> bool");
@@ -647,6 +658,7 @@ STABLE_TORCH_LIBRARY_IMPL(yali, CompositeExplicitAutograd, m) {
   m.impl("handle_config", TORCH_BOX(&handle_config));
   m.impl("device_count", TORCH_BOX(&device_count));
   m.impl("build_info", TORCH_BOX(&build_info));
+  m.impl("testing_early_trigger", TORCH_BOX(&testing_early_trigger));
   m.impl("ep_serves_dispatch", TORCH_BOX(&ep_serves_dispatch));
   m.impl("ep_serves_combine", TORCH_BOX(&ep_serves_combine));
   m.impl("ep_slot_bytes", TORCH_BOX(&ep_slot_bytes));

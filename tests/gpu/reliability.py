@@ -189,3 +189,54 @@ def close_and_reopen(rank, group, seed):
     bad = mismatches(out, reference(a, b))
     second.close()
     return {"mismatches": bad, "freed": freed, "kept": first._kept}
+
+
+# Calls per CUDA graph of the PDL case: (a 1 MiB all-reduce, the foreign kernel, a 2 KiB one).
+PDL_CALLS_PER_GRAPH = 64
+
+
+def foreign_pdl_kernel_between_calls(rank, group, iterations, seed):
+    """YALI call A (1 MiB fp32, after a random GPU sleep on one rank, so that A waits in its
+    exchange), then a foreign kernel launched with programmatic stream serialization that triggers
+    its dependents at once and never waits (testing_early_trigger), then YALI call B (2 KiB), each
+    checked on the device against the two ranks' sum; captured PDL_CALLS_PER_GRAPH times per CUDA
+    graph and replayed until `iterations` triples ran. If B could start before A completed (PDL is
+    not transitive: DESIGN_LOG §7), the two calls would share a parity: wrong sums or a hang that
+    YALI_TIMEOUT_S turns into a YaliError. Returns the wrong elements, the abort record and the
+    triples run."""
+    from yali_vllm import _ext
+
+    dev = _device()
+    comm = YaliCommunicator(group, dev)
+    y = _ext.ops()
+    a0, a1 = inputs(seed, 1 << 18, torch.float32, dev)
+    b0, b1 = inputs(seed + 1, 512, torch.float32, dev)
+    ref_a, ref_b = reference(a0, a1), reference(b0, b1)
+    mine_a, mine_b = (a0, b0) if rank == 0 else (a1, b1)
+    g = torch.Generator().manual_seed(seed * 2 + rank)
+    sleeps = torch.randint(0, 20_000, (PDL_CALLS_PER_GRAPH,), generator=g).tolist()  # cycles, this rank's
+    spins = torch.randint(0, 3_000, (PDL_CALLS_PER_GRAPH,), generator=g).tolist()  # ns
+    wrong = torch.zeros((), dtype=torch.int64, device=dev)
+
+    def body():
+        for j in range(PDL_CALLS_PER_GRAPH):
+            torch.cuda._sleep(sleeps[j])
+            out_a = comm.all_reduce(mine_a)
+            y.testing_early_trigger(dev.index, spins[j])
+            out_b = comm.all_reduce(mine_b)
+            wrong.add_((out_a != ref_a).sum() + (out_b != ref_b).sum())
+
+    from .scenarios import capture_after_warmup
+
+    graph = capture_after_warmup(body, dev)
+    wrong.zero_()
+    replays = max(1, iterations // PDL_CALLS_PER_GRAPH)
+    error = None
+    try:
+        for _ in range(replays):
+            graph.replay()
+        comm.synchronize()
+    except Exception as e:  # noqa: BLE001 - a trap: the record says why
+        error = f"{type(e).__name__}: {e}"
+    return {"wrong": None if error else int(wrong.item()), "error": error, "abort": comm.abort_message(),
+            "triples": replays * PDL_CALLS_PER_GRAPH}

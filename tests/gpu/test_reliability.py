@@ -67,3 +67,20 @@ def test_close_frees_after_both_unmapped_and_reopens():
         assert r["mismatches"] == 0, r
         assert "is not open" in r["freed"], r
         assert r["kept"] is None, r
+
+
+# 10^5 triples on two GPUs (~3 s); with both ranks on one GPU every call pair costs milliseconds of
+# turn-taking, and that mode cannot show a race that needs two GPUs' timing anyway.
+PDL_ITERATIONS = 2_000 if shared_gpu_allowed() else 100_000
+
+
+@pytest.mark.timeout(300)
+def test_a_foreign_pdl_kernel_that_never_waits_cannot_overlap_two_calls():
+    """DESIGN_LOG §7: PDL orders a kernel only after the grid just before it. A foreign kernel that
+    triggers at once and never waits, between two YALI calls: every sum exact, no abort."""
+    res = run_pair(reliability.foreign_pdl_kernel_between_calls, PDL_ITERATIONS, 77, timeout=270,
+                   env={"YALI_TIMEOUT_S": "10"})
+    for rank, r in enumerate(res):
+        assert r["error"] is None and r["abort"] == "", (rank, r)
+        assert r["wrong"] == 0, (rank, r)
+        assert r["triples"] >= PDL_ITERATIONS - reliability.PDL_CALLS_PER_GRAPH, (rank, r)
