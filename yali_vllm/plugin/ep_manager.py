@@ -158,6 +158,11 @@ _AGRS_METHODS = {
     "_get_comm_group": ("is_sequence_parallel",),
     "_get_sizes": ("num_local_tokens", "comm_group"),
 }
+# vLLM 0.33+ only: checked where the class has them.
+_AGRS_OPTIONAL = {
+    "allocate_combine_input": ("shape", "dtype", "device", "is_sequence_parallel"),
+    "combine_into_output": ("hidden_states", "output", "is_sequence_parallel"),
+}
 
 
 def agrs_hook_problem(cls: type) -> str | None:
@@ -165,7 +170,8 @@ def agrs_hook_problem(cls: type) -> str | None:
     the parameters it passes, else what differs."""
     import inspect
 
-    for name, params in _AGRS_METHODS.items():
+    optional = {n: p for n, p in _AGRS_OPTIONAL.items() if hasattr(cls, n)}
+    for name, params in {**_AGRS_METHODS, **optional}.items():
         fn = getattr(cls, name, None)
         if not callable(fn):
             return f"{cls.__name__}.{name} is missing"
