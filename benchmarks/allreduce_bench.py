@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import time
@@ -47,7 +46,8 @@ from benchmarks.common.cli_args import (
 )
 from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
 from benchmarks.common.processes import run_ranks
-from benchmarks.common.results import output_dir, results_header, world_size_of, write_json_and_markdown
+from benchmarks.common.results import (output_dir, rebuild_report, results_header, world_size_of,
+                                       write_json_and_markdown)
 from benchmarks.common.sizes import GiB, MiB, fmt_size, parse_size
 from benchmarks.common.timing import pct, sleep_cycles_per_us, time_graph
 
@@ -552,13 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.report_only:
-        with open(args.report_only) as f:
-            res = json.load(f)
-        out = os.path.dirname(os.path.abspath(args.report_only))
-        stem = os.path.splitext(os.path.basename(args.report_only))[0]
-        with open(os.path.join(out, stem + ".md"), "w") as f:
-            f.write(markdown_table(res))
-        plot(res, out, stem)
+        rebuild_report(args.report_only, markdown_table, plot)
         return
     if args.quick:
         args.sizes, args.dtypes, args.samples, args.replays = size_list(QUICK_SIZES), ["bf16"], 300, 10

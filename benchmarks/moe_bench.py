@@ -26,7 +26,6 @@ Writes <out>/<name>.json (kind moe-microbench), a markdown table and a PNG plot.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -36,7 +35,8 @@ from benchmarks.common.cli_args import (add_world_size_arg, choice_list, place_r
                                         positive_int_list, rank_device)
 from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
 from benchmarks.common.processes import run_ranks
-from benchmarks.common.results import output_dir, results_header, world_size_of, write_json_and_markdown
+from benchmarks.common.results import (output_dir, rebuild_report, results_header, world_size_of,
+                                       write_json_and_markdown)
 from benchmarks.common.timing import pct, time_graph
 
 os.environ.update(MULTICAST_OFF_ENV)
@@ -292,13 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.report_only:
-        with open(args.report_only) as f:
-            res = json.load(f)
-        out = os.path.dirname(os.path.abspath(args.report_only))
-        stem = os.path.splitext(os.path.basename(args.report_only))[0]
-        with open(os.path.join(out, stem + ".md"), "w") as f:
-            f.write(markdown_table(res))
-        plot(res, out, stem)
+        rebuild_report(args.report_only, markdown_table, plot)
         return
     if args.quick:
         args.shapes, args.tokens = shape_list(QUICK_SHAPES), positive_int_list(QUICK_TOKENS, "--tokens")

@@ -378,3 +378,15 @@ def default_out(prefix: str) -> Path:
     """<output_dir()>/<prefix>-<date>-<time>: where a run writes unless told otherwise."""
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     return output_dir() / f"{prefix}-{stamp}"
+
+
+def rebuild_report(json_path: str, markdown_table, plot) -> None:
+    """A microbenchmark's --report-only: its table (markdown_table(doc)) and plot (plot(doc, dir,
+    stem)) made again beside the result file at json_path."""
+    with open(json_path, encoding="utf-8") as f:
+        doc = json.load(f)
+    out = os.path.dirname(os.path.abspath(json_path))
+    stem = os.path.splitext(os.path.basename(json_path))[0]
+    with open(os.path.join(out, stem + ".md"), "w") as f:
+        f.write(markdown_table(doc))
+    plot(doc, out, stem)

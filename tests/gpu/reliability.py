@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from yali_vllm.communicator import YaliCommunicator, YaliError
+from yali_vllm.communicator import YaliCommunicator, YaliError, shared_gpu_allowed
 
 from .scenarios import _device, inputs, mismatches, reference
 
@@ -72,6 +72,15 @@ def _record_then_error(comm: YaliCommunicator, t0: float, wait_s: float = 30.0) 
     thread.join(timeout=10)
     return {"abort": comm.abort_message(), "recorded_s": recorded_s, "error": box.get("error"),
             "elapsed_s": box.get("elapsed_s")}
+
+
+def assert_every_rank_raised(res: list[dict], world_size: int) -> None:
+    """Every error the ranks saw is a YaliError, and on one GPU per rank every rank saw one. Kernels
+    of several processes trap at once: on one shared GPU a synchronize may be left waiting
+    (_record_then_error), so there at least one rank must have raised."""
+    raised = [r["error"] for r in res if r["error"]]
+    assert all(e.startswith("YaliError") for e in raised), raised
+    assert len(raised) >= (1 if shared_gpu_allowed() else world_size), res
 
 
 def mismatched_calls(rank, group, case):

@@ -13,9 +13,8 @@ The tests marked cpu check the references, seeds and size selection on CPU torch
 import pytest
 import torch
 
-from yali_vllm.communicator import shared_gpu_allowed
-
 from . import ranks_scenarios as rs
+from . import reliability
 from . import scenarios
 from .pair import missing_gpus, run_ranks
 from .scenarios import suite_part
@@ -169,11 +168,7 @@ def test_mismatched_size_ends_in_yali_error(world_size):
         if world_size > 2:  # the record names the rank it disagrees with: rank 0 differs from all
             assert f"; rank {1 if rank == 0 else 0}: " in r["abort"], f"rank {rank}: {r}"
         assert r["recorded_s"] < MISMATCH_TIMEOUT_S + MISMATCH_MARGIN_S, (rank, r)
-    raised = [r["error"] for r in res if r["error"]]
-    assert all(e.startswith("YaliError") for e in raised), raised
-    # Kernels of several processes trap at once: on one shared GPU a synchronize may be left
-    # waiting (reliability._record_then_error); on N GPUs every rank raises.
-    assert len(raised) >= (1 if shared_gpu_allowed() else world_size), res
+    reliability.assert_every_rank_raised(res, world_size)
 
 
 # ------------------------------------------------------------------------ on CPU torch

@@ -4,6 +4,7 @@ OUTDIR/rank<r>.json."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,17 @@ import pytest
 from benchmarks.common.processes import launch_ranks
 
 TIMEOUT_S = 300
+
+
+class ListHandler(logging.Handler):
+    """Keeps every message logged to it (a rank's plugin lines, for its JSON result)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
 
 
 def _rank(rank: int, port: int, worker, args: tuple, outdir: str, q) -> None:

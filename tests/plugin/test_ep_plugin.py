@@ -26,7 +26,7 @@ from yali_vllm import config  # noqa: E402
 from yali_vllm.plugin import ep_manager  # noqa: E402
 from yali_vllm.plugin.gate import ep_gate, is_ep_group  # noqa: E402
 
-from .cpu_ranks import run_cpu_ranks  # noqa: E402
+from .cpu_ranks import ListHandler, run_cpu_ranks  # noqa: E402
 
 HOST = ["h"]
 
@@ -115,15 +115,6 @@ def test_ep_info_carries_what_the_p2p_check_reads():
 
 
 # ------------------------------------------- N real ranks on CPU (gloo)
-class _ListHandler(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 def _manager(dp_ranks: list[int]) -> AgRsAll2AllManager:
     """vLLM's manager without its __init__ (which needs vLLM's DP group); dp_group stands in."""
     m = AgRsAll2AllManager.__new__(AgRsAll2AllManager)
@@ -142,7 +133,7 @@ def _case(comm, manager, handler) -> list:
 
 def _ep_worker(rank: int, port: int, world_size: int, outdir: str) -> None:
     os.environ["VLLM_DISABLE_PYNCCL"] = "1"
-    handler = _ListHandler()
+    handler = ListHandler()
     logging.getLogger("vllm.yali").addHandler(handler)
     logging.getLogger("vllm.yali").setLevel(logging.INFO)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)

@@ -33,7 +33,7 @@ from benchmarks.common.processes import free_port  # noqa: E402
 from yali_vllm import config, plugin  # noqa: E402
 from yali_vllm.plugin import fusion_patch, gate, group_setup, patch, stats  # noqa: E402
 from yali_vllm.plugin.gate import yali_gate  # noqa: E402
-from .cpu_ranks import run_cpu_ranks  # noqa: E402
+from .cpu_ranks import ListHandler, run_cpu_ranks  # noqa: E402
 
 ENTRY_POINT = "yali_vllm.plugin:register"
 
@@ -532,15 +532,6 @@ def test_fusion_note_follows_vllm_config():
 CPU_WORLD_SIZES = (2, 4)
 
 
-class _ListHandler(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 def _decision(comm) -> list:
     yc, reason, warn = group_setup.setup_yali(comm, platform_is_cuda=True)
     assert yc is None
@@ -592,7 +583,7 @@ def _rank_worker(rank: int, port: int, world_size: int, outdir: str) -> None:
     os.environ["VLLM_DISABLE_PYNCCL"] = "1"  # no NCCL library on a CPU box
     os.environ["YALI_ENABLE"] = "1"
     os.environ["YALI_WORLD_SIZES"] = "all"  # every world size the kernels serve; the default is below
-    handler = _ListHandler()
+    handler = ListHandler()
     logging.getLogger("vllm.yali").addHandler(handler)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     res: dict = {}

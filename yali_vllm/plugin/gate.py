@@ -21,6 +21,20 @@ def parse_enable(environ: Any = None) -> bool:
     return env_flag(ENABLE_VAR, True, environ)
 
 
+def _platform_refusal(platform_is_cuda: bool) -> str:
+    """Why a group on a platform that is not CUDA, or a stateless group, stays off."""
+    return "vLLM platform is not CUDA" if not platform_is_cuda else "stateless (elastic) process groups are not supported"
+
+
+def _node_refusal(world_size: int, hostnames: Sequence[str], p2p: bool | None) -> tuple[bool, str]:
+    """The gates' last checks: every rank on one host, CUDA peer access between every pair."""
+    if len(hostnames) != world_size or len(set(hostnames)) != 1:
+        return False, f"ranks are not on one host: {list(hostnames)}"
+    if p2p is False:
+        return False, f"no CUDA peer-to-peer access between every pair of the group's {world_size} GPUs"
+    return True, "ok"
+
+
 def is_tp_group(unique_name: str) -> bool:
     """Whether a group's unique name ("tp:0") names vLLM's tensor-parallel group: the exact
     prefix "tp", as vLLM's CudaCommunicator matches it (0.30+) before enabling its TP-only
@@ -73,10 +87,8 @@ def yali_gate(
         return False, f"invalid YALI_* setting: {e}"
     if refusal is not None:
         return False, refusal
-    if not platform_is_cuda:
-        return False, "vLLM platform is not CUDA"
-    if stateless:
-        return False, "stateless (elastic) process groups are not supported"
+    if not platform_is_cuda or stateless:
+        return False, _platform_refusal(platform_is_cuda)
     if batch_invariant:
         return False, (
             "vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1): YALI's fused op changes its "
@@ -87,11 +99,7 @@ def yali_gate(
             "vLLM's custom all-reduce is disabled for this group "
             "(--disable-custom-all-reduce, multi-node or batch-invariant mode)"
         )
-    if len(hostnames) != world_size or len(set(hostnames)) != 1:
-        return False, f"ranks are not on one host: {list(hostnames)}"
-    if p2p is False:
-        return False, f"no CUDA peer-to-peer access between every pair of the group's {world_size} GPUs"
-    return True, "ok"
+    return _node_refusal(world_size, hostnames, p2p)
 
 
 def is_ep_group(unique_name: str) -> bool:
@@ -140,15 +148,9 @@ def ep_gate(
     refusal = world_size_refusal(world_size)
     if refusal is not None:
         return False, refusal
-    if not platform_is_cuda:
-        return False, "vLLM platform is not CUDA"
-    if stateless:
-        return False, "stateless (elastic) process groups are not supported"
+    if not platform_is_cuda or stateless:
+        return False, _platform_refusal(platform_is_cuda)
     if dp_world_size != world_size or not same_ranks:
         return False, (f"the MoE layers gather over the data-parallel group ({dp_world_size} ranks), which is not "
                        f"this {world_size}-rank expert-parallel group (tensor or context parallelism inside it)")
-    if len(hostnames) != world_size or len(set(hostnames)) != 1:
-        return False, f"ranks are not on one host: {list(hostnames)}"
-    if p2p is False:
-        return False, f"no CUDA peer-to-peer access between every pair of the group's {world_size} GPUs"
-    return True, "ok"
+    return _node_refusal(world_size, hostnames, p2p)
