@@ -676,6 +676,15 @@ def suite_part(suite, name) -> list:
     return parts
 
 
+def checked_parts(res, name: str) -> list:
+    """Every rank's part `name` of a run_steps suite, once no rank reports a failed check."""
+    parts = suite_part(res, name)
+    for rank, r in enumerate(parts):
+        failures = r.get("failures", [])
+        assert not failures, f"rank {rank} {name}: {len(failures)} failed checks:\n" + "\n".join(failures[:20])
+    return parts
+
+
 def fused_suite(rank, group, plan, interleave_calls, graph_replays, seed):
     """Runs the fused scenarios above in one process pair on one communicator (the pair's start-up
     is paid once); each scenario's exception is reported instead of ending the run."""

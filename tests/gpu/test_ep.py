@@ -15,7 +15,7 @@ import torch
 from . import ep_scenarios as es
 from . import reliability
 from .pair import run_ranks
-from .scenarios import suite_part
+from .scenarios import checked_parts, suite_part
 
 WORLD_SIZES = (2, 4, 6, 8)
 GRAPH_REPLAYS = 40
@@ -32,14 +32,6 @@ def suite(request):
     n = request.param
     return n, run_ranks(es.ep_suite, GRAPH_REPLAYS, SEED, world_size=n, timeout=SUITE_BOUND_S[n],
                         env={"YALI_TIMEOUT_S": SUITE_TIMEOUT_S})
-
-
-def checked_parts(res, name: str) -> list:
-    parts = suite_part(res, name)
-    for rank, r in enumerate(parts):
-        failures = r.get("failures", [])
-        assert not failures, f"rank {rank} {name}: {len(failures)} failed checks:\n" + "\n".join(failures[:20])
-    return parts
 
 
 @pytest.mark.gpu

@@ -17,7 +17,7 @@ from . import ranks_scenarios as rs
 from . import reliability
 from . import scenarios
 from .pair import missing_gpus, run_ranks
-from .scenarios import suite_part
+from .scenarios import checked_parts, suite_part
 
 WORLD_SIZES = (2, 4, 6, 8)  # every world size YALI serves (config.WORLD_SIZES)
 DTYPES = ("fp32", "fp16", "bf16")
@@ -55,15 +55,6 @@ def suite(request):
     n = request.param
     return n, run_ranks(rs.ranks_suite, DTYPES, fused_ranks_plan(), GRAPH_REPLAYS, SEED, STRESS_ROUNDS, world_size=n,
                         timeout=SUITE_BOUND_S[n], env={"YALI_TIMEOUT_S": SUITE_TIMEOUT_S})
-
-
-def checked_parts(res, name: str) -> list:
-    """Every rank's part `name` of the suite, once no rank reports a failed check."""
-    parts = suite_part(res, name)
-    for rank, r in enumerate(parts):
-        failures = r.get("failures", [])
-        assert not failures, f"rank {rank} {name}: {len(failures)} failed checks:\n" + "\n".join(failures[:20])
-    return parts
 
 
 def assert_ranks_agree(parts):
