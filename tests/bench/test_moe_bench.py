@@ -36,3 +36,10 @@ def test_report_gives_the_ratio_per_layer_and_flags_a_wrong_result():
     assert "| 2048 | 8 | 8 | 2.50 | 2.60 | 5.00 | 20.00 | 0.25 | NO |" in md
     doc["shared_gpu"] = True
     assert "timings are not valid" in moe_bench.markdown_table(doc)
+
+
+def test_the_slot_serves_every_point_of_the_sweep():
+    args = moe_bench.build_parser().parse_args([])
+    slot = moe_bench.slot_bytes_for(args.shapes, args.tokens)
+    assert slot % 4096 == 0 and slot >= 512 * (7168 * 2 + 2 * 8 * 4)  # 512 tokens of H 7168, top-8
+    assert moe_bench.slot_bytes_for([(2048, 8)], [1]) == 2 << 20  # never below the serving default
