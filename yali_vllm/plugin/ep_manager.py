@@ -223,9 +223,11 @@ def setup_ep(comm: Any, *, platform_is_cuda: bool, stateless: bool = False) -> s
         manager.yali_comm = yc
         manager.yali_ranks = list(comm.ranks)
         manager.yali_group = name
-        line = (f"YALI EP ON for group '{name}' (rank {comm.rank_in_group} of {comm.world_size}): dispatch and "
-                f"combine by YALI up to {yc.ep_slot_bytes} bytes per rank (YALI_EP_SLOT_BYTES); other calls use "
-                f"vLLM's {type(manager).__mro__[1].__name__}")
+        from .stats import buffer_size
+
+        line = (f"YALI EP ON for group '{name}' (rank {comm.rank_in_group} of {comm.world_size}, buffers "
+                f"{buffer_size(yc)} per GPU): dispatch and combine by YALI up to {yc.ep_slot_bytes} bytes per rank "
+                f"(YALI_EP_SLOT_BYTES); other calls use vLLM's {type(manager).__mro__[1].__name__}")
         logger.info(line)
     else:
         line = f"YALI EP OFF for group '{name}': {reason}"
