@@ -64,7 +64,7 @@ SETTINGS = {
     "YALI_KERNEL_MODE": "auto, flash or stream",
     "YALI_TIMEOUT_S": "the kernels' watchdog",
     "YALI_ALLOW_SHARED_GPU": "both ranks on one GPU, for testing",
-    "YALI_EP": "YALI's expert-parallel dispatch / combine in vLLM's DP + EP MoE serving (default on)",
+    "YALI_EP": "1: YALI's expert-parallel dispatch / combine in vLLM's DP + EP MoE serving (default off)",
     "YALI_EP_SLOT_BYTES": "largest EP message of one rank (dispatch: all its tensors; default 2 MiB)",
 }
 EP_VAR = "YALI_EP"

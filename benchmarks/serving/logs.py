@@ -65,7 +65,7 @@ def yali_log_warnings(config: str, key_lines: Sequence[str]) -> list[str]:
 def _ep_log_warnings(config: str, env: dict[str, str], key_lines: Sequence[str]) -> list[str]:
     """A data + expert parallel server: YALI's EP line on exactly where YALI_ENABLE and YALI_EP ask for it,
     and its first dispatch and combine served by YALI there."""
-    wants = env.get("YALI_ENABLE") == "1" and env.get("YALI_EP", "1") != "0"
+    wants = env.get("YALI_ENABLE") == "1" and env.get("YALI_EP") == "1"  # YALI_EP is off by default
     on = any(YALI_EP_ON_RE.search(ln) for ln in key_lines)
     served = {m.group(1) for ln in key_lines if (m := YALI_EP_SERVED_RE.search(ln))}
     if not wants:

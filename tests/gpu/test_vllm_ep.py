@@ -75,7 +75,7 @@ def test_dp_ep_tokens_match_vllms_manager_and_yali_serves(moe_dir, tmp_path_fact
     assert len(on) == 2, "expected one YALI EP ON line per rank:\n" + yali_log[-6000:]
     for what in ("dispatch", "combine"):
         assert f"YALI EP: first {what} on group 'ep:0' served by YALI" in yali_log, yali_log[-6000:]
-    assert "YALI EP OFF for group 'ep:0': disabled by YALI_ENABLE or YALI_EP" in ref_log, ref_log[-6000:]
+    assert "YALI EP OFF for group 'ep:0': off: YALI_EP=1 turns it on" in ref_log, ref_log[-6000:]
 
     for prompt, g, r in zip(PROMPTS, yali, ref):
         assert g["tokens"] == r["tokens"], f"{prompt!r}: YALI {g['tokens']} vs vLLM's manager {r['tokens']}"

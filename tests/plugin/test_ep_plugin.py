@@ -47,7 +47,7 @@ def test_ep_gate_serves_the_default_manager_of_a_dp_ep_group():
     ({"unique_name": "tp:0"}, "not an expert-parallel group"),
     ({"manager_class": "DeepEPLLAll2AllManager"}, "DeepEPLLAll2AllManager; YALI serves the default"),
     ({"hook_problem": "AgRsAll2AllManager.combine is missing"}, "vLLM internals not recognised: AgRs"),
-    ({"enabled": False}, "disabled by YALI_ENABLE or YALI_EP"),
+    ({"enabled": False}, "off: YALI_EP=1 turns it on"),
     ({"world_size": 3, "dp_world_size": 3, "hostnames": HOST * 3}, "world size is 3"),
     ({"platform_is_cuda": False}, "not CUDA"),
     ({"stateless": True}, "stateless"),
@@ -143,6 +143,8 @@ def _ep_worker(rank: int, port: int, world_size: int, outdir: str) -> None:
         group = dist.new_group(ranks, backend="gloo")
         comm = CudaCommunicator(cpu_group=group, device=torch.device("cpu"), device_group=group, unique_name="ep:0")
         res["no_manager"] = ep_manager.setup_ep(comm, platform_is_cuda=True)
+        res["default_off"] = _case(comm, _manager(ranks), handler)  # YALI_EP unset
+        os.environ["YALI_EP"] = "1"
         res["refused"] = _case(comm, _manager(ranks), handler)
         os.environ["YALI_EP"] = "0" if rank == 1 else "1"
         res["one_off"] = _case(comm, _manager(ranks), handler)
@@ -185,10 +187,15 @@ def test_ranks_agree_when_the_communicator_refuses(ep_ranks):
     assert line.startswith("YALI EP OFF for group 'ep:0': rank 0 of the group: YaliUnavailable"), line
 
 
+def test_ranks_leave_ep_off_by_default(ep_ranks):
+    cls, line = _same(ep_ranks, "default_off")
+    assert cls == "AgRsAll2AllManager" and "off: YALI_EP=1 turns it on" in line, line
+
+
 def test_ranks_agree_on_each_refusal(ep_ranks):
     n = len(ep_ranks)
     assert _same(ep_ranks, "one_off") == ["AgRsAll2AllManager",
-                                          "YALI EP OFF for group 'ep:0': disabled by YALI_ENABLE or YALI_EP"]
+                                          "YALI EP OFF for group 'ep:0': off: YALI_EP=1 turns it on (off by default until GPU runs have measured it; YALI_ENABLE=0 keeps it off)"]
     cls, line = _same(ep_ranks, "bad_slot")
     assert "invalid YALI_* setting: invalid YALI_EP_SLOT_BYTES='12345'" in line and cls == "AgRsAll2AllManager"
     cls, line = _same(ep_ranks, "slots_differ")

@@ -192,7 +192,8 @@ def _ep_info(comm: Any, manager: Any) -> dict[str, Any]:
 
     info: dict[str, Any] = {"host": socket.gethostname(), "error": None}
     try:
-        info["enabled"] = parse_enable() and config.env_flag(config.EP_VAR, True)
+        # Off by default: the EP kernels turn on by default once GPU runs show them correct and faster.
+        info["enabled"] = parse_enable() and config.env_flag(config.EP_VAR, False)
         info["slot_bytes"] = config.ep_slot_bytes()
     except ValueError as e:
         info["enabled"], info["slot_bytes"], info["error"] = False, 0, str(e)

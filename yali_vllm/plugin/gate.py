@@ -129,7 +129,7 @@ def ep_gate(
     default ``AgRsAll2AllManager`` (all2all backend ``allgather_reducescatter``). dp_world_size,
     same_ranks: the manager gathers over the DP group; YALI serves it when that group is the EP
     group itself (the same ranks in the same order: no TP or PCP inside the EP group).
-    enabled: YALI_ENABLE and YALI_EP on every rank. hook_problem: what differs in the manager's
+    enabled: YALI_ENABLE and YALI_EP (default off: no GPU run has measured it yet) on every rank. hook_problem: what differs in the manager's
     methods from those YALI overrides (ep_manager.agrs_hook_problem), None when they match.
 
     Returns (ok, reason); reason says why YALI stays off (or "ok").
@@ -142,7 +142,7 @@ def ep_gate(
     if hook_problem is not None:
         return False, f"vLLM internals not recognised: {hook_problem}"
     if not enabled:
-        return False, "disabled by YALI_ENABLE or YALI_EP"
+        return False, "off: YALI_EP=1 turns it on (off by default until GPU runs have measured it; YALI_ENABLE=0 keeps it off)"
     from yali_vllm.config import world_size_refusal
 
     refusal = world_size_refusal(world_size)
