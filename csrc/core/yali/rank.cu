@@ -462,7 +462,7 @@ std::string Rank::abort_message() const {
   const int w = (a->what >= 1 && a->what <= 8) ? a->what : 0;
   return who + ", gave up after YALI_TIMEOUT_S=" + std::to_string(config_.timeout_s) + "s waiting for the " + them +
          "'s " + whats[w] + " (expected >= " + std::to_string(a->expected) + ", saw " + std::to_string(a->seen) + "; " +
-         calls + "): the " + them + "'s process died or the ranks issued different all-reduces";
+         calls + "): the " + them + "'s process died or the ranks issued different calls";
 }
 
 }  // namespace yali
