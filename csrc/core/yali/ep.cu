@@ -31,28 +31,13 @@ uint32_t ep_digest(int world, const uint32_t* counts, const size_t* row_bytes, i
   return uint32_t(h ^ (h >> 31)) & 0x7fffffffu;
 }
 
-CallDesc ep_desc(Kernel kernel, size_t nbytes, DType dtype, int ctas, uint32_t digest) {
-  CallDesc d;
-  d.w[0] = uint32_t(nbytes & 0x7fffffffu);
-  d.w[1] = uint32_t((nbytes >> 31) & 0x7fffffffu);
-  d.w[2] = uint32_t(CallOp::Ep) | (uint32_t(kernel) & 0xfu) << 2 | (uint32_t(dtype) & 0x3u) << 6 |
-           (uint32_t(ctas) & 0xfffu) << 8;
-  d.w[3] = digest;
-  return d;
-}
-
-// CTAs of an EP launch: Config::push_cta_bytes of the largest rank's message each, as flash-push.
-int ep_grid(const Config& c, size_t largest_bytes) {
-  const size_t ctas = (largest_bytes + c.push_cta_bytes - 1) / c.push_cta_bytes;
-  return int(std::clamp<size_t>(ctas, 1, size_t(c.flash_ctas)));
-}
-
 bool aligned(const void* p, uintptr_t to) { return reinterpret_cast<uintptr_t>(p) % to == 0; }
 
-// Whether [a, a + na) and [b, b + nb) share a byte (an empty span shares none).
-bool spans_overlap(const void* a, size_t na, const void* b, size_t nb) {
-  const uintptr_t x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
-  return na != 0 && nb != 0 && x < y + nb && y < x + na;
+// Bytes of one rank's dispatch message of `count` tokens: every part's rows, each padded to 16.
+size_t message_bytes(const size_t* row_bytes, int n, uint32_t count) {
+  size_t m = 0;
+  for (int i = 0; i < n; ++i) m += round16(size_t(count) * row_bytes[i]);
+  return m;
 }
 
 }  // namespace
@@ -81,15 +66,12 @@ EpArgs Rank::ep_args(const uint32_t* counts, const CallDesc& desc) const {
 
 bool Rank::ep_gather_serves(const size_t* row_bytes, int n, const uint32_t* counts) const {
   if (layout_.ep_slot == 0 || n < 1 || n > kEpMaxParts) return false;
+  for (int i = 0; i < n; ++i)
+    if (row_bytes[i] == 0 || row_bytes[i] % 4 != 0) return false;
   uint64_t total = 0;
   for (int r = 0; r < world_; ++r) {
     total += counts[r];
-    size_t message = 0;
-    for (int i = 0; i < n; ++i) {
-      if (row_bytes[i] == 0 || row_bytes[i] % 4 != 0) return false;
-      message += round16(size_t(counts[r]) * row_bytes[i]);
-    }
-    if (message > layout_.ep_slot) return false;
+    if (message_bytes(row_bytes, n, counts[r]) > layout_.ep_slot) return false;
   }
   return total <= 0x7fffffffu;
 }
@@ -113,8 +95,7 @@ cudaError_t Rank::ep_gather(const EpTensor* tensors, int n, const uint32_t* coun
   size_t largest = 0, nbytes = 0;
   for (int r = 0; r < world_; ++r) {
     total += counts[r];
-    size_t message = 0;
-    for (int i = 0; i < n; ++i) message += round16(size_t(counts[r]) * row_bytes[i]);
+    const size_t message = message_bytes(row_bytes, n, counts[r]);
     largest = std::max(largest, message);
     nbytes += message;
   }
@@ -124,10 +105,11 @@ cudaError_t Rank::ep_gather(const EpTensor* tensors, int n, const uint32_t* coun
     const size_t mine = size_t(counts[rank_]) * t.row_bytes;
     if (!aligned(t.in, 4) || !aligned(t.out, 4) || (mine != 0 && t.in == nullptr) || t.out == nullptr) return cudaErrorInvalidValue;
     for (int j = 0; j < n; ++j)  // my own copy must not overwrite an input it has still to send
-      if (spans_overlap(t.in, mine, tensors[j].out, size_t(total) * tensors[j].row_bytes)) return cudaErrorInvalidValue;
+      if (ranges_overlap(t.in, mine, tensors[j].out, size_t(total) * tensors[j].row_bytes)) return cudaErrorInvalidValue;
   }
-  const int grid = ep_grid(config_, largest);
-  EpArgs a = ep_args(counts, ep_desc(Kernel::EpGather, nbytes, DType::F32, grid, ep_digest(world_, counts, row_bytes, n)));
+  const int grid = push_ctas(config_, largest);  // as flash-push: 1 KiB of the largest rank's message per CTA
+  EpArgs a = ep_args(counts, call_desc(CallOp::Ep, Kernel::EpGather, nbytes, DType::F32, grid,
+                                       ep_digest(world_, counts, row_bytes, n)));
   a.parts = n;
   for (int i = 0; i < n; ++i)
     a.part[i] = EpPart{static_cast<const char*>(tensors[i].in), static_cast<char*>(tensors[i].out), tensors[i].row_bytes};
@@ -146,12 +128,12 @@ cudaError_t Rank::ep_reduce_scatter(const void* in, void* out, size_t hidden, DT
     largest = std::max(largest, size_t(counts[r]) * row);
   }
   // The sends read rows of `in` that my sums, written meanwhile by other CTAs, would overwrite.
-  if (spans_overlap(in, size_t(total) * row, out, size_t(counts[rank_]) * row)) return cudaErrorInvalidValue;
+  if (ranges_overlap(in, size_t(total) * row, out, size_t(counts[rank_]) * row)) return cudaErrorInvalidValue;
   if (total == 0) return cudaSuccess;
-  const int grid = ep_grid(config_, largest);
+  const int grid = push_ctas(config_, largest);
   const size_t rows[1] = {row};
-  EpArgs a = ep_args(counts, ep_desc(Kernel::EpReduceScatter, size_t(total) * row, dtype, grid,
-                                     ep_digest(world_, counts, rows, 1)));
+  EpArgs a = ep_args(counts, call_desc(CallOp::Ep, Kernel::EpReduceScatter, size_t(total) * row, dtype, grid,
+                                       ep_digest(world_, counts, rows, 1)));
   a.rs_in = in;
   a.rs_out = out;
   a.rs_row_bytes = row;

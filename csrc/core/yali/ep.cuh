@@ -160,12 +160,13 @@ __global__ void __launch_bounds__(kFlashThreads, 1) ep_gather_kernel(EpArgs a) {
   const Range r = split_range(0, ep_message_vecs(a, a.rank), gridDim.x, blockIdx.x);
   for (size_t i = r.begin + t; i < r.end; i += size_t(kU) * kFlashThreads) {
     Vec16 v[kU];
+    EpAt at[kU];
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const size_t k = i + size_t(u) * kFlashThreads;
       if (k < r.end) {
-        const EpAt at = ep_locate(a, a.rank, k);
-        v[u] = ep_canonical(ep_load(a.part[at.part].in, at.k, at.bytes));
+        at[u] = ep_locate(a, a.rank, k);
+        v[u] = ep_canonical(ep_load(a.part[at[u].part].in, at[u].k, at[u].bytes));
       }
     }
     for (int d = 1; d < a.world; ++d) {
@@ -180,9 +181,8 @@ __global__ void __launch_bounds__(kFlashThreads, 1) ep_gather_kernel(EpArgs a) {
     for (int u = 0; u < kU; ++u) {
       const size_t k = i + size_t(u) * kFlashThreads;
       if (k < r.end) {
-        const EpAt at = ep_locate(a, a.rank, k);
-        const EpPart& p = a.part[at.part];
-        ep_store(p.out + a.first[a.rank] * p.row_bytes, at.k, at.bytes, v[u]);
+        const EpPart& p = a.part[at[u].part];
+        ep_store(p.out + a.first[a.rank] * p.row_bytes, at[u].k, at[u].bytes, v[u]);
       }
     }
   }

@@ -27,6 +27,16 @@ struct CallDesc {
 constexpr uint32_t kCallEmpty = 0xffffffffu;
 enum class CallOp : uint32_t { AllReduce = 1, Fused = 2, Ep = 3 };
 
+// The descriptor of a call (the words above); `w3` is the fused op's hidden size or the EP digest.
+inline CallDesc call_desc(CallOp op, Kernel kernel, size_t nbytes, DType dtype, int ctas, size_t w3) {
+  CallDesc d;
+  d.w[0] = uint32_t(nbytes & 0x7fffffffu);
+  d.w[1] = uint32_t((nbytes >> 31) & 0x7fffffffu);
+  d.w[2] = uint32_t(op) | (uint32_t(kernel) & 0xfu) << 2 | (uint32_t(dtype) & 0x3u) << 6 | (uint32_t(ctas) & 0xfffu) << 8;
+  d.w[3] = uint32_t(w3 & 0x7fffffffu);
+  return d;
+}
+
 struct SharedLayout {
   // Flag words, 8 bytes each, written only by the peer, polled only locally.
   size_t flash_arrive;   // legacy: [kMaxFlashCtas]  "my flash CTA b staged its data for epoch e"

@@ -17,6 +17,10 @@ size_t largest_flash_message(const Config& c) { return std::min(c.flash_bytes, c
 
 }  // namespace
 
+int push_ctas(const Config& c, size_t bytes) {
+  return int(std::min<size_t>(c.flash_ctas, ceil_div(bytes, c.push_cta_bytes)));
+}
+
 // All-reduce, with the defaults of config.h:
 //  * flash-push up to 8 MiB (YALI_DEV_FLASH_BYTES, the push area): faster than the first
 //    table (flash-ll, one-shot) at every size up to 8 MiB, 2.52 against 2.70 us at 2 KiB,
@@ -48,11 +52,11 @@ Plan ranks_plan(const Config& c, size_t nbytes, int world) {
   const size_t vecs = ceil_div(nbytes, 16);
   if (nbytes <= ranks_oneshot_max(c, world)) {
     p.kernel = Kernel::PushOneShot;
-    p.blocks = int(std::min<size_t>(c.flash_ctas, ceil_div(nbytes, c.push_cta_bytes)));
+    p.blocks = push_ctas(c, nbytes);
   } else {
     p.kernel = Kernel::PushTwoShot;
     const size_t segment_bytes = ceil_div(vecs, size_t(world)) * 16;
-    p.blocks = int(std::min<size_t>(c.flash_ctas, ceil_div(segment_bytes, c.push_cta_bytes)));
+    p.blocks = push_ctas(c, segment_bytes);
   }
   return p;
 }
@@ -98,7 +102,7 @@ Plan plan_for(const Config& c, size_t nbytes, int world) {
   // (YALI_BUILD_LEGACY=1; Config::validate refuses such a Config on any other).
   if (nbytes <= c.push_max) {
     p.kernel = Kernel::FlashPush;
-    p.blocks = int(std::min<size_t>(c.flash_ctas, ceil_div(nbytes, c.push_cta_bytes)));
+    p.blocks = push_ctas(c, nbytes);
     return p;
   }
   // The first table's boundaries: flash-ll up to 128 KiB with 1 KiB per CTA, one-shot up to

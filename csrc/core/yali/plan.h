@@ -20,6 +20,10 @@ struct Plan {
 // Config::ranks_max, nothing above (vLLM's chain serves those messages).
 Plan plan_for(const Config& c, size_t nbytes, int world = 2);
 
+// CTAs of a push launch whose largest per-rank share is `bytes`: Config::push_cta_bytes each, at most
+// Config::flash_ctas (flash-push, push one-shot / two-shot, the EP kernels).
+int push_ctas(const Config& c, size_t bytes);
+
 // N ranks: the largest push one-shot message (Config::ranks_oneshot_max, or the world size's default).
 size_t ranks_oneshot_max(const Config& c, int world);
 // N ranks: the bytes of one rank's slot in each phase of the push area (layout.h): a whole one-shot

@@ -164,15 +164,6 @@ Plan Rank::plan(size_t nbytes, KernelMode mode) const {
 
 namespace {
 
-CallDesc call_desc(CallOp op, Kernel kernel, size_t nbytes, DType dtype, int ctas, size_t hidden) {
-  CallDesc d;
-  d.w[0] = uint32_t(nbytes & 0x7fffffffu);
-  d.w[1] = uint32_t((nbytes >> 31) & 0x7fffffffu);
-  d.w[2] = uint32_t(op) | (uint32_t(kernel) & 0xfu) << 2 | (uint32_t(dtype) & 0x3u) << 6 | (uint32_t(ctas) & 0xfffu) << 8;
-  d.w[3] = uint32_t(hidden & 0x7fffffffu);
-  return d;
-}
-
 std::string describe_call(const CallDesc& d) {
   if (d.w[0] == kCallEmpty) return "not seen (it has not issued this call)";
   static const char* dtypes[] = {"fp32", "fp16", "bf16", "?"};

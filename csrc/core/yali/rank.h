@@ -31,11 +31,14 @@ struct EpTensor {
 
 using IpcHandleBytes = std::array<uint8_t, sizeof(cudaIpcMemHandle_t)>;
 
-// Whether the `n`-byte ranges at `a` and `b` overlap (the fused op refuses outputs over its input).
-inline bool ranges_overlap(const void* a, const void* b, size_t n) {
+// Whether [a, a + na) and [b, b + nb) share a byte (an empty range shares none): the fused op and
+// the EP ops refuse outputs over their inputs.
+inline bool ranges_overlap(const void* a, size_t na, const void* b, size_t nb) {
   const uintptr_t x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
-  return x < y + n && y < x + n;
+  return na != 0 && nb != 0 && x < y + nb && y < x + na;
 }
+// Ranges of the same length `n`.
+inline bool ranges_overlap(const void* a, const void* b, size_t n) { return ranges_overlap(a, n, b, n); }
 
 class Rank {
  public:
