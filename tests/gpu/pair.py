@@ -13,6 +13,14 @@ import pytest
 
 from benchmarks.common.processes import launch_ranks
 
+# The N-rank suites' limits (test_ranks.py, test_ep.py). Hard bounds of a group's processes, start-up
+# included, per N: a hang is a failure.
+SUITE_BOUND_S = {2: 150, 4: 180, 6: 220, 8: 260}
+MISMATCH_BOUND_S = {2: 90, 4: 110, 6: 125, 8: 140}
+SUITE_TIMEOUT_S = "30"  # YALI_TIMEOUT_S of a suite: a kernel left waiting gives up and says why
+MISMATCH_TIMEOUT_S = 10.0  # YALI_TIMEOUT_S of a mismatched or skipped call
+MISMATCH_MARGIN_S = 20.0  # trap, error propagation and (shared GPU) the other processes' time slices
+
 
 def rank_device(rank: int) -> int:
     """The GPU of `rank`: its own, or GPU 0 for every rank when YALI_ALLOW_SHARED_GPU=1."""

@@ -14,17 +14,13 @@ import torch
 
 from . import ep_scenarios as es
 from . import reliability
-from .pair import run_ranks
+from .pair import (MISMATCH_BOUND_S, MISMATCH_MARGIN_S, MISMATCH_TIMEOUT_S, SUITE_BOUND_S, SUITE_TIMEOUT_S,
+                   run_ranks)
 from .scenarios import checked_parts, suite_part
 
 WORLD_SIZES = (2, 4, 6, 8)
 GRAPH_REPLAYS = 40
 SEED = 7070
-SUITE_BOUND_S = {2: 150, 4: 180, 6: 220, 8: 260}  # start-up included; a hang is a failure
-MISMATCH_BOUND_S = {2: 90, 4: 110, 6: 125, 8: 140}
-SUITE_TIMEOUT_S = "30"
-MISMATCH_TIMEOUT_S = 10.0
-MISMATCH_MARGIN_S = 20.0
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"{n}-ranks")

@@ -16,7 +16,8 @@ import torch
 from . import ranks_scenarios as rs
 from . import reliability
 from . import scenarios
-from .pair import missing_gpus, run_ranks
+from .pair import (MISMATCH_BOUND_S, MISMATCH_MARGIN_S, MISMATCH_TIMEOUT_S, SUITE_BOUND_S, SUITE_TIMEOUT_S,
+                   missing_gpus, run_ranks)
 from .scenarios import checked_parts, suite_part
 
 WORLD_SIZES = (2, 4, 6, 8)  # every world size YALI serves (config.WORLD_SIZES)
@@ -28,12 +29,6 @@ EPS = (1e-5, 1e-6)
 GRAPH_REPLAYS = 50
 STRESS_ROUNDS = 150  # x (kernels of the table + 2) eager calls, the kernels alternating
 SEED = 5151
-# Hard bounds of a group's processes (start-up included), per N; a hang is a failure.
-SUITE_BOUND_S = {2: 150, 4: 180, 6: 220, 8: 260}
-MISMATCH_BOUND_S = {2: 90, 4: 110, 6: 125, 8: 140}
-SUITE_TIMEOUT_S = "30"  # YALI_TIMEOUT_S of the suite: a kernel left waiting gives up and says why
-MISMATCH_TIMEOUT_S = 10.0  # YALI_TIMEOUT_S of the mismatched call
-MISMATCH_MARGIN_S = 20.0  # trap, error propagation and (shared GPU) the other processes' time slices
 
 
 def fused_ranks_plan() -> list[dict]:

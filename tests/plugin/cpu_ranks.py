@@ -3,8 +3,11 @@ real vLLM objects: each rank runs `worker(rank, port, *args, outdir)` and writes
 OUTDIR/rank<r>.json."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,30 @@ class ListHandler(logging.Handler):
 
     def emit(self, record):
         self.lines.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def cpu_rank(rank: int, port: int, world_size: int, outdir: str) -> Iterator[tuple[dict, ListHandler]]:
+    """Inside a spawned worker: joins the gloo group (no NCCL: VLLM_DISABLE_PYNCCL=1), collects the
+    plugin's log lines (INFO and up) and yields (result dict, handler). On leaving, an exception
+    is recorded as the result's "error", the result is written to OUTDIR/rank<r>.json and the
+    group is destroyed."""
+    import torch.distributed as dist
+
+    os.environ["VLLM_DISABLE_PYNCCL"] = "1"  # no NCCL library on a CPU box
+    handler = ListHandler()
+    log = logging.getLogger("vllm.yali")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    res: dict = {}
+    try:
+        yield res, handler
+    except Exception as e:  # reported to the parent
+        res["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        Path(outdir, f"rank{rank}.json").write_text(json.dumps(res))
+        dist.destroy_process_group()
 
 
 def _rank(rank: int, port: int, worker, args: tuple, outdir: str, q) -> None:

@@ -7,11 +7,8 @@ so the decisions below end OFF on every rank alike; tests/gpu/test_ep.py runs th
 from __future__ import annotations
 
 import inspect
-import json
-import logging
 import os
 import types
-from pathlib import Path
 
 import pytest
 
@@ -26,7 +23,7 @@ from yali_vllm import config  # noqa: E402
 from yali_vllm.plugin import ep_manager  # noqa: E402
 from yali_vllm.plugin.gate import ep_gate, is_ep_group  # noqa: E402
 
-from .cpu_ranks import ListHandler, run_cpu_ranks  # noqa: E402
+from .cpu_ranks import cpu_rank, run_cpu_ranks  # noqa: E402
 
 HOST = ["h"]
 
@@ -132,13 +129,7 @@ def _case(comm, manager, handler) -> list:
 
 
 def _ep_worker(rank: int, port: int, world_size: int, outdir: str) -> None:
-    os.environ["VLLM_DISABLE_PYNCCL"] = "1"
-    handler = ListHandler()
-    logging.getLogger("vllm.yali").addHandler(handler)
-    logging.getLogger("vllm.yali").setLevel(logging.INFO)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    res: dict = {}
-    try:
+    with cpu_rank(rank, port, world_size, outdir) as (res, handler):
         ranks = list(range(world_size))
         group = dist.new_group(ranks, backend="gloo")
         comm = CudaCommunicator(cpu_group=group, device=torch.device("cpu"), device_group=group, unique_name="ep:0")
@@ -158,11 +149,6 @@ def _ep_worker(rank: int, port: int, world_size: int, outdir: str) -> None:
         res["cpu_platform"] = [ep_manager.setup_ep(comm, platform_is_cuda=False)]
         comm.all2all_manager = None
         comm.destroy()
-    except Exception as e:  # reported to the parent
-        res["error"] = f"{type(e).__name__}: {e}"
-    finally:
-        Path(outdir, f"rank{rank}.json").write_text(json.dumps(res))
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module", params=(2, 4), ids=lambda n: f"{n}ranks")

@@ -13,7 +13,6 @@ tests/gpu/test_vllm_e2e.py for the real thing.
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import logging
 import os
 import socket
@@ -33,7 +32,7 @@ from benchmarks.common.processes import free_port  # noqa: E402
 from yali_vllm import config, plugin  # noqa: E402
 from yali_vllm.plugin import fusion_patch, gate, group_setup, patch, stats  # noqa: E402
 from yali_vllm.plugin.gate import yali_gate  # noqa: E402
-from .cpu_ranks import ListHandler, run_cpu_ranks  # noqa: E402
+from .cpu_ranks import cpu_rank, run_cpu_ranks  # noqa: E402
 
 ENTRY_POINT = "yali_vllm.plugin:register"
 
@@ -580,14 +579,9 @@ def _rank_worker(rank: int, port: int, world_size: int, outdir: str) -> None:
     """Spawned `world_size` times.  Builds real vLLM CudaCommunicators ("tp:0" over every
     rank, "tp:1" over all ranks but the last) on CPU and records what the plugin decided;
     written to rank<N>.json."""
-    os.environ["VLLM_DISABLE_PYNCCL"] = "1"  # no NCCL library on a CPU box
     os.environ["YALI_ENABLE"] = "1"
     os.environ["YALI_WORLD_SIZES"] = "all"  # every world size the kernels serve; the default is below
-    handler = ListHandler()
-    logging.getLogger("vllm.yali").addHandler(handler)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    res: dict = {}
-    try:
+    with cpu_rank(rank, port, world_size, outdir) as (res, handler):
         plugin.register()
         ranks = list(range(world_size))
         group = dist.new_group(ranks, backend="gloo")
@@ -633,11 +627,6 @@ def _rank_worker(rank: int, port: int, world_size: int, outdir: str) -> None:
         res["checkpoint"] = _checkpoint_cases(comm, rank)
         comm.destroy()
         pp.destroy()
-    except Exception as e:  # reported to the parent
-        res["error"] = f"{type(e).__name__}: {e}"
-    finally:
-        Path(outdir, f"rank{rank}.json").write_text(json.dumps(res))
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module", params=CPU_WORLD_SIZES, ids=lambda n: f"{n}ranks")
