@@ -5,8 +5,8 @@ combine, and with vLLM's own all-gather / reduce-scatter manager (YALI_EP=0), on
 YALI's dispatch delivers the tokens bit for bit and its two-rank combine is one correctly rounded a + b, as
 NCCL's two-rank reduce-scatter, and one request at a time gives both servers the same batches: the greedy
 token ids and their logprobs must be the same (logprobs within LOGPROB_TOL, for the arithmetic after the
-logits). Dummy weights make the logits nearly flat (top two tokens ~0.005 apart), so a tolerance on near
-ties would let anything pass: none is given. The log must say YALI EP ON for both ranks, and that YALI
+logits). Dummy weights make the logits nearly flat, so a tolerance on near ties would let almost anything
+pass: none is given. The log must say YALI EP ON for both ranks, and that YALI
 served the first dispatch and combine."""
 from __future__ import annotations
 
