@@ -35,10 +35,9 @@ import time
 import traceback
 
 from benchmarks.common.cli_args import (
-    add_world_size_arg,
+    add_graph_bench_args,
     choice_list,
     place_ranks,
-    positive_float,
     positive_int,
     rank_device,
     shared_gpu_note,
@@ -537,15 +536,9 @@ def build_parser() -> argparse.ArgumentParser:
                     type=lambda s: choice_list(s, DTYPE_NAMES, "--dtypes"))
     ap.add_argument("--backends", default=",".join(ALL_BACKENDS),
                     type=lambda s: choice_list(s, ALL_BACKENDS, "--backends"))
-    ap.add_argument("--graph-ops", type=positive_int, default=50, help="ops per CUDA graph (fewer for large sizes)")
-    ap.add_argument("--replays", type=positive_int, default=20, help="timed graph replays")
+    add_graph_bench_args(ap, "allreduce", "ops (fewer for large sizes)", str(output_dir()))
     ap.add_argument("--samples", type=positive_int, default=1000, help="eager samples per size")
-    ap.add_argument("--out", default=str(output_dir()))
-    ap.add_argument("--name", default=None, help="result file stem (default allreduce-<date>)")
-    ap.add_argument("--timeout", type=positive_float, default=1500, help="give up after this many seconds")
-    add_world_size_arg(ap)
     ap.add_argument("--quick", action="store_true", help="bf16, 5 sizes, fewer samples")
-    ap.add_argument("--report-only", metavar="JSON", help="rebuild table and plots from a result file")
     return ap
 
 

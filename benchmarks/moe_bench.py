@@ -31,8 +31,7 @@ import statistics
 import time
 import traceback
 
-from benchmarks.common.cli_args import (add_world_size_arg, choice_list, place_ranks, positive_float, positive_int,
-                                        positive_int_list, rank_device)
+from benchmarks.common.cli_args import add_graph_bench_args, choice_list, place_ranks, positive_int_list, rank_device
 from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
 from benchmarks.common.processes import run_ranks
 from benchmarks.common.results import (output_dir, rebuild_report, results_header, world_size_of,
@@ -304,14 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", default=DEFAULT_TOKENS, type=lambda s: positive_int_list(s, "--tokens"),
                     help="tokens per rank (default %(default)s)")
     ap.add_argument("--backends", default=",".join(BACKENDS), type=lambda s: choice_list(s, BACKENDS, "--backends"))
-    ap.add_argument("--graph-ops", type=positive_int, default=50, help="layers (or ops) per CUDA graph")
-    ap.add_argument("--replays", type=positive_int, default=20, help="timed graph replays")
-    ap.add_argument("--out", default=str(output_dir()))
-    ap.add_argument("--name", default=None, help="result file stem (default moe-<date>)")
-    ap.add_argument("--timeout", type=positive_float, default=1500, help="give up after this many seconds")
-    add_world_size_arg(ap)
+    add_graph_bench_args(ap, "moe", "layers (or ops)", str(output_dir()))
     ap.add_argument("--quick", action="store_true", help=f"--shapes {QUICK_SHAPES} --tokens {QUICK_TOKENS}")
-    ap.add_argument("--report-only", metavar="JSON", help="rebuild the table and plot from a result file")
     return ap
 
 

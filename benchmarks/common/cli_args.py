@@ -194,3 +194,16 @@ def place_ranks(n_ranks: int) -> bool:
 def rank_device(rank: int, shared: bool) -> int:
     """The CUDA device of `rank`: its own, or 0 when the ranks share GPU 0."""
     return 0 if shared else rank
+
+
+def add_graph_bench_args(parser: argparse.ArgumentParser, stem: str, per_graph: str, out: str) -> None:
+    """The options every N-rank CUDA-graph microbenchmark takes (allreduce_bench, moe_bench): ops per
+    graph (`per_graph` says what one is), timed replays, output folder (default `out`) and file stem
+    (default STEM-<date>), the run's time limit, --world-size and --report-only."""
+    parser.add_argument("--graph-ops", type=positive_int, default=50, help=f"{per_graph} per CUDA graph")
+    parser.add_argument("--replays", type=positive_int, default=20, help="timed graph replays")
+    parser.add_argument("--out", default=out)
+    parser.add_argument("--name", default=None, help=f"result file stem (default {stem}-<date>)")
+    parser.add_argument("--timeout", type=positive_float, default=1500, help="give up after this many seconds")
+    add_world_size_arg(parser)
+    parser.add_argument("--report-only", metavar="JSON", help="rebuild the table and plots from a result file")
