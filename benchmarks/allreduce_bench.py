@@ -46,7 +46,7 @@ from benchmarks.common.cli_args import (
 from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
 from benchmarks.common.processes import run_ranks
 from benchmarks.common.results import (output_dir, rebuild_report, results_header, world_size_of,
-                                       write_json_and_markdown)
+                                       write_bench_report)
 from benchmarks.common.sizes import GiB, MiB, fmt_size, parse_size
 from benchmarks.common.timing import pct, sleep_cycles_per_us, time_graph
 
@@ -385,12 +385,7 @@ def write_outputs(args, res):
                   "for N ranks (NCCL's convention)",
         "yali_config": _yali_config(),
     }, world_size=args.world_size, shared_gpu=args.shared_gpu)
-    hdr["records"] = res["rows"]
-    md = markdown_table(hdr)
-    path = write_json_and_markdown(args.out, args.name, hdr, md)
-    plot(hdr, args.out, args.name)
-    print(md)
-    print(f"wrote {path}")
+    write_bench_report(args.out, args.name, hdr, res["rows"], markdown_table, plot)
     del torch
 
 

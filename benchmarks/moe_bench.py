@@ -35,7 +35,7 @@ from benchmarks.common.cli_args import add_graph_bench_args, choice_list, place_
 from benchmarks.common.gpu_env import MULTICAST_OFF_ENV
 from benchmarks.common.processes import run_ranks
 from benchmarks.common.results import (output_dir, rebuild_report, results_header, world_size_of,
-                                       write_json_and_markdown)
+                                       write_bench_report)
 from benchmarks.common.timing import pct, time_graph
 
 os.environ.update(MULTICAST_OFF_ENV)
@@ -282,12 +282,7 @@ def write_outputs(args, res):
                   "[N T,H] reduce-scattered, layer = both; equal token counts per rank",
         "yali_ep_slot_bytes": _slot_bytes(),
     }, world_size=args.world_size, shared_gpu=args.shared_gpu)
-    hdr["records"] = res["rows"]
-    md = markdown_table(hdr)
-    path = write_json_and_markdown(args.out, args.name, hdr, md)
-    plot(hdr, args.out, args.name)
-    print(md)
-    print(f"wrote {path}")
+    write_bench_report(args.out, args.name, hdr, res["rows"], markdown_table, plot)
 
 
 def _slot_bytes():

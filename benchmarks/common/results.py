@@ -380,6 +380,17 @@ def default_out(prefix: str) -> Path:
     return output_dir() / f"{prefix}-{stamp}"
 
 
+def write_bench_report(out_dir: str, stem: str, doc: dict[str, Any], records: list, markdown_table, plot) -> None:
+    """A microbenchmark's outputs: `doc` (a results_header) with its records as OUT/STEM.json, its
+    table (markdown_table(doc)) as OUT/STEM.md, its plot (plot(doc, OUT, STEM)); prints the table."""
+    doc["records"] = records
+    md = markdown_table(doc)
+    path = write_json_and_markdown(out_dir, stem, doc, md)
+    plot(doc, out_dir, stem)
+    print(md)
+    print(f"wrote {path}")
+
+
 def rebuild_report(json_path: str, markdown_table, plot) -> None:
     """A microbenchmark's --report-only: its table (markdown_table(doc)) and plot (plot(doc, dir,
     stem)) made again beside the result file at json_path."""
