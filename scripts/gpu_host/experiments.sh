@@ -4,8 +4,9 @@
 #                          (odd grids, no PDL, batched / never batched poll, row loads after the
 #                          send, clusters never / always), then the whole suite with clusters
 #                          of 8 at every size                                                    ~2.5 min
-#   experiments.sh bench   the fused op (yali-fused only, 1-128 tokens) once per setting of
-#                          SETTINGS below, the default first and last (drift check)              ~5 min
+#   experiments.sh bench   the fused op (yali-fused only, 1-128 tokens, at TP ranks: env.sh) once
+#                          per setting of SETTINGS below, the default first and last (drift
+#                          check)                                                                 ~5 min
 # Compare the rows with the fused benchmark's yali-fused / flashinfer-trtllm rows of the same machine.
 # (flash-push has no batched poll: current/tune/20261122-batch-poll measured it slower.)
 . scripts/gpu_host/env.sh
@@ -36,9 +37,9 @@ case "${1:-all}" in
     n=0
     for v in "${SETTINGS[@]}"; do
       n=$((n + 1))
-      name="fused-$day-launch-$n-$(echo "${v:-default}" | tr -c 'A-Za-z0-9\n' '-' | tr 'A-Z' 'a-z')"
+      name="fused-$day$TP_TAG-launch-$n-$(echo "${v:-default}" | tr -c 'A-Za-z0-9\n' '-' | tr 'A-Z' 'a-z')"
       env $(for kv in $v; do printf 'YALI_DEV_%s ' "$kv"; done) timeout 100 python3 -m benchmarks.fused_bench \
-        --backends yali-fused --tokens 1,2,4,8,16,32,64,128 --out "$OUT/exp" --name "$name" --budget-s 60 2>&1 \
+        --world-size "$TP" --backends yali-fused --tokens 1,2,4,8,16,32,64,128 --out "$OUT/exp" --name "$name" --budget-s 60 2>&1 \
         | grep -E "^\| [0-9]" | cut -d'|' -f2,4 | tr '\n' ' '; echo " <- ${v:-default}"
     done
     tar czf "$OUT/fused-launch-$day.tgz" -C "$OUT" exp && rm -rf "$OUT/exp" ;;
