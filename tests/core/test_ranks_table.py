@@ -62,9 +62,9 @@ def test_stream_mode_has_no_n_rank_kernel(monkeypatch):
 
 
 def test_fused_spread_knob(monkeypatch):
-    assert config.kernel_config()["ranks_fused_spread"] == 0  # off by default: not measured yet
-    monkeypatch.setenv("YALI_DEV_RANKS_FUSED_SPREAD", "4")
-    assert config.kernel_config()["ranks_fused_spread"] == 4
+    assert config.kernel_config()["ranks_fused_spread"] == 4  # the default (plan.cpp)
+    monkeypatch.setenv("YALI_DEV_RANKS_FUSED_SPREAD", "0")
+    assert config.kernel_config()["ranks_fused_spread"] == 0
 
 
 @pytest.mark.parametrize("var, value, fragment", [

@@ -115,9 +115,9 @@ def test_interleaved_stress_every_kernel_call_after_call(suite):
     assert_ranks_agree(parts)
 
 
-# The fused op with every row spread over a cluster of CTAs (YALI_DEV_RANKS_FUSED_SPREAD): the same
-# suite, run at the world sizes above two, where the knob applies.
-SPREAD = "4"
+# The fused op with every row spread over a cluster of 8 CTAs instead of the default 4
+# (YALI_DEV_RANKS_FUSED_SPREAD): the same suite, run at the world sizes above two, where it applies.
+SPREAD = "8"
 
 
 @pytest.fixture(scope="module", params=[n for n in WORLD_SIZES if n > 2], ids=lambda n: f"{n}-ranks")

@@ -86,10 +86,10 @@ struct Config {
   size_t ranks_max = 8u << 20;
   // YALI_DEV_RANKS_ONESHOT_MAX: push one-shot up to here, push two-shot above; 0 = by world size.
   size_t ranks_oneshot_max = 0;
-  // YALI_DEV_RANKS_FUSED_SPREAD: the one-launch fused op spreads every row over a cluster of this
-  // many CTAs (2, 4 or 8; while rows x it <= flash_ctas), each adding and normalising its slice
-  // (ranks.cuh fused_ranks_spread_kernel); 0 = a CTA owns whole rows. Not measured yet.
-  int ranks_fused_spread = 0;
+  // YALI_DEV_RANKS_FUSED_SPREAD: the one-launch fused op at N ranks spreads every row over a
+  // cluster of this many CTAs (2, 4 or 8; while rows x it <= 64), each adding and normalising its
+  // slice (ranks.cuh fused_ranks_spread_kernel); 0 = a CTA owns whole rows (plan.cpp says why 4).
+  int ranks_fused_spread = 4;
   double timeout_s = 300.0;            // YALI_TIMEOUT_S: a kernel waiting longer aborts (0 = never)
   // Expert parallelism (ep.cuh): one rank's slot of each parity of the EP push area, the largest
   // dispatch message (every part of one rank's tokens, each padded to 16 bytes) or combine

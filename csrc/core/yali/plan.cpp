@@ -173,10 +173,13 @@ FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType 
   // (archive/fused/20261122-variants-batch-poll).
   // N ranks: the receivers wait for each rank's row in turn (ranks.cuh), never batched.
   l.batch_poll = world == 2 && nbytes >= c.fused_batch_poll_min;
-  // N ranks, YALI_DEV_RANKS_FUSED_SPREAD: every row over a cluster of that many CTAs, while the
-  // grid (rows x spread) fits the flash CTAs; a thread holds its vectors of the row's slice.
+  // N ranks: every row over a cluster of `spread` CTAs (YALI_DEV_RANKS_FUSED_SPREAD, default 4)
+  // while the grid (rows x spread) is at most 64 CTAs; a thread holds its vectors of the row's
+  // slice. At 4 ranks, hidden 8192 bf16, 4 CTAs a row take 1-16 tokens from 8.90-10.93 us to
+  // 6.16-8.92 us; 128 CTAs (32 rows of 4, 16 of 8) are slower than whole rows (15.56 and 13.56 vs
+  // 12.56 and 10.93 us) (current/fused/20261126-tp4-spread).
   const size_t spread = size_t(c.ranks_fused_spread);
-  if (world > 2 && spread > 1 && rows * spread <= size_t(c.flash_ctas)) {
+  if (world > 2 && spread > 1 && rows * spread <= std::min<size_t>(64, c.flash_ctas)) {
     l.spread = l.cluster = int(spread);
     l.grid = int(rows * spread);
     const size_t slice_per_thread = ceil_div(ceil_div(row_bytes / 16, spread), kFlashThreads);
