@@ -17,12 +17,18 @@ namespace yali {
 // `peer`: the rank waited for or disagreeing (N ranks; -1: the peer of a two-rank communicator).
 // One record per communicator: the first thread to give up claims it (an atomic on this GPU's
 // LocalState), so with several waiters timing out at once (every CTA, N ranks) its fields all
-// come from one of them; the others trap without writing.
+// come from one of them. The others wait until the record is complete and only then trap: a trap
+// ends the whole grid at once, so a thread that lost the claim and trapped at once would end the
+// writer before its fields and magic reached the host (seen on two H100s: an EP combine's waiters
+// timing out together left no record, only the launch failure).
 __device__ __noinline__ static void abort_from(AbortInfo* abort, Kernel kernel, int what, uint64_t expected,
                                         uint64_t seen, const CallDesc* theirs, int peer) {
   volatile AbortInfo* a = abort;
   const volatile LocalState* st = abort->state;
-  if (st && atomicCAS(const_cast<uint32_t*>(&st->abort_claim), 0u, 1u) != 0u) __trap();
+  if (st && atomicCAS(const_cast<uint32_t*>(&st->abort_claim), 0u, 1u) != 0u) {
+    while (a->magic != kAbortMagic) __nanosleep(1000);  // the writer traps right after the magic
+    __trap();
+  }
   for (int i = 0; i < 4; ++i) a->mine.w[i] = st ? st->current_call.w[i] : kCallEmpty;
   for (int i = 0; i < 4; ++i) a->theirs.w[i] = theirs ? theirs->w[i] : kCallEmpty;
   // The unread descriptor of the peer: two slots with two ranks, slot [parity][peer] with more.
