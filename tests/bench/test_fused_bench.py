@@ -77,6 +77,34 @@ def test_flashinfer_backend_refuses_anything_but_trtllm(monkeypatch):
         be._init_flashinfer_trtllm()
 
 
+def test_flashinfer_workspace_is_set_up_as_vllms_fusion_pass_does(monkeypatch):
+    # AllReduceFusionPass: get_fi_ar_workspace(TP world size, TP rank, ..., group=the TP group's CPU
+    # group); vLLM counts that group's nodes, which refuses an NCCL (device) group
+    fai = pytest.importorskip("vllm.distributed.device_communicators.flashinfer_all_reduce")
+    ps = pytest.importorskip("vllm.distributed.parallel_state")
+    tp = SimpleNamespace(cpu_group=object(), device_group=object())
+    calls = []
+
+    def get_fi_ar_workspace(**kw):
+        assert kw["group"] is not tp.device_group, "in_the_same_node_as should be tested with a non-NCCL group."
+        calls.append(kw)
+        return SimpleNamespace(backend="trtllm")
+
+    monkeypatch.setattr(fai, "get_fi_ar_workspace", get_fi_ar_workspace)
+    monkeypatch.setattr(fai, "destroy_fi_ar_workspace", lambda: None)
+    monkeypatch.setattr(ps, "get_tp_group", lambda: tp)
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_world_size", lambda: 4)
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 3)
+    be = object.__new__(fb.Backends)
+    be.names, be.skipped, be.fi_ws_key, be._agree = ["flashinfer-trtllm"], {}, None, lambda ok: ok
+    be.fi_max_bytes, be.fi_min_tokens = 2 << 20, 2048  # TP=4 on Hopper: 2 MiB
+    be.arf = SimpleNamespace(FlashInferFusedAllReduceParams=lambda **kw: kw)
+    assert be.flashinfer_workspace(torch.bfloat16, "bf16", 8192, [1, 512]) is None
+    assert calls == [{"world_size": 4, "rank": 3, "max_token_num": 128, "hidden_dim": 8192,
+                      "dtype": torch.bfloat16, "group": tp.cpu_group}]
+    assert be.fi_max_tokens == 128 and be.fi_params == {"world_size": 4, "max_token_num": 128}
+
+
 def test_importing_the_bench_turns_multicast_off():
     import os
 
@@ -254,6 +282,49 @@ def test_tolerance_grows_with_the_additions_of_n_ranks():
     off = norm + 3 * (2 ** -6) * (1 + norm.abs())  # 3 x the 2-rank tolerance everywhere
     assert not fb.check_result(off, r, norm, r, "bf16")["correct"]
     assert fb.check_result(off, r, norm, r, "bf16", world_size=8)["correct"]
+
+
+def _vllm_fused_add_rms_norm(s, res, w, eps):
+    """vLLM's CUDA fused_add_rms_norm: residual = s + res rounded, then normalised."""
+    z = (s.float() + res.float()).to(s.dtype)
+    n = (z.float() * torch.rsqrt(z.float().pow(2).mean(-1, keepdim=True) + eps)).to(s.dtype)
+    return (n.float() * w.float()).to(s.dtype), z
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+@pytest.mark.parametrize("dname,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_slack_admits_an_all_reduce_that_rounds_every_partial_sum(world_size, dname, dtype):
+    # the benchmark's inputs (x ~ 2 N(0, 1) per rank, residual ~ 4 N(0, 1)): where the residual
+    # cancels the sum, one ulp of the sum is many ulps of the output
+    eps, hidden = 1e-5, 8192
+    g = torch.Generator().manual_seed(world_size)
+    xs = [torch.randn(64, hidden, generator=g).mul_(2.0).to(dtype) for _ in range(world_size)]
+    res = torch.randn(64, hidden, generator=g).mul_(4.0).to(dtype)
+    w = torch.randn(hidden, generator=g).mul_(0.5).add_(1.0).to(dtype)
+    ref = fb.reference(xs, res, w, eps)
+    slack = fb.rounded_sum_slack(xs, ref[1], w, eps, dname)
+    rounded = []
+    for order in (xs, xs[::-1], xs[1:] + xs[:1]):  # rank order (FlashInfer), other orders (NCCL's ring)
+        s = order[0]
+        for x in order[1:]:
+            s = (s.float() + x.float()).to(dtype)  # every partial sum rounded to the dtype
+        rounded.append(_vllm_fused_add_rms_norm(s, res, w, eps))
+    if world_size == 4:  # tolerance() alone refuses them (as it refused vLLM's FlashInfer all-reduce and NCCL)
+        assert not all(fb.check_result(*out, *ref, dname, world_size)["correct"] for out in rounded)
+    assert all(fb.check_result(*out, *ref, dname, world_size, slack)["correct"] for out in rounded)
+    # a missing rank, a rank counted twice or no residual: still wrong with the slack
+    for bad in (xs[:-1], xs + xs[:1]):
+        assert not fb.check_result(*fb.reference(bad, res, w, eps), *ref, dname, world_size, slack)["correct"]
+    assert not fb.check_result(*fb.reference(xs, res * 0, w, eps), *ref, dname, world_size, slack)["correct"]
+
+
+def test_slack_is_for_the_unfused_sequence_above_two_ranks_only():
+    assert fb.ROUNDS_PARTIAL_SUMS == {"unfused"}  # YALI and FlashInfer's fusion round the sum once
+    x0, x1, res, w = _inputs(torch.bfloat16, tokens=2, hidden=256)
+    assert fb.rounded_sum_slack([x0, x1], res, w, 1e-5, "bf16") is None  # one addition, rounded once
+    norm_slack, res_slack = fb.rounded_sum_slack([x0, x1, x0, x1], res, w, 1e-5, "bf16")
+    assert torch.allclose(res_slack, 6 * 2 ** -8 * 2 * (x0.double().abs() + x1.double().abs()))
+    assert norm_slack.shape == res_slack.shape == x0.shape and bool((norm_slack > 0).all())
 
 
 # ----------------------------------------------------------------------------- verdicts and report
