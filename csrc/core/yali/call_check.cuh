@@ -55,11 +55,10 @@ __device__ __forceinline__ uint32_t* call_begin(const CallCheck& c, LocalState* 
   return c.my_slots + 4 * slot;
 }
 
-// Waits for the descriptor in `slot` (the peer's, or rank `peer`'s with N ranks), compares it
-// with mine, and gives the slot back.
-__device__ __forceinline__ void verify_slot(const CallDesc& mine, uint32_t* slot, uint64_t timeout_ns,
-                                            AbortInfo* abort, Kernel kernel, int peer) {
-  CallDesc v = load_call(slot);
+// Waits for the descriptor in `slot` (the peer's, or rank `peer`'s with N ranks; `v` holds a first
+// load of it), compares it with mine, and gives the slot back.
+__device__ __forceinline__ void verify_loaded(const CallDesc& mine, uint32_t* slot, CallDesc v, uint64_t timeout_ns,
+                                              AbortInfo* abort, Kernel kernel, int peer) {
   if (!call_arrived(v)) {
     const uint64_t start = global_timer_ns();
     for (uint32_t spins = 1;; ++spins) {
@@ -72,6 +71,11 @@ __device__ __forceinline__ void verify_slot(const CallDesc& mine, uint32_t* slot
   if (v.w[0] != mine.w[0] || v.w[1] != mine.w[1] || v.w[2] != mine.w[2] || v.w[3] != mine.w[3])
     abort_waiting(abort, kernel, 9, 0, 0, &v, peer);
   store_call(slot, CallDesc{{kCallEmpty, kCallEmpty, kCallEmpty, kCallEmpty}});
+}
+
+__device__ __forceinline__ void verify_slot(const CallDesc& mine, uint32_t* slot, uint64_t timeout_ns,
+                                            AbortInfo* abort, Kernel kernel, int peer) {
+  verify_loaded(mine, slot, load_call(slot), timeout_ns, abort, kernel, peer);
 }
 
 // Step 2, by the same thread (or one that synchronised with it since).
@@ -100,11 +104,17 @@ __device__ __forceinline__ uint32_t* ranks_call_begin(const CallDesc& d, char* c
   return ranks_call_slot(bufs[me], off, parity, 0, world);
 }
 
-// Step 2 for N ranks.
+// Step 2 for N ranks: every other rank's slot is loaded first, so that the N - 1 loads of memory
+// the peers wrote overlap (one round trip, not N - 1), then each is checked in rank order.
 __device__ __forceinline__ void ranks_call_verify(const CallDesc& d, uint32_t* mine, int me, int world,
                                                   uint64_t timeout_ns, AbortInfo* abort, Kernel kernel) {
-  for (int p = 0; p < world; ++p)
-    if (p != me) verify_slot(d, mine + 4 * p, timeout_ns, abort, kernel, p);
+  CallDesc v[kMaxRanks];
+#pragma unroll
+  for (int p = 0; p < kMaxRanks; ++p)
+    if (p < world && p != me) v[p] = load_call(mine + 4 * p);
+#pragma unroll
+  for (int p = 0; p < kMaxRanks; ++p)
+    if (p < world && p != me) verify_loaded(d, mine + 4 * p, v[p], timeout_ns, abort, kernel, p);
 }
 
 }  // namespace yali

@@ -252,10 +252,12 @@ __global__ void __launch_bounds__(kFlashThreads, 1) ep_reduce_scatter_kernel(EpA
   const Vec16* mine = x + a.first[a.rank] * row_vecs;
   const Range r = split_range(0, a.count[a.rank] * row_vecs, gridDim.x, blockIdx.x);
   for (size_t k = r.begin + t; k < r.end; k += kFlashThreads) {
+    const auto at = [&](int p) { return ep_slot(a, a.rank, parity, p) + k; };
     Vec16 got[kMaxRanks];
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p)  // every load first: their latencies overlap
-      if (p < a.world && p != a.rank) got[p] = load_push(ep_slot(a, a.rank, parity, p) + k);
+      if (p < a.world && p != a.rank) got[p] = load_push(at(p));
+    wait_ranks(got, a.rank, a.world, at, a.timeout_ns, a.abort, Kernel::EpReduceScatter);
     RankSum<T> s;
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p) {
@@ -264,10 +266,8 @@ __global__ void __launch_bounds__(kFlashThreads, 1) ep_reduce_scatter_kernel(EpA
         s.add(canonical<T>(load_local_input(mine + k)), p == 0);
         continue;
       }
-      Vec16* at = ep_slot(a, a.rank, parity, p) + k;
-      wait_push(at, got[p], a.timeout_ns, a.abort, Kernel::EpReduceScatter, ep_who(a, p));
       s.add(got[p], p == 0);
-      clear_push(at);
+      clear_push(at(p));
     }
     store_vec(static_cast<Vec16*>(a.rs_out) + k, s.result());
   }

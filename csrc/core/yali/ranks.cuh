@@ -100,14 +100,44 @@ __device__ __forceinline__ void send_to_ranks(const RanksArgs& a, int parity, Ve
   }
 }
 
+// Spins until every other rank's vector (got[p], a first load of at(p)) has arrived. Each round
+// re-loads every one still empty before it looks again, so the round trips of the ranks' vectors
+// overlap: a rank whose first load came too early costs one more round trip in all, not one more
+// before the next rank is looked at. A timeout names the first rank still missing (two ranks: the
+// peer, as -1).
+template <typename At>
+__device__ __forceinline__ void wait_ranks(Vec16 (&got)[kMaxRanks], int me, int world, At at, uint64_t timeout_ns,
+                                           AbortInfo* abort, Kernel kernel) {
+  const auto missing = [&] {  // the first rank whose vector has not arrived, or -1
+    int m = -1;
+#pragma unroll
+    for (int p = kMaxRanks - 1; p >= 0; --p)
+      if (p < world && p != me && !push_arrived(got[p])) m = p;
+    return m;
+  };
+  if (missing() < 0) return;
+  const uint64_t start = global_timer_ns();
+  for (uint32_t spins = 1;; ++spins) {
+#pragma unroll
+    for (int p = 0; p < kMaxRanks; ++p)
+      if (p < world && p != me && !push_arrived(got[p])) got[p] = load_push(at(p));
+    const int m = missing();
+    if (m < 0) return;
+    if (timeout_ns != 0 && (spins & 1023u) == 0 && global_timer_ns() - start > timeout_ns)
+      abort_waiting(abort, kernel, 6, kPushEmpty, got[m].x, nullptr, world == 2 ? -1 : m);
+  }
+}
+
 // The rank-order sum of vector j of phase-0 slots in my push area (every other rank's copy) and
 // `mine` (my own, canonical already); gives the slots' words back.
 template <typename T>
 __device__ __forceinline__ Vec16 sum_ranks(const RanksArgs& a, int parity, size_t j, const Vec16& mine, Kernel kernel) {
+  const auto at = [&](int p) { return ranks_slot(a, a.rank, parity, 0, p) + j; };
   Vec16 got[kMaxRanks];
 #pragma unroll
   for (int p = 0; p < kMaxRanks; ++p)  // every load first: their latencies overlap
-    if (p < a.world && p != a.rank) got[p] = load_push(ranks_slot(a, a.rank, parity, 0, p) + j);
+    if (p < a.world && p != a.rank) got[p] = load_push(at(p));
+  wait_ranks(got, a.rank, a.world, at, a.timeout_ns, a.abort, kernel);
   RankSum<T> s;
 #pragma unroll
   for (int p = 0; p < kMaxRanks; ++p) {
@@ -116,10 +146,8 @@ __device__ __forceinline__ Vec16 sum_ranks(const RanksArgs& a, int parity, size_
       s.add(mine, p == 0);
       continue;
     }
-    Vec16* at = ranks_slot(a, a.rank, parity, 0, p) + j;
-    wait_push(at, got[p], a.timeout_ns, a.abort, kernel, p);
     s.add(got[p], p == 0);
-    clear_push(at);
+    clear_push(at(p));
   }
   return s.result();
 }
