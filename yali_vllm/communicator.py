@@ -582,10 +582,8 @@ class YaliCommunicator:
     def fused_launch(self, rows: int, hidden: int, dtype: torch.dtype) -> dict:
         """How a fused call of `rows` x `hidden` `dtype` runs: one launch or not, CTAs, batched receive
         poll, row loads before the epoch fetch, message bytes sent per CTA, CTAs per thread block cluster,
-        CTAs per row (N ranks with YALI_DEV_RANKS_FUSED_SPREAD; 1: a CTA owns whole rows)."""
-        v = _ext.ops().fused_launch(self._handle, rows, hidden, dtype)
-        keys = ("one_launch", "grid", "batch_poll", "row_loads_early", "cta_bytes", "cluster", "spread")
-        return dict(zip(keys, (int(x) for x in v)))
+        CTAs per row (N ranks: a cluster of that many CTAs owns each row; 1: a CTA owns whole rows)."""
+        return config.launch_dict(_ext.ops().fused_launch(self._handle, rows, hidden, dtype))
 
     def abort_message(self) -> str:
         """Why a kernel gave up waiting for the peer ("" if none did)."""

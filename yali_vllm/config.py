@@ -189,6 +189,20 @@ def plugin_world_size_refusal(world_size: int, environ=None) -> str | None:
             f"{WORLD_SIZES_VAR}={turn_on} turns it on")
 
 
+FUSED_LAUNCH_KEYS = ("one_launch", "grid", "batch_poll", "row_loads_early", "cta_bytes", "cluster", "spread")
+
+
+def launch_dict(values) -> dict:
+    """The fused op's launch values (torch op fused_launch / fused_plan) by name."""
+    return dict(zip(FUSED_LAUNCH_KEYS, (int(x) for x in values)))
+
+
+def fused_plan(rows: int, hidden: int, dtype, world_size: int = 2) -> dict:
+    """How a fused call of `rows` x `hidden` `dtype` runs at `world_size` ranks under the current
+    settings (plan.cpp fused_launch_for), without a communicator or a GPU."""
+    return launch_dict(_ext.ops().fused_plan(int(rows), int(hidden), dtype, int(world_size)))
+
+
 def plan(nbytes: int, mode: str = "config", world_size: int = 2) -> tuple[str | None, int, int]:
     """The size -> kernel table of `world_size` ranks: (kernel name or None, CTAs or lanes, stream
     chunk bytes). None: YALI does not serve the message (vLLM's chain does)."""

@@ -434,11 +434,21 @@ int64_t device_fused_calls(int64_t handle) {
   return core([&] { return int64_t(r->device_fused_calls()); });
 }
 std::string abort_message(int64_t handle) { return get(handle)->abort_message(); }
-// How a fused call of this shape runs: [one_launch, grid, batch_poll, row_loads_early, cta_bytes, cluster].
+// How a fused call of this shape runs: [one_launch, grid, batch_poll, row_loads_early, cta_bytes,
+// cluster, spread].
+std::vector<int64_t> launch_values(const yali::FusedLaunch& l) {
+  return {l.one_launch, l.grid, l.batch_poll, l.row_loads_early, int64_t(l.cta_bytes), l.cluster, l.spread};
+}
 std::vector<int64_t> fused_launch(int64_t handle, int64_t rows, int64_t hidden, ScalarType dtype) {
   YALI_CHECK_VALUE(rows > 0 && hidden > 0, "fused_launch needs rows > 0 and hidden > 0, got ", rows, ", ", hidden);
-  const yali::FusedLaunch l = get(handle)->fused_launch(size_t(rows), size_t(hidden), to_dtype(dtype));
-  return {l.one_launch, l.grid, l.batch_poll, l.row_loads_early, int64_t(l.cta_bytes), l.cluster, l.spread};
+  return launch_values(get(handle)->fused_launch(size_t(rows), size_t(hidden), to_dtype(dtype)));
+}
+// The same from the settings alone (no communicator, no GPU): the fused op's launch table of `world` ranks.
+std::vector<int64_t> fused_plan(int64_t rows, int64_t hidden, ScalarType dtype, int64_t world) {
+  YALI_CHECK_VALUE(rows > 0 && hidden > 0, "fused_plan needs rows > 0 and hidden > 0, got ", rows, ", ", hidden);
+  check_world(world);
+  return launch_values(yali::fused_launch_for(config_from_env(), size_t(rows), size_t(hidden), to_dtype(dtype),
+                                              int(world)));
 }
 std::string handle_config(int64_t handle) { return get(handle)->config().to_string(); }
 
@@ -613,6 +623,7 @@ STABLE_TORCH_LIBRARY(yali, m) {
   m.def("device_fused_calls(int comm) -> int");
   m.def("abort_message(int comm) -> str");
   m.def("fused_launch(int comm, int rows, int hidden, ScalarType dtype) -> int[]");
+  m.def("fused_plan(int rows, int hidden, ScalarType dtype, int world=2) -> int[]");
   m.def("handle_config(int comm) -> str");
   m.def("device_count() -> int");
   m.def("build_info() -> str");
@@ -655,6 +666,7 @@ STABLE_TORCH_LIBRARY_IMPL(yali, CompositeExplicitAutograd, m) {
   m.impl("device_fused_calls", TORCH_BOX(&device_fused_calls));
   m.impl("abort_message", TORCH_BOX(&abort_message));
   m.impl("fused_launch", TORCH_BOX(&fused_launch));
+  m.impl("fused_plan", TORCH_BOX(&fused_plan));
   m.impl("handle_config", TORCH_BOX(&handle_config));
   m.impl("device_count", TORCH_BOX(&device_count));
   m.impl("build_info", TORCH_BOX(&build_info));

@@ -67,6 +67,23 @@ def test_fused_spread_knob(monkeypatch):
     assert config.kernel_config()["ranks_fused_spread"] == 0
 
 
+def test_fused_rows_spread_over_clusters_while_the_grid_is_at_most_64_ctas(monkeypatch):
+    def launch(rows, world=4):
+        return config.fused_plan(rows, 8192, torch.bfloat16, world_size=world)
+
+    for rows in (1, 7, 16):  # 4 CTAs a row, one cluster each (current/fused/20261126-tp4-spread)
+        l = launch(rows)
+        assert (l["one_launch"], l["spread"], l["cluster"], l["grid"]) == (1, 4, 4, 4 * rows), (rows, l)
+    assert launch(16, world=8)["spread"] == 4
+    for rows in (17, 32, 64):  # past 64 CTAs: whole rows
+        assert launch(rows)["spread"] == 1, rows
+    assert launch(1, world=2)["spread"] == 1  # two ranks: fused.cuh's kernel
+    monkeypatch.setenv("YALI_DEV_RANKS_FUSED_SPREAD", "8")
+    assert (launch(8)["spread"], launch(8)["grid"], launch(9)["spread"]) == (8, 64, 1)
+    monkeypatch.setenv("YALI_DEV_RANKS_FUSED_SPREAD", "0")
+    assert launch(1)["spread"] == 1
+
+
 @pytest.mark.parametrize("var, value, fragment", [
     ("YALI_DEV_RANKS_FUSED_SPREAD", "3", "0 (off), 2, 4 or 8"),
     ("YALI_DEV_RANKS_FUSED_SPREAD", "16", "YALI_DEV_RANKS_FUSED_SPREAD"),
