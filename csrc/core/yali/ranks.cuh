@@ -123,8 +123,13 @@ __device__ __forceinline__ void wait_ranks(Vec16 (&got)[kMaxRanks], int me, int 
       if (p < world && p != me && !push_arrived(got[p])) got[p] = load_push(at(p));
     const int m = missing();
     if (m < 0) return;
-    if (timeout_ns != 0 && (spins & 1023u) == 0 && global_timer_ns() - start > timeout_ns)
-      abort_waiting(abort, kernel, 6, kPushEmpty, got[m].x, nullptr, world == 2 ? -1 : m);
+    if (timeout_ns != 0 && (spins & 1023u) == 0 && global_timer_ns() - start > timeout_ns) {
+      uint32_t seen = kPushEmpty;  // rank m's last load, picked with constant indices: got stays in registers
+#pragma unroll
+      for (int p = 0; p < kMaxRanks; ++p)
+        if (p == m) seen = got[p].x;
+      abort_waiting(abort, kernel, 6, kPushEmpty, seen, nullptr, world == 2 ? -1 : m);
+    }
   }
 }
 
