@@ -104,7 +104,9 @@ __device__ __forceinline__ void send_to_ranks(const RanksArgs& a, int parity, Ve
 // re-loads every one still empty before it looks again, so the round trips of the ranks' vectors
 // overlap: a rank whose first load came too early costs one more round trip in all, not one more
 // before the next rank is looked at. A timeout names the first rank still missing (two ranks: the
-// peer, as -1).
+// peer, as -1). exchange.cuh's wait_push_batch polls the same way, but marks an absent vector by
+// a null address: written through it, the whole-row fused kernel at 2 vectors a thread (4 ranks,
+// 17-128 tokens of hidden 8192) spills 64 bytes, as it does not here.
 template <typename At>
 __device__ __forceinline__ void wait_ranks(Vec16 (&got)[kMaxRanks], int me, int world, At at, uint64_t timeout_ns,
                                            AbortInfo* abort, Kernel kernel) {
