@@ -446,7 +446,7 @@ def markdown_table(res, dtype="bf16"):
     if res.get("shared_gpu"):
         out.append(f"**Not a timing: {shared_gpu_note(world)}.**\n")
     out += ["\n## Per-op time inside CUDA graphs, µs (p50 over replays)\n",
-            "| size | " + " | ".join(backends) + " | yali vs best other |", "|---:|" + "---:|" * (len(backends) + 1)]
+            "| size | " + " | ".join(backends) + " | yali / best other (time) |", "|---:|" + "---:|" * (len(backends) + 1)]
     for s in sizes:
         cells, others = [], []
         for b in backends:
@@ -455,7 +455,7 @@ def markdown_table(res, dtype="bf16"):
             if r and not b.startswith("yali"):
                 others.append(r["us_p50"])
         y = get.get(("yali", s, "graph"))
-        cells.append(f"{min(others) / y['us_p50']:.2f}×" if y and others else "–")
+        cells.append(f"{y['us_p50'] / min(others):.2f}×" if y and others else "–")
         out.append(f"| {fmt_size(s)} | " + " | ".join(cells) + " |")
     out += [f"\n## busBW (GB/s, graph p50; NCCL's convention at {world} ranks)\n",
             "| size | " + " | ".join(backends) + " |",
