@@ -26,10 +26,17 @@ WORLD_SIZES = (2, 4, 6, 8)
 DEFAULT_WORLD_SIZES = (2,)  # 70B TP=2: benchmarks/results/current/serving/20261122-70b-comparison
 # Why each other world size the kernels serve is off by default (its result file, where one exists).
 OFF_BY_DEFAULT = {
-    4: "a 70B TP=4 server's decode step is 2.2 % slower with YALI than with vLLM's defaults "
-       "(benchmarks/results/current/serving/20261126-70b-tp4)",
+    4: "a 70B TP=4 server's ITL p99 at concurrency 32 is 1.46x vLLM's defaults' (TPOT, TTFT and "
+       "tokens/s no different; benchmarks/results/current/serving/20261126-70b-tp4-c32)",
     6: "no serving run at TP=6 yet",
     8: "no serving run at TP=8 yet",
+}
+# World sizes whose fused all-reduce + RMSNorm pairs YALI leaves to vLLM's FlashInfer fusion unless
+# YALI_FUSION=1 asks for YALI's pass: there FlashInfer's fused kernel measured at least as fast as
+# YALI's at every token count it serves, and vLLM compiles no range above it that YALI's op serves.
+FUSION_BY_FLASHINFER = {
+    4: "FlashInfer's fused kernel is as fast as YALI's at 1-16 tokens and 1.13-1.17x faster at 32-64 "
+       "(benchmarks/results/current/fused/20261126-tp4-flashinfer)",
 }
 WORLD_SIZES_VAR = "YALI_WORLD_SIZES"
 # The end of build_info() of a library built with the legacy flash kernels (YALI_BUILD_LEGACY=1;
@@ -58,7 +65,8 @@ def env_flag(name: str, default: bool, environ=None) -> bool:
 SETTINGS = {
     "YALI_ENABLE": "the vLLM plugin on (1) or off (0)",
     "YALI_WORLD_SIZES": "the TP world sizes the vLLM plugin serves (default 2; e.g. 2,4)",
-    "YALI_FUSION": "YALI's all-reduce + RMSNorm fusion pass instead of vLLM's FlashInfer one",
+    "YALI_FUSION": "YALI's all-reduce + RMSNorm fusion pass instead of vLLM's FlashInfer one "
+                   "(unset: at the world sizes of FUSION_BY_FLASHINFER vLLM's pass serves)",
     "YALI_OVERLAP": "prefill GEMM + all-reduce + RMSNorm overlapped on the copy engine (opt-in)",
     "YALI_MAX_BYTES": "largest message YALI serves",
     "YALI_KERNEL_MODE": "auto, flash or stream",

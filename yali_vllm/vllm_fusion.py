@@ -27,6 +27,7 @@ needs vLLM's CUDA ops), so it loads, and the pass runs, on a CPU machine.
 # op function's annotations, which must be real types.
 
 import logging
+import os
 
 import torch
 import torch._inductor.pattern_matcher as pm
@@ -51,12 +52,32 @@ def fusion_enabled(environ=None) -> bool:
     return env_flag(FUSION_VAR, True, environ)
 
 
+def fusion_forced(environ=None) -> bool:
+    """Whether YALI_FUSION is set on explicitly (then YALI's pass serves at every world size,
+    FUSION_BY_FLASHINFER's included)."""
+    raw = (os.environ if environ is None else environ).get(FUSION_VAR)
+    return raw is not None and raw.strip() != "" and fusion_enabled(environ)
+
+
+def flashinfer_fusion_reason(world_size, environ=None) -> str | None:
+    """Why the fused pairs of a TP group of `world_size` ranks stay with vLLM's FlashInfer fusion
+    although YALI serves the group (yali_vllm.config.FUSION_BY_FLASHINFER), or None."""
+    from yali_vllm.config import FUSION_BY_FLASHINFER
+
+    reason = FUSION_BY_FLASHINFER.get(world_size)
+    if reason is None or fusion_forced(environ):
+        return None
+    return f"at {world_size} ranks {reason}; {FUSION_VAR}=1 builds YALI's pass instead"
+
+
 def fusion_decision(environ=None) -> tuple[bool, str]:
     """Whether this process should build YALI's fusion pass, and why (not).
 
     True only when YALI_FUSION is on, this process's TP group has a world
-    size YALI serves (yali_vllm.config.WORLD_SIZES: 2, 4, 6 or 8 ranks) and
-    the plugin attached a YaliCommunicator to its device communicator.
+    size YALI serves (yali_vllm.config.WORLD_SIZES: 2, 4, 6 or 8 ranks), the
+    plugin attached a YaliCommunicator to its device communicator, and the
+    world size is not one where FlashInfer's fused kernel measured at least as
+    fast (yali_vllm.config.FUSION_BY_FLASHINFER; YALI_FUSION=1 overrides).
     Every rank reaches the same answer (the YALI decision is agreed over the
     group, the environment is inherited), which matters: one rank in YALI's
     fused kernel and another in FlashInfer's would wait for each other.
@@ -78,6 +99,9 @@ def fusion_decision(environ=None) -> tuple[bool, str]:
         return False, f"TP group '{name}': {refusal}"
     if getattr(getattr(group, "device_communicator", None), "yali_comm", None) is None:
         return False, f"YALI all-reduce is OFF for group '{name}'"
+    leave = flashinfer_fusion_reason(group.world_size, environ)
+    if leave is not None:
+        return False, f"TP group '{name}': {leave}"
     return True, f"YALI serves TP group '{name}' ({group.world_size} ranks)"
 
 

@@ -27,7 +27,17 @@ SERVER_CONFIGS: dict[str, ServerConfig] = {
         "yali",
         YALI_ON,
         (),
-        "yali plugin on (YALI_ENABLE=1, YALI_WORLD_SIZES=all); vLLM defaults otherwise",
+        "yali plugin on (YALI_ENABLE=1, YALI_WORLD_SIZES=all); vLLM defaults otherwise (the fused "
+        "pairs in YALI's fused op where that is the plugin's default, at two ranks)",
+    ),
+    # YALI's fused op for every fused pair at every world size, also where the plugin leaves them to
+    # FlashInfer by default (yali_vllm.config.FUSION_BY_FLASHINFER): the configuration that measures it.
+    "yali-fusion": ServerConfig(
+        "yali-fusion",
+        {**YALI_ON, "YALI_FUSION": "1"},
+        (),
+        "yali plugin on, YALI_FUSION=1: YALI's fused all-reduce+RMSNorm serves the fused pairs at every "
+        "world size",
     ),
     "vllm-default": ServerConfig(
         "vllm-default",

@@ -22,6 +22,7 @@ KEY_LINE_PATTERNS = [
 ERROR_PATTERNS = [re.compile(r"\bERROR\b"), re.compile(r"Traceback")]
 # What yali_vllm/vllm_plugin.py logs once it has hooked a TP group.
 YALI_ON_RE = re.compile(r"YALI all-reduce ON")
+YALI_ON_WORLD_RE = re.compile(r"YALI all-reduce ON for group .*\(rank \d+ of (\d+)")
 YALI_OFF_RE = re.compile(r"YALI all-reduce OFF")
 YALI_FUSION_ON_RE = re.compile(r"YALI fusion pass ON")
 YALI_EP_ON_RE = re.compile(r"YALI EP ON")
@@ -39,8 +40,9 @@ def yali_log_warnings(config: str, key_lines: Sequence[str]) -> list[str]:
     if config in SERVER_CONFIGS and SERVER_CONFIGS[config].parallel == "dp-ep":
         return _ep_log_warnings(config, env, key_lines)
     wants_yali = env.get("YALI_ENABLE") == "1"
-    wants_fusion = wants_yali and env.get("YALI_FUSION") != "0"
     on = any(YALI_ON_RE.search(ln) for ln in key_lines)
+    wants_fusion = wants_yali and env.get("YALI_FUSION") != "0" and (
+        env.get("YALI_FUSION") == "1" or not _flashinfer_fuses(key_lines))
     off = [ln for ln in key_lines if YALI_OFF_RE.search(ln)]
     fused = any(YALI_FUSION_ON_RE.search(ln) or YALI_FUSED_OP_RE.search(ln) for ln in key_lines)
     warnings: list[str] = []
@@ -60,6 +62,15 @@ def yali_log_warnings(config: str, key_lines: Sequence[str]) -> list[str]:
         warnings.append(f"'YALI fusion pass ON' in the {config} server's log: YALI_FUSION=0 did "
                         "not hand the fused pairs to FlashInfer")
     return warnings
+
+
+def _flashinfer_fuses(key_lines: Sequence[str]) -> bool:
+    """Whether the plugin leaves the fused pairs of the server's TP group to FlashInfer by default:
+    its world size (from the 'YALI all-reduce ON' line) is in yali_vllm.config.FUSION_BY_FLASHINFER."""
+    from yali_vllm.config import FUSION_BY_FLASHINFER
+
+    worlds = {int(m.group(1)) for ln in key_lines if (m := YALI_ON_WORLD_RE.search(ln))}
+    return bool(worlds) and worlds <= set(FUSION_BY_FLASHINFER)
 
 
 def _ep_log_warnings(config: str, env: dict[str, str], key_lines: Sequence[str]) -> list[str]:

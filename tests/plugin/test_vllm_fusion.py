@@ -117,6 +117,29 @@ def test_fusion_flag_bad_value_names_variable(raw):
         vllm_fusion.fusion_enabled({"YALI_FUSION": raw})
 
 
+@pytest.mark.parametrize("raw, forced", [(None, False), ("", False), (" ", False), ("1", True), ("on", True),
+                                         ("0", False)])
+def test_fusion_forced_only_when_set_on(raw, forced):
+    env = {} if raw is None else {"YALI_FUSION": raw}
+    assert vllm_fusion.fusion_forced(env) is forced
+
+
+def test_flashinfer_keeps_the_fused_pairs_where_it_measured_faster():
+    """At a FUSION_BY_FLASHINFER world size an unset YALI_FUSION leaves the fused pairs to vLLM's
+    FlashInfer fusion, with the measured reason and its result file; YALI_FUSION=1 overrides.
+    Two ranks keep YALI's pass."""
+    assert 4 in config.FUSION_BY_FLASHINFER and 2 not in config.FUSION_BY_FLASHINFER
+    reason = vllm_fusion.flashinfer_fusion_reason(4, {})
+    assert reason.startswith("at 4 ranks FlashInfer's fused kernel") and reason.endswith(
+        "YALI_FUSION=1 builds YALI's pass instead")
+    path = reason.split("(")[1].split(")")[0]
+    assert (Path(__file__).resolve().parents[2] / path / "README.md").is_file(), path
+    assert vllm_fusion.flashinfer_fusion_reason(4, {"YALI_FUSION": "1"}) is None
+    assert vllm_fusion.flashinfer_fusion_reason(2, {}) is None
+    with pytest.raises(ValueError, match="invalid YALI_FUSION='x'"):
+        vllm_fusion.flashinfer_fusion_reason(4, {"YALI_FUSION": "x"})
+
+
 def test_factory_raises_naming_bad_yali_fusion(monkeypatch):
     monkeypatch.setenv("YALI_FUSION", "sometimes")
     factory = fusion_patch.fusion_pass_factory(StandInPass)
@@ -394,15 +417,21 @@ def _factory_choices(cfg, tp) -> dict:
     os.environ["YALI_FUSION"] = "0"
     res["disabled_pass"] = type(factory(cfg)).__name__
     res["disabled_factor"] = fusion_patch.fusion_cache_factor()
+    os.environ["YALI_FUSION"] = "1"  # set explicitly: YALI's pass at every world size
+    res["forced_decision"] = list(vllm_fusion.fusion_decision())
+    res["forced_pass"] = type(factory(cfg)).__name__
+    res["forced_factor"] = fusion_patch.fusion_cache_factor()
     del os.environ["YALI_FUSION"]
     res["log"] = [ln for ln in handler_lines if ln.startswith(("YALI fusion pass ON", "YALI fusion pass OFF"))]
     res["patterns_log"] = [ln for ln in handler_lines if ln.startswith("YALI fusion pass: patterns")]
-    # YALI_OVERLAP=1: the overlap pass joins the fusion pass at the world size it serves.
+    # YALI_OVERLAP=1: the overlap pass joins the fusion pass at the world size it serves
+    # (YALI_FUSION=1: YALI's pass at every world size).
     os.environ["YALI_OVERLAP"] = "1"
+    os.environ["YALI_FUSION"] = "1"
     del handler_lines[:]
     res["overlap_pass"] = type(factory(cfg)).__name__
     res["overlap_log"] = [ln for ln in handler_lines if ln.startswith("YALI fusion pass ON")]
-    del os.environ["YALI_OVERLAP"]
+    del os.environ["YALI_OVERLAP"], os.environ["YALI_FUSION"]
 
     # vLLM's own pass manager, with the symbol patched (a stand-in original:
     # see the module docstring), builds one of the two passes.
@@ -559,19 +588,32 @@ def tp_ranks(request, tmp_path_factory):
 def test_ranks_factory_follows_yali_and_yali_fusion(tp_ranks):
     n = len(tp_ranks)
     served = f"YALI serves TP group 'tp:0' ({n} ranks)"
+    on_line = f"YALI fusion pass ON (replaces vLLM's FlashInfer all-reduce+RMSNorm fusion): {served}"
+    leave = vllm_fusion.flashinfer_fusion_reason(n, {})
     for res in tp_ranks:
         assert res["off_decision"] == [False, "YALI all-reduce is OFF for group 'tp:0'"]
         assert res["off_pass"] == "StandInPass" and res["off_factor"] == "vllm"
-        assert res["on_decision"] == [True, served]
-        assert res["on_pass"] == "YaliAllReduceFusionPass" and res["on_factor"] == "yali"
         assert res["disabled_pass"] == "StandInPass" and res["disabled_factor"] == "vllm"
+        # YALI_FUSION=1 builds YALI's pass at every world size YALI serves
+        assert res["forced_decision"] == [True, served]
+        assert res["forced_pass"] == "YaliAllReduceFusionPass" and res["forced_factor"] == "yali"
+        if leave is None:  # unset YALI_FUSION: YALI's pass
+            assert res["on_decision"] == [True, served]
+            assert res["on_pass"] == "YaliAllReduceFusionPass" and res["on_factor"] == "yali"
+            default_line = on_line
+        else:  # unset YALI_FUSION at a FUSION_BY_FLASHINFER world size: vLLM's pass, saying why
+            why = f"TP group 'tp:0': {leave}"
+            assert res["on_decision"] == [False, why]
+            assert res["on_pass"] == "StandInPass" and res["on_factor"] == "vllm"
+            default_line = f"YALI fusion pass OFF: {why}; using vLLM's FlashInfer all-reduce+RMSNorm fusion"
+        # each distinct line once per process: at two ranks YALI_FUSION=1 repeats the ON line
         assert res["log"] == [
             "YALI fusion pass OFF: YALI all-reduce is OFF for group 'tp:0'; "
             "using vLLM's FlashInfer all-reduce+RMSNorm fusion",
-            f"YALI fusion pass ON (replaces vLLM's FlashInfer all-reduce+RMSNorm fusion): {served}",
+            default_line,
             "YALI fusion pass OFF: disabled by YALI_FUSION; "
             "using vLLM's FlashInfer all-reduce+RMSNorm fusion",
-        ]
+        ] + ([on_line] if leave is not None else [])
         assert len(res["patterns_log"]) == 1, res["patterns_log"]
         assert "all_reduce+fused_add_rms_norm[norm only]" in res["patterns_log"][0]
         assert "eps 1e-05, 1e-06" in res["patterns_log"][0]
@@ -630,10 +672,13 @@ def test_ranks_pass_applies_only_to_the_token_counts_yali_serves(tp_ranks):
     assert any("compile ranges up to" in ln or "every token count" in ln for ln in tp_ranks[0]["patterns_log"])
 
 
-def test_ranks_vllm_pass_manager_builds_yali_pass_only(tp_ranks):
+def test_ranks_vllm_pass_manager_builds_one_of_the_two_passes(tp_ranks):
+    """vLLM's pass manager builds YALI's pass, or at a FUSION_BY_FLASHINFER world size (unset
+    YALI_FUSION) vLLM's; never both."""
+    yali = vllm_fusion.flashinfer_fusion_reason(len(tp_ranks), {}) is None
     for res in tp_ranks:
-        assert "YaliAllReduceFusionPass" in res["configured"], res["configured"]
-        assert "StandInPass" not in res["configured"]
+        assert ("YaliAllReduceFusionPass" in res["configured"]) is yali, res["configured"]
+        assert ("StandInPass" in res["configured"]) is not yali, res["configured"]
 
 
 def test_ranks_rewrite_replaces_all_reduce_and_norms(tp_ranks):

@@ -616,7 +616,12 @@ def _rank_worker(rank: int, port: int, world_size: int, outdir: str) -> None:
         del os.environ["YALI_MAX_BYTE"]
         os.environ["YALI_FUSION"] = "1" if rank == 0 else "0"
         res["cuda_fusion_differs"] = _decision(comm)
-        del os.environ["YALI_FUSION"]
+        # YALI_FUSION=1 on rank 0 only: at four ranks it alone would build YALI's pass
+        os.environ["YALI_FUSION"] = "1"
+        if rank != 0:
+            del os.environ["YALI_FUSION"]
+        res["cuda_fusion_set_differs"] = _decision(comm)
+        os.environ.pop("YALI_FUSION", None)
         del os.environ["YALI_WORLD_SIZES"]  # the default: two ranks only
         res["cuda_default_world_sizes"] = _decision(comm)
         os.environ["YALI_WORLD_SIZES"] = "2,5"
@@ -708,7 +713,10 @@ def test_ranks_agree_on_yali_enable(cpu_ranks):
     reason, warn = _same_on_every_rank(cpu_ranks, "cuda_unknown_var")
     assert "unknown YALI_* variable(s) YALI_MAX_BYTE='1M'" in reason and warn
     reason, warn = _same_on_every_rank(cpu_ranks, "cuda_fusion_differs")
-    settings = ["on, overlap off"] + ["off, overlap off"] * (n - 1)
+    settings = ["on, set, overlap off"] + ["off, overlap off"] * (n - 1)
+    assert f"YALI_FUSION / YALI_OVERLAP settings differ: {settings}" in reason and warn
+    reason, warn = _same_on_every_rank(cpu_ranks, "cuda_fusion_set_differs")
+    settings = ["on, set, overlap off"] + ["on, overlap off"] * (n - 1)
     assert f"YALI_FUSION / YALI_OVERLAP settings differ: {settings}" in reason and warn
     reason, warn = _same_on_every_rank(cpu_ranks, "cuda_no_custom_ar")
     assert "custom all-reduce is disabled" in reason and not warn

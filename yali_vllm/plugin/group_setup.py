@@ -54,10 +54,12 @@ def _fusion_setting() -> str:
     for comparison: the ranks must build the same compile passes."""
     try:
         from yali_vllm.config import env_flag
-        from yali_vllm.vllm_fusion import fusion_enabled
+        from yali_vllm.vllm_fusion import fusion_enabled, fusion_forced
 
         overlap = "on" if env_flag("YALI_OVERLAP", False) else "off"
-        return ("on" if fusion_enabled() else "off") + f", overlap {overlap}"
+        # "on, set" (YALI_FUSION=1) differs from "on" (unset) where FUSION_BY_FLASHINFER applies
+        fusion = ("on, set" if fusion_forced() else "on") if fusion_enabled() else "off"
+        return f"{fusion}, overlap {overlap}"
     except Exception as e:
         return f"invalid ({e})"
 
