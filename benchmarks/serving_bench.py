@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "with --soak-users users on the same server; PASS needs zero failed requests and no "
                         "ERROR/Traceback line in the server log up to its stop (--out/soak.json). 0 = none")
     p.add_argument("--soak-users", type=positive_int, default=64)
+    p.add_argument("--step-times", action="store_true",
+                   help="servers log every engine step (vLLM's --enable-logging-iteration-details, 0.33); "
+                        "--out/step-times.json/.md table the step times per config by tokens a step carries")
     p.add_argument("--locust-bin", default="locust", help="locust command, shell-split (default: locust on PATH, else this python -m locust)")
     add_server_args(p)
     p.add_argument("--out", type=Path, default=None, help="output dir (default <temp dir>/yali-results-<uid>/serving-DATE)")

@@ -32,6 +32,7 @@ from benchmarks.serving.report import write_report
 from benchmarks.serving.runners import CliBenchRunner, WorkerBenchRunner, bench_args
 from benchmarks.serving.schema import KIND, RESULT_NAME, make_record, parse_bench_result
 from benchmarks.serving.server import server_command_for, server_env, start_server, stop_and_record, wait_ready
+from benchmarks.serving.step_times import SERVER_FLAG as STEP_TIMES_SERVER_FLAG, write_step_times
 
 
 def _g(v: float | None) -> str:
@@ -114,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
         cmd = server_command_for(args, model_dir, cfg, port)
         if args.profile_tokens or args.profile_prefill_tokens:
             cmd += ["--profiler-config", json.dumps(profiler_config(out / "profiler" / cfg))]
+        if args.step_times:
+            cmd.append(STEP_TIMES_SERVER_FLAG)
         return cmd
 
     def b_args(base_url: str, c: int, j: int, result_dir: Path, name: str) -> list[str]:
@@ -350,6 +353,12 @@ def _run_all(
                     say(f"{phase} profile: {prof or 'no GPU kernels in the traces'}")
                 except Exception as e:
                     say(f"{phase} profile analysis FAILED: {type(e).__name__}: {e}")
+        if args.step_times:
+            try:
+                steps = write_step_times(out, doc)
+                say(f"step times: {steps or 'no iteration details in the server logs'}")
+            except Exception as e:
+                say(f"step times FAILED: {type(e).__name__}: {e}")
         md, plots = write_report(doc, json_path, out)
         say(f"wrote {json_path}, {md}" + (", " + ", ".join(str(p) for p in plots) if plots else ""))
     if interrupted is not None:

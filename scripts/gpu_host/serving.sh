@@ -14,6 +14,8 @@
 # one request of that many tokens per config after its measurements (decode-profile.json/.md);
 # PROFILE_PREFILL_TOKENS > 0 (env) then profiles the prefill of a prompt of that many tokens
 # (prefill-profile.json/.md).
+# STEP_TIMES=1: every server logs its engine steps, and step-times.md tables their times per config by
+# the tokens a step carries (which steps an ITL p99 difference sits in).
 # STOP_GRACE_S (default 30) is the SIGTERM grace of a server stop, which the budget keeps in reserve.
 # CONCURRENCY (default 1,8,32) narrows the points, e.g. to add one config's missing c=32 to an
 # earlier run. $OUT is kept to a few files, also when two runs share it: each run leaves
@@ -25,12 +27,13 @@ work=/tmp/$name
 timeout -k 20 "$(( ${SERVING_BUDGET_S:-555} + 20 ))" python3 -m benchmarks.serving_bench --model-size 70b --world-size "$TP" --repeats "${1:-1}" --concurrency "${CONCURRENCY:-1,8,32}" \
   --configs "${3:-yali,vllm-default,nccl}" --profile-tokens "${4:-0}" --profile-prefill-tokens "${PROFILE_PREFILL_TOKENS:-0}" \
   --locust-users "${LOCUST_USERS:-0}" --locust-duration-s "${LOCUST_S:-60}" --soak-s "${SOAK_S:-0}" \
-  --random-input-len 1024 --random-output-len 256 --max-num-seqs 64 --stop-grace-s "${STOP_GRACE_S:-30}" --budget-s "${SERVING_BUDGET_S:-555}" --out "$work" 2>&1 \
+  --random-input-len 1024 --random-output-len 256 --max-num-seqs 64 --stop-grace-s "${STOP_GRACE_S:-30}" --budget-s "${SERVING_BUDGET_S:-555}" --out "$work" \
+  ${STEP_TIMES:+--step-times} 2>&1 \
   | tee "$OUT/$name.log" | grep -v -i warn | tail -45
 cp "$work"/serving-benchmark.json "$OUT/$name.json" 2>/dev/null
 cat "$work"/serving-benchmark.md 2>/dev/null | head -40
 cat "$work"/decode-profile.md 2>/dev/null | head -60  # through the decode-step table
 cat "$work"/prefill-profile.md 2>/dev/null | head -40
-for f in load-test soak; do cat "$work/$f.md" 2>/dev/null | head -30; done
+for f in load-test soak step-times; do cat "$work/$f.md" 2>/dev/null | head -30; done
 tar czf "$OUT/$name-raw.tgz" -C /tmp --exclude='*.pt.trace.json*' "$name"  # per-point JSONs, server logs, profile, locust CSV/HTML
 ls -la "$OUT"

@@ -1,0 +1,147 @@
+"""How long each configuration's engine steps take, by the tokens they carry.
+
+With ``--enable-logging-iteration-details`` (vLLM 0.33) the engine core logs one line a step:
+
+    Iteration(812): 1 context requests, 1024 context tokens, 31 generation requests,
+    31 generation tokens, iteration elapsed time: 61.20 ms, GPU KV cache usage: 3.1%
+
+(the elapsed time is the engine core's wall time around the step). serving_bench's ``--step-times``
+turns it on for every server; this module reads the servers' logs (``server-logs/<config>-r<N>.log``)
+and tables the step times per configuration in token buckets, so a difference in ITL p99 between two
+servers can be put on the steps that carry a prefill chunk or on the pure-decode ones.
+
+  python -m benchmarks.serving.step_times DIR     # DIR: a serving_bench output (its server-logs/)
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+ITERATION_RE = re.compile(
+    r"Iteration\((\d+)\): (\d+) context requests, (\d+) context tokens, (\d+) generation requests, "
+    r"(\d+) generation tokens, iteration elapsed time: ([\d.]+) ms(?!\s*\(dummy\))"
+)
+LOG_NAME_RE = re.compile(r"^(?P<config>.+)-r(?P<repeat>\d+)\.log$")
+# Token buckets (total tokens of a step, inclusive upper ends): decode batches, vLLM's CUDA-graph
+# limit (128 at the default capture sizes), YALI's 4-rank message limit at hidden 8192 (512 rows),
+# one 1024-token prompt with its decodes, and the larger chunks up to max_num_batched_tokens.
+BUCKETS = (8, 32, 64, 128, 512, 1152, 2048, 4096, 8192, 1 << 30)
+SERVER_FLAG = "--enable-logging-iteration-details"
+
+
+def parse_steps(lines: Iterable[str]) -> list[dict[str, Any]]:
+    """The logged engine steps (dummy steps of data parallelism left out)."""
+    steps = []
+    for line in lines:
+        m = ITERATION_RE.search(line)
+        if m:
+            it, ctx_req, ctx_tok, gen_req, gen_tok = (int(m.group(i)) for i in range(1, 6))
+            steps.append({"iteration": it, "context_requests": ctx_req, "context_tokens": ctx_tok,
+                          "generation_requests": gen_req, "generation_tokens": gen_tok,
+                          "tokens": ctx_tok + gen_tok, "elapsed_ms": float(m.group(6))})
+    return steps
+
+
+def bucket_of(tokens: int) -> str:
+    lo = 1
+    for hi in BUCKETS:
+        if tokens <= hi:
+            return f"{lo}-{hi}" if hi < BUCKETS[-1] else f">{lo - 1}"
+        lo = hi + 1
+    raise AssertionError(tokens)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def summarize(steps_by_config: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per (config, token bucket): steps, mean, p50, p90 and max elapsed ms, and the
+    bucket's mean tokens and mean context (prefill) tokens."""
+    rows = []
+    order = {f"{lo}-{hi}": i for i, (lo, hi) in enumerate(zip((1, *(b + 1 for b in BUCKETS)), BUCKETS))}
+    for config, steps in steps_by_config.items():
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for s in steps:
+            groups.setdefault(bucket_of(s["tokens"]), []).append(s)
+        for bucket in sorted(groups, key=lambda b: order.get(b, len(order))):
+            g = groups[bucket]
+            ms = [s["elapsed_ms"] for s in g]
+            rows.append({"config": config, "tokens": bucket, "steps": len(g),
+                         "mean_tokens": round(statistics.fmean(s["tokens"] for s in g), 1),
+                         "mean_context_tokens": round(statistics.fmean(s["context_tokens"] for s in g), 1),
+                         "elapsed_ms_mean": round(statistics.fmean(ms), 3), "elapsed_ms_p50": round(_pct(ms, 50), 3),
+                         "elapsed_ms_p90": round(_pct(ms, 90), 3), "elapsed_ms_max": round(max(ms), 3)})
+    return rows
+
+
+def read_server_logs(out: Path) -> dict[str, list[dict[str, Any]]]:
+    """Every server log's steps, by configuration (the repeats of a configuration together)."""
+    by_config: dict[str, list[dict[str, Any]]] = {}
+    for log in sorted((out / "server-logs").glob("*.log")):
+        m = LOG_NAME_RE.match(log.name)
+        if not m:
+            continue
+        steps = parse_steps(log.read_text(errors="replace").splitlines())
+        if steps:
+            by_config.setdefault(m.group("config"), []).extend(steps)
+    return by_config
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    buckets = list(dict.fromkeys(r["tokens"] for r in rows))
+    get = {(r["config"], r["tokens"]): r for r in rows}
+    out = ["# Engine step times by tokens a step carries (vLLM's iteration details)", "",
+           "Mean (p90) of the engine core's time per step, ms; steps counted per configuration (all its "
+           "repeats, warm-up included).", "",
+           "| tokens a step | " + " | ".join(f"{c} steps | {c} ms" for c in configs) + " |",
+           "|---|" + "---:|---:|" * len(configs)]
+    for b in buckets:
+        cells = []
+        for c in configs:
+            r = get.get((c, b))
+            cells += [str(r["steps"]), f"{r['elapsed_ms_mean']:.2f} ({r['elapsed_ms_p90']:.2f})"] if r else ["0", "–"]
+        out.append(f"| {b} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def write_step_times(out: Path, header: dict[str, Any]) -> Path | None:
+    """step-times.json / .md in `out` from its server logs; None when no log has iteration details.
+    `header`: the run's result header (command, date, host, versions, world size)."""
+    from benchmarks.common.results import write_results
+
+    rows = summarize(read_server_logs(out))
+    if not rows:
+        return None
+    doc = {k: v for k, v in header.items() if k != "records"}
+    doc["kind"] = "serving-step-times"
+    doc["records"] = rows
+    write_results(out / "step-times.json", doc)
+    md = out / "step-times.md"
+    md.write_text(markdown(rows))
+    return md
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path, help="a serving_bench output directory (with server-logs/)")
+    args = ap.parse_args(argv)
+    rows = summarize(read_server_logs(args.out))
+    if not rows:
+        print(f"no iteration details in {args.out / 'server-logs'} (was the run made with --step-times?)",
+              file=sys.stderr)
+        return 1
+    print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
