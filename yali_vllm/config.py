@@ -31,9 +31,10 @@ OFF_BY_DEFAULT = {
     6: "no serving run at TP=6 yet",
     8: "no serving run at TP=8 yet",
 }
-# World sizes whose fused all-reduce + RMSNorm pairs YALI leaves to vLLM's FlashInfer fusion unless
-# YALI_FUSION=1 asks for YALI's pass: there FlashInfer's fused kernel measured at least as fast as
-# YALI's at every token count it serves, and vLLM compiles no range above it that YALI's op serves.
+# World sizes whose fused all-reduce + RMSNorm pairs YALI leaves to vLLM's FlashInfer fusion in the
+# compile ranges FlashInfer serves, unless YALI_FUSION=1 asks for YALI's pass everywhere: there
+# FlashInfer's fused kernel measured at least as fast as YALI's at every token count it serves.
+# YALI's pass keeps the ranges above them that YALI serves (vllm_fusion.FlashInferThenYaliPass).
 FUSION_BY_FLASHINFER = {
     4: "FlashInfer's fused kernel is as fast as YALI's at 1-16 tokens and 1.13-1.17x faster at 32-64 "
        "(benchmarks/results/current/fused/20261126-tp4-flashinfer)",
@@ -66,7 +67,7 @@ SETTINGS = {
     "YALI_ENABLE": "the vLLM plugin on (1) or off (0)",
     "YALI_WORLD_SIZES": "the TP world sizes the vLLM plugin serves (default 2; e.g. 2,4)",
     "YALI_FUSION": "YALI's all-reduce + RMSNorm fusion pass instead of vLLM's FlashInfer one "
-                   "(unset: at the world sizes of FUSION_BY_FLASHINFER vLLM's pass serves)",
+                   "(unset: at the world sizes of FUSION_BY_FLASHINFER vLLM's pass serves its ranges)",
     "YALI_OVERLAP": "prefill GEMM + all-reduce + RMSNorm overlapped on the copy engine (opt-in)",
     "YALI_MAX_BYTES": "largest message YALI serves",
     "YALI_KERNEL_MODE": "auto, flash or stream",

@@ -70,6 +70,26 @@ def flashinfer_fusion_reason(world_size, environ=None) -> str | None:
     return f"at {world_size} ranks {reason}; {FUSION_VAR}=1 builds YALI's pass instead"
 
 
+def fusion_choice(environ=None) -> tuple[str, str]:
+    """Which fusion pass this process builds, and why: "yali" (YALI's pass), "vllm" (vLLM's
+    FlashInfer pass) or "vllm+yali" (at a FUSION_BY_FLASHINFER world size: vLLM's pass for the
+    compile ranges it serves, YALI's for the ranges above them that YALI serves; see
+    FlashInferThenYaliPass). ValueError naming YALI_FUSION when it is invalid."""
+    use, why = fusion_decision(environ)
+    if use:
+        return "yali", why
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+    except Exception:
+        return "vllm", why
+    leave = flashinfer_fusion_reason(getattr(group, "world_size", None), environ)
+    if leave is not None and why.endswith(leave):
+        return "vllm+yali", why + "; YALI's pass serves the compile ranges above FlashInfer's that YALI serves"
+    return "vllm", why
+
+
 def fusion_decision(environ=None) -> tuple[bool, str]:
     """Whether this process should build YALI's fusion pass, and why (not).
 
@@ -386,3 +406,41 @@ class YaliAllReduceFusionPass(VllmPatternMatcherPass):
         self.matched_count = self.patterns.apply(graph)
         VllmPatternMatcherPass.match_table[self.pass_name] += self.matched_count
         logger.debug("YaliAllReduceFusionPass replaced %s patterns", self.matched_count)
+
+
+class FlashInferThenYaliPass(VllmInductorPass):
+    """vLLM's FlashInfer fusion pass for the compile ranges it serves, YALI's pass for the ranges
+    above them that YALI serves: what the plugin builds at a FUSION_BY_FLASHINFER world size, where
+    FlashInfer's fused kernel measured at least as fast as YALI's over its whole range and YALI's
+    op faster than vLLM's unfused pair above it (four ranks: 0.72-0.78x at 256-512 tokens).
+    vLLM compiles one range above FlashInfer's (129-8192 tokens at four ranks), which YALI's op does
+    not cover; with a compile range endpoint at YALI's limit
+    (``-cc.compile_ranges_endpoints=[512]``) the range 129-512 gets YALI's op. Each range is
+    rewritten by exactly one of the two passes."""
+
+    def __init__(self, flashinfer, yali, config) -> None:
+        super().__init__(config)
+        self.pass_name = "flashinfer_then_yali_fusion_pass"
+        self.flashinfer, self.yali = flashinfer, yali
+        self._range = None
+
+    def pass_for_range(self, compile_range):
+        """The pass that rewrites `compile_range`: FlashInfer's where it applies, else YALI's where
+        it applies, else None."""
+        if self.flashinfer.is_applicable_for_range(compile_range):
+            return self.flashinfer
+        if self.yali.is_applicable_for_range(compile_range):
+            return self.yali
+        return None
+
+    def is_applicable_for_range(self, compile_range) -> bool:
+        self._range = compile_range
+        return self.pass_for_range(compile_range) is not None
+
+    def uuid(self) -> str:
+        return self.flashinfer.uuid() + self.yali.uuid()
+
+    def __call__(self, graph: fx.Graph) -> None:
+        chosen = self.pass_for_range(self._range) if self._range is not None else self.flashinfer
+        if chosen is not None:
+            chosen(graph)

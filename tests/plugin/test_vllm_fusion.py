@@ -66,6 +66,20 @@ class StandInPass:
         return "stand-in"
 
 
+class RangedStandInPass(StandInPass):
+    """A FlashInfer stand-in that, like vLLM's pass, applies up to `max_tokens` and counts its runs."""
+
+    def __init__(self, config, max_tokens):
+        super().__init__(config)
+        self.max_tokens, self.calls = max_tokens, 0
+
+    def is_applicable_for_range(self, compile_range):
+        return compile_range.end <= self.max_tokens
+
+    def __call__(self, graph):
+        self.calls += 1
+
+
 class StandInYali:
     """Stand-in for a YaliCommunicator: can_fuse() answers `fuse`; the fused
     call records its arguments and returns vLLM's unfused result computed on
@@ -538,6 +552,27 @@ def _range_results(cfg, tp) -> dict:
         comm.yali_comm = StandInYali(fuse=True, group=tp, serve_limit=limit)
         p = vllm_fusion.YaliAllReduceFusionPass(cfg)
         out[str(limit)] = [p.max_token_num, [p.is_applicable_for_range(Range(start=a, end=b)) for a, b in RANGES]]
+    # The composite at a FUSION_BY_FLASHINFER world size: a FlashInfer stand-in serving up to 256
+    # tokens, YALI's pass up to 1024 (8 MiB of hidden 4096 bf16): each range goes to exactly one.
+    comm.yali_comm = StandInYali(fuse=True, group=tp, serve_limit=8 << 20)
+    flashinfer = RangedStandInPass(cfg, max_tokens=256)
+    both = vllm_fusion.FlashInferThenYaliPass(flashinfer, vllm_fusion.YaliAllReduceFusionPass(cfg), cfg)
+    routed = []
+    for a, b in RANGES:
+        r = Range(start=a, end=b)
+        chosen = both.pass_for_range(r)
+        applies = both.is_applicable_for_range(r)
+        if applies:
+            calls = flashinfer.calls
+            graph = torch.fx.Graph()  # nothing to rewrite: only which pass runs is looked at
+            graph.output(graph.placeholder("x"))
+            both(torch.fx.GraphModule(torch.nn.Module(), graph).graph)
+            chosen_called = "flashinfer" if flashinfer.calls == calls + 1 else "yali"
+        else:
+            chosen_called = None
+        routed.append([applies, type(chosen).__name__ if chosen else None, chosen_called])
+    out["composite"] = routed
+    out["composite_uuid"] = both.uuid()
     comm.yali_comm = None
     return out
 
@@ -601,11 +636,13 @@ def test_ranks_factory_follows_yali_and_yali_fusion(tp_ranks):
             assert res["on_decision"] == [True, served]
             assert res["on_pass"] == "YaliAllReduceFusionPass" and res["on_factor"] == "yali"
             default_line = on_line
-        else:  # unset YALI_FUSION at a FUSION_BY_FLASHINFER world size: vLLM's pass, saying why
+        else:  # unset YALI_FUSION at a FUSION_BY_FLASHINFER world size: vLLM's pass below, YALI's above
             why = f"TP group 'tp:0': {leave}"
             assert res["on_decision"] == [False, why]
-            assert res["on_pass"] == "StandInPass" and res["on_factor"] == "vllm"
-            default_line = f"YALI fusion pass OFF: {why}; using vLLM's FlashInfer all-reduce+RMSNorm fusion"
+            assert res["on_pass"] == "FlashInferThenYaliPass" and res["on_factor"] == "vllm+yali"
+            default_line = ("YALI fusion pass ON above FlashInfer's compile ranges (vLLM's FlashInfer "
+                            f"all-reduce+RMSNorm fusion serves those): {why}; YALI's pass serves the compile "
+                            "ranges above FlashInfer's that YALI serves")
         # each distinct line once per process: at two ranks YALI_FUSION=1 repeats the ON line
         assert res["log"] == [
             "YALI fusion pass OFF: YALI all-reduce is OFF for group 'tp:0'; "
@@ -672,13 +709,29 @@ def test_ranks_pass_applies_only_to_the_token_counts_yali_serves(tp_ranks):
     assert any("compile ranges up to" in ln or "every token count" in ln for ln in tp_ranks[0]["patterns_log"])
 
 
-def test_ranks_vllm_pass_manager_builds_one_of_the_two_passes(tp_ranks):
-    """vLLM's pass manager builds YALI's pass, or at a FUSION_BY_FLASHINFER world size (unset
-    YALI_FUSION) vLLM's; never both."""
-    yali = vllm_fusion.flashinfer_fusion_reason(len(tp_ranks), {}) is None
+def test_ranks_flashinfer_then_yali_gives_each_range_to_one_pass(tp_ranks):
+    """FlashInferThenYaliPass: FlashInfer's pass for the ranges it serves (up to 256 tokens here),
+    YALI's for the ranges above that YALI serves (up to 1024), neither above; it runs the one
+    chosen."""
     for res in tp_ranks:
-        assert ("YaliAllReduceFusionPass" in res["configured"]) is yali, res["configured"]
-        assert ("StandInPass" in res["configured"]) is not yali, res["configured"]
+        assert res["ranges"]["composite"] == [
+            [True, "RangedStandInPass", "flashinfer"],        # 1-256
+            [True, "YaliAllReduceFusionPass", "yali"],        # 257-1024
+            [False, None, None],                              # 257-8192
+            [False, None, None],                              # 1025-8192
+        ]
+        assert res["ranges"]["composite_uuid"].startswith("stand-in")
+
+
+def test_ranks_vllm_pass_manager_builds_one_fusion_pass(tp_ranks):
+    """vLLM's pass manager builds YALI's pass, or at a FUSION_BY_FLASHINFER world size (unset
+    YALI_FUSION) the composite of vLLM's and YALI's; never two fusion passes side by side."""
+    want = ("YaliAllReduceFusionPass" if vllm_fusion.flashinfer_fusion_reason(len(tp_ranks), {}) is None
+            else "FlashInferThenYaliPass")
+    for res in tp_ranks:
+        fusion = [p for p in res["configured"] if p in ("YaliAllReduceFusionPass", "FlashInferThenYaliPass",
+                                                         "StandInPass")]
+        assert fusion == [want], res["configured"]
 
 
 def test_ranks_rewrite_replaces_all_reduce_and_norms(tp_ranks):

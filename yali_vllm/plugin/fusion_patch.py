@@ -35,16 +35,28 @@ def _log_fusion_once(level: int, msg: str, *args: Any) -> None:
 def fusion_pass_factory(original: Any) -> Any:
     """What PostGradPassManager.configure calls instead of vLLM's
     AllReduceFusionPass(config): YALI's pass when YALI serves the TP group
-    and YALI_FUSION is on, else vLLM's pass (``original``).  Exactly one of
-    the two is built, so vLLM's pass never runs alongside ours.  A bad
+    and YALI_FUSION is on, else vLLM's pass (``original``); at a world size of
+    FUSION_BY_FLASHINFER both, each for its own compile ranges
+    (FlashInferThenYaliPass), so no range is rewritten by both.  A bad
     YALI_FUSION raises ValueError naming it."""
 
     def AllReduceFusionPass(config: Any) -> Any:
         from yali_vllm import vllm_fusion
         from yali_vllm.config import env_flag
 
-        use, why = vllm_fusion.fusion_decision()
-        if use:
+        choice, why = vllm_fusion.fusion_choice()
+        if choice == "vllm+yali":
+            try:
+                pass_ = vllm_fusion.FlashInferThenYaliPass(original(config),
+                                                           vllm_fusion.YaliAllReduceFusionPass(config), config)
+            except Exception as e:  # deterministic, so every rank falls back alike
+                logger.warning("YALI fusion pass OFF: building it failed (%s: %s); using vLLM's FlashInfer fusion",
+                               type(e).__name__, e, exc_info=True)
+                return original(config)
+            _log_fusion_once(logging.INFO, "YALI fusion pass ON above FlashInfer's compile ranges (vLLM's "
+                             "FlashInfer all-reduce+RMSNorm fusion serves those): %s", why)
+            return pass_
+        if choice == "yali":
             try:
                 pass_ = vllm_fusion.YaliAllReduceFusionPass(config)
                 if env_flag("YALI_OVERLAP", False):  # opt-in until measured on two GPUs
@@ -122,11 +134,11 @@ def unpatch_fusion_pass() -> None:
 
 
 def fusion_cache_factor() -> str:
-    """Which fusion pass this process builds: "yali" or "vllm" (or "invalid")."""
+    """Which fusion pass this process builds: "yali", "vllm" or "vllm+yali" (or "invalid")."""
     try:
-        from yali_vllm.vllm_fusion import fusion_decision
+        from yali_vllm.vllm_fusion import fusion_choice
 
-        return "yali" if fusion_decision()[0] else "vllm"
+        return fusion_choice()[0]
     except Exception as e:
         return f"invalid ({type(e).__name__})"
 
