@@ -72,57 +72,51 @@ def flashinfer_fusion_reason(world_size, environ=None) -> str | None:
 
 def fusion_choice(environ=None) -> tuple[str, str]:
     """Which fusion pass this process builds, and why: "yali" (YALI's pass), "vllm" (vLLM's
-    FlashInfer pass) or "vllm+yali" (at a FUSION_BY_FLASHINFER world size: vLLM's pass for the
-    compile ranges it serves, YALI's for the ranges above them that YALI serves; see
-    FlashInferThenYaliPass). ValueError naming YALI_FUSION when it is invalid."""
-    use, why = fusion_decision(environ)
-    if use:
-        return "yali", why
-    try:
-        from vllm.distributed.parallel_state import get_tp_group
-
-        group = get_tp_group()
-    except Exception:
+    FlashInfer pass) or "vllm+yali" (at a FUSION_BY_FLASHINFER world size with YALI_FUSION unset:
+    vLLM's pass for the compile ranges it serves, YALI's for the ranges above them that YALI
+    serves; see FlashInferThenYaliPass). Every rank reaches the same answer (the YALI decision
+    is agreed over the group, the ranks compare their YALI_FUSION at set-up), which matters: one
+    rank in YALI's fused kernel and another in FlashInfer's would wait for each other.
+    ValueError naming YALI_FUSION when it is invalid."""
+    group, why = _yali_group(environ)
+    if group is None:
         return "vllm", why
-    leave = flashinfer_fusion_reason(getattr(group, "world_size", None), environ)
-    if leave is not None and why.endswith(leave):
-        return "vllm+yali", why + "; YALI's pass serves the compile ranges above FlashInfer's that YALI serves"
-    return "vllm", why
+    leave = flashinfer_fusion_reason(group.world_size, environ)
+    if leave is not None:
+        return "vllm+yali", (f"TP group '{group.unique_name}': {leave}; YALI's pass serves the compile "
+                             "ranges above FlashInfer's that YALI serves")
+    return "yali", why
 
 
 def fusion_decision(environ=None) -> tuple[bool, str]:
-    """Whether this process should build YALI's fusion pass, and why (not).
+    """Whether this process builds YALI's fusion pass alone (fusion_choice is "yali"), and why (not)."""
+    choice, why = fusion_choice(environ)
+    return choice == "yali", why
 
-    True only when YALI_FUSION is on, this process's TP group has a world
-    size YALI serves (yali_vllm.config.WORLD_SIZES: 2, 4, 6 or 8 ranks), the
-    plugin attached a YaliCommunicator to its device communicator, and the
-    world size is not one where FlashInfer's fused kernel measured at least as
-    fast (yali_vllm.config.FUSION_BY_FLASHINFER; YALI_FUSION=1 overrides).
-    Every rank reaches the same answer (the YALI decision is agreed over the
-    group, the environment is inherited), which matters: one rank in YALI's
-    fused kernel and another in FlashInfer's would wait for each other.
-    Raises ValueError naming YALI_FUSION for an invalid value.
-    """
+
+def _yali_group(environ=None):
+    """(the TP group, why) when YALI's fusion pass may serve this process's TP group: YALI_FUSION
+    is on, the group has a world size YALI serves (yali_vllm.config.WORLD_SIZES: 2, 4, 6 or 8
+    ranks) and the plugin attached a YaliCommunicator to its device communicator; else (None, why
+    not). Which compile ranges the pass then takes: fusion_choice. ValueError naming YALI_FUSION
+    for an invalid value."""
     from yali_vllm.config import world_size_refusal
 
     if not fusion_enabled(environ):
-        return False, f"disabled by {FUSION_VAR}"
+        return None, f"disabled by {FUSION_VAR}"
     try:
         from vllm.distributed.parallel_state import get_tp_group
 
         group = get_tp_group()
     except Exception as e:  # no TP group in this process (not a worker)
-        return False, f"no tensor-parallel group in this process ({type(e).__name__})"
+        return None, f"no tensor-parallel group in this process ({type(e).__name__})"
     name = getattr(group, "unique_name", "?")
     refusal = world_size_refusal(getattr(group, "world_size", None))
     if refusal is not None:
-        return False, f"TP group '{name}': {refusal}"
+        return None, f"TP group '{name}': {refusal}"
     if getattr(getattr(group, "device_communicator", None), "yali_comm", None) is None:
-        return False, f"YALI all-reduce is OFF for group '{name}'"
-    leave = flashinfer_fusion_reason(group.world_size, environ)
-    if leave is not None:
-        return False, f"TP group '{name}': {leave}"
-    return True, f"YALI serves TP group '{name}' ({group.world_size} ranks)"
+        return None, f"YALI all-reduce is OFF for group '{name}'"
+    return group, f"YALI serves TP group '{name}' ({group.world_size} ranks)"
 
 
 # --------------------------------------------------------------------------

@@ -426,6 +426,7 @@ def _factory_choices(cfg, tp) -> dict:
     res["off_factor"] = fusion_patch.fusion_cache_factor()
     comm.yali_comm = StandInYali(fuse=False, group=tp)
     res["on_decision"] = list(vllm_fusion.fusion_decision())
+    res["on_choice"] = list(vllm_fusion.fusion_choice())
     res["on_pass"] = type(factory(cfg)).__name__
     res["on_factor"] = fusion_patch.fusion_cache_factor()
     os.environ["YALI_FUSION"] = "0"
@@ -637,12 +638,12 @@ def test_ranks_factory_follows_yali_and_yali_fusion(tp_ranks):
             assert res["on_pass"] == "YaliAllReduceFusionPass" and res["on_factor"] == "yali"
             default_line = on_line
         else:  # unset YALI_FUSION at a FUSION_BY_FLASHINFER world size: vLLM's pass below, YALI's above
-            why = f"TP group 'tp:0': {leave}"
-            assert res["on_decision"] == [False, why]
+            why = (f"TP group 'tp:0': {leave}; YALI's pass serves the compile ranges above FlashInfer's "
+                   "that YALI serves")
+            assert res["on_decision"] == [False, why] and res["on_choice"] == ["vllm+yali", why]
             assert res["on_pass"] == "FlashInferThenYaliPass" and res["on_factor"] == "vllm+yali"
             default_line = ("YALI fusion pass ON above FlashInfer's compile ranges (vLLM's FlashInfer "
-                            f"all-reduce+RMSNorm fusion serves those): {why}; YALI's pass serves the compile "
-                            "ranges above FlashInfer's that YALI serves")
+                            f"all-reduce+RMSNorm fusion serves those): {why}")
         # each distinct line once per process: at two ranks YALI_FUSION=1 repeats the ON line
         assert res["log"] == [
             "YALI fusion pass OFF: YALI all-reduce is OFF for group 'tp:0'; "
