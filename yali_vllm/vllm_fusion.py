@@ -432,9 +432,21 @@ class FlashInferThenYaliPass(VllmInductorPass):
         return self.pass_for_range(compile_range) is not None
 
     def uuid(self) -> str:
-        return self.flashinfer.uuid() + self.yali.uuid()
+        # Part of Inductor's cache key: both passes and this routing.
+        return self.flashinfer.uuid() + self.yali.uuid() + VllmInductorPass.hash_source(type(self))
+
+    def _current_range(self):
+        """The range of the compilation in progress (vLLM's pass context), else the range of the
+        last is_applicable_for_range call (vLLM's pass manager asks just before it runs a pass)."""
+        try:
+            from vllm.compilation.passes.inductor_pass import get_pass_context
+
+            return get_pass_context().compile_range
+        except Exception:
+            return self._range
 
     def __call__(self, graph: fx.Graph) -> None:
-        chosen = self.pass_for_range(self._range) if self._range is not None else self.flashinfer
-        if chosen is not None:
+        compile_range = self._current_range()
+        chosen = self.pass_for_range(compile_range) if compile_range is not None else None
+        if chosen is not None:  # no range known: nothing rewritten, on every rank alike
             chosen(graph)

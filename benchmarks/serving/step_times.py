@@ -57,6 +57,9 @@ def bucket_of(tokens: int) -> str:
     raise AssertionError(tokens)
 
 
+BUCKET_ORDER = {bucket_of(hi): i for i, hi in enumerate(BUCKETS)}
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
@@ -66,12 +69,11 @@ def summarize(steps_by_config: dict[str, list[dict[str, Any]]]) -> list[dict[str
     """One row per (config, token bucket): steps, mean, p50, p90 and max elapsed ms, and the
     bucket's mean tokens and mean context (prefill) tokens."""
     rows = []
-    order = {f"{lo}-{hi}": i for i, (lo, hi) in enumerate(zip((1, *(b + 1 for b in BUCKETS)), BUCKETS))}
     for config, steps in steps_by_config.items():
         groups: dict[str, list[dict[str, Any]]] = {}
         for s in steps:
             groups.setdefault(bucket_of(s["tokens"]), []).append(s)
-        for bucket in sorted(groups, key=lambda b: order.get(b, len(order))):
+        for bucket in sorted(groups, key=BUCKET_ORDER.__getitem__):
             g = groups[bucket]
             ms = [s["elapsed_ms"] for s in g]
             rows.append({"config": config, "tokens": bucket, "steps": len(g),
@@ -97,7 +99,7 @@ def read_server_logs(out: Path) -> dict[str, list[dict[str, Any]]]:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     configs = list(dict.fromkeys(r["config"] for r in rows))
-    buckets = list(dict.fromkeys(r["tokens"] for r in rows))
+    buckets = sorted({r["tokens"] for r in rows}, key=BUCKET_ORDER.__getitem__)
     get = {(r["config"], r["tokens"]): r for r in rows}
     out = ["# Engine step times by tokens a step carries (vLLM's iteration details)", "",
            "Mean (p90) of the engine core's time per step, ms; steps counted per configuration (all its "

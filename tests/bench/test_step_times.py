@@ -57,6 +57,12 @@ def test_summary_and_table_per_config_and_bucket(tmp_path):
     md = st.markdown(rows)
     assert "| tokens a step | vllm-default steps | vllm-default ms | yali steps | yali ms |" in md  # logs by name
     assert "| 513-1152 | 1 | 48.00 (48.00) | 2 | 71.00 (72.00) |" in md
+    # buckets in token order whichever config has them first
+    (logs / "zz-r1.log").write_text("\n".join([line(1, 9000, 0, 500.0, gr=0), line(2, 0, 4, 9.0, cr=0)]))
+    order = [ln.split("|")[1].strip() for ln in st.markdown(st.summarize(st.read_server_logs(tmp_path))).splitlines()
+             if ln.startswith("| ") and not ln.startswith("| tokens")]
+    assert order == ["1-8", "9-32", "513-1152", ">8192"]
+    (logs / "zz-r1.log").unlink()
     header = {"kind": "serving-benchmark", "command": "x", "world_size": 4, "shared_gpu": False, "records": [1]}
     md_path = st.write_step_times(tmp_path, header)
     doc = json.loads((tmp_path / "step-times.json").read_text())

@@ -557,23 +557,24 @@ def _range_results(cfg, tp) -> dict:
     # tokens, YALI's pass up to 1024 (8 MiB of hidden 4096 bf16): each range goes to exactly one.
     comm.yali_comm = StandInYali(fuse=True, group=tp, serve_limit=8 << 20)
     flashinfer = RangedStandInPass(cfg, max_tokens=256)
-    both = vllm_fusion.FlashInferThenYaliPass(flashinfer, vllm_fusion.YaliAllReduceFusionPass(cfg), cfg)
+    yali = vllm_fusion.YaliAllReduceFusionPass(cfg)
+    both = vllm_fusion.FlashInferThenYaliPass(flashinfer, yali, cfg)
     routed = []
     for a, b in RANGES:
         r = Range(start=a, end=b)
         chosen = both.pass_for_range(r)
         applies = both.is_applicable_for_range(r)
+        ran = []
         if applies:
             calls = flashinfer.calls
+            yali.matched_count = -1  # YALI's pass sets it when it runs
             graph = torch.fx.Graph()  # nothing to rewrite: only which pass runs is looked at
             graph.output(graph.placeholder("x"))
             both(torch.fx.GraphModule(torch.nn.Module(), graph).graph)
-            chosen_called = "flashinfer" if flashinfer.calls == calls + 1 else "yali"
-        else:
-            chosen_called = None
-        routed.append([applies, type(chosen).__name__ if chosen else None, chosen_called])
+            ran = (["flashinfer"] if flashinfer.calls == calls + 1 else []) + (["yali"] if yali.matched_count != -1 else [])
+        routed.append([applies, type(chosen).__name__ if chosen else None, ran])
     out["composite"] = routed
-    out["composite_uuid"] = both.uuid()
+    out["composite_uuid"] = [both.uuid(), flashinfer.uuid(), yali.uuid()]
     comm.yali_comm = None
     return out
 
@@ -716,12 +717,15 @@ def test_ranks_flashinfer_then_yali_gives_each_range_to_one_pass(tp_ranks):
     chosen."""
     for res in tp_ranks:
         assert res["ranges"]["composite"] == [
-            [True, "RangedStandInPass", "flashinfer"],        # 1-256
-            [True, "YaliAllReduceFusionPass", "yali"],        # 257-1024
-            [False, None, None],                              # 257-8192
-            [False, None, None],                              # 1025-8192
+            [True, "RangedStandInPass", ["flashinfer"]],      # 1-256
+            [True, "YaliAllReduceFusionPass", ["yali"]],      # 257-1024
+            [False, None, []],                                # 257-8192
+            [False, None, []],                                # 1025-8192
         ]
-        assert res["ranges"]["composite_uuid"].startswith("stand-in")
+        both, flashinfer, yali = res["ranges"]["composite_uuid"]
+        # Inductor's cache key covers both passes and the routing: no cached graph of either pass
+        # alone is taken for the composite's
+        assert both.startswith(flashinfer + yali) and both not in (flashinfer, yali, flashinfer + yali)
 
 
 def test_ranks_vllm_pass_manager_builds_one_fusion_pass(tp_ranks):

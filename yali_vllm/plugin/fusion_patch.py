@@ -46,13 +46,14 @@ def fusion_pass_factory(original: Any) -> Any:
 
         choice, why = vllm_fusion.fusion_choice()
         if choice == "vllm+yali":
+            flashinfer = original(config)  # once: its workspace is set up at construction
             try:
-                pass_ = vllm_fusion.FlashInferThenYaliPass(original(config),
-                                                           vllm_fusion.YaliAllReduceFusionPass(config), config)
+                pass_ = vllm_fusion.FlashInferThenYaliPass(flashinfer, vllm_fusion.YaliAllReduceFusionPass(config),
+                                                           config)
             except Exception as e:  # deterministic, so every rank falls back alike
                 logger.warning("YALI fusion pass OFF: building it failed (%s: %s); using vLLM's FlashInfer fusion",
                                type(e).__name__, e, exc_info=True)
-                return original(config)
+                return flashinfer
             _log_fusion_once(logging.INFO, "YALI fusion pass ON above FlashInfer's compile ranges (vLLM's "
                              "FlashInfer all-reduce+RMSNorm fusion serves those): %s", why)
             return pass_
