@@ -27,7 +27,6 @@ needs vLLM's CUDA ops), so it loads, and the pass runs, on a CPU machine.
 # op function's annotations, which must be real types.
 
 import logging
-import os
 
 import torch
 import torch._inductor.pattern_matcher as pm
@@ -54,9 +53,10 @@ def fusion_enabled(environ=None) -> bool:
 
 def fusion_forced(environ=None) -> bool:
     """Whether YALI_FUSION is set on explicitly (then YALI's pass serves at every world size,
-    FUSION_BY_FLASHINFER's included)."""
-    raw = (os.environ if environ is None else environ).get(FUSION_VAR)
-    return raw is not None and raw.strip() != "" and fusion_enabled(environ)
+    FUSION_BY_FLASHINFER's included): the same flag read with "off" for unset."""
+    from yali_vllm.config import env_flag
+
+    return env_flag(FUSION_VAR, False, environ)
 
 
 def flashinfer_fusion_reason(world_size, environ=None) -> str | None:
@@ -409,7 +409,7 @@ class FlashInferThenYaliPass(VllmInductorPass):
     op faster than vLLM's unfused pair above it (four ranks: 0.72-0.78x at 256-512 tokens).
     vLLM compiles one range above FlashInfer's (129-8192 tokens at four ranks), which YALI's op does
     not cover; with a compile range endpoint at YALI's limit
-    (``-cc.compile_ranges_endpoints=[512]``) the range 129-512 gets YALI's op. Each range is
+    (``--compilation-config '{"compile_ranges_endpoints": [512]}'``) the range 129-512 gets YALI's op. Each range is
     rewritten by exactly one of the two passes."""
 
     def __init__(self, flashinfer, yali, config) -> None:
