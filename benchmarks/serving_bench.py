@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-prompts", type=positive_int, default=8)
     p.add_argument("--random-input-len", type=positive_int, default=1024)
     p.add_argument("--random-output-len", type=positive_int, default=256)
+    p.add_argument("--long-prompt-len", type=non_negative_int, default=0,
+                   help="after the concurrency points, one more point on each server: --long-prompt-count prompts of "
+                        "this many tokens at concurrency 1 (the time to first token of a long prompt), in its own table; "
+                        "0 = none")
+    p.add_argument("--long-prompt-count", type=positive_int, default=32, help="prompts of the long-prompt point")
     p.add_argument("--seed", type=non_negative_int, default=0, help="dataset seed; concurrency point i uses seed+i (no prefix-cache reuse between points)")
     p.add_argument("--bench-timeout-s", type=positive_float, default=300.0, help="max time for one vllm bench serve run (clipped to the budget)")
     p.add_argument("--bench-estimate-s", type=positive_float, default=25.0, help="assumed bench time until one is observed (budget planning)")

@@ -30,7 +30,7 @@ from benchmarks.serving.model import default_model_dir, model_summary, prepare_m
 from benchmarks.serving.profiler import move_traces, profile_prefill, profile_request, profiler_config
 from benchmarks.serving.report import write_report
 from benchmarks.serving.runners import CliBenchRunner, WorkerBenchRunner, bench_args
-from benchmarks.serving.schema import KIND, RESULT_NAME, make_record, parse_bench_result
+from benchmarks.serving.schema import KIND, LONG_PROMPT_RECORDS, RESULT_NAME, make_record, parse_bench_result
 from benchmarks.serving.server import server_command_for, server_env, start_server, stop_and_record, wait_ready
 from benchmarks.serving.step_times import SERVER_FLAG as STEP_TIMES_SERVER_FLAG, write_step_times
 
@@ -46,9 +46,10 @@ def validate_args(args: argparse.Namespace) -> list[str]:
         raise SystemExit(f"unknown config(s) {unknown}; known: {list(SERVER_CONFIGS)}")
     if args.soak_s and "yali" not in configs:
         raise SystemExit("--soak-s soaks the yali server: add yali to --configs")
-    need = args.random_input_len + args.random_output_len
+    need = max(args.random_input_len, args.long_prompt_len) + args.random_output_len
     if args.max_model_len < need:
-        raise SystemExit(f"--max-model-len {args.max_model_len} < input+output {need}")
+        raise SystemExit(f"--max-model-len {args.max_model_len} < input+output {need} "
+                         f"(--random-input-len / --long-prompt-len + --random-output-len)")
     from yali_vllm.models import MOE_SIZES
 
     dp_ep = [c for c in configs if SERVER_CONFIGS[c].parallel == "dp-ep"]
@@ -119,13 +120,13 @@ def run(args: argparse.Namespace) -> int:
             cmd.append(STEP_TIMES_SERVER_FLAG)
         return cmd
 
-    def b_args(base_url: str, c: int, j: int, result_dir: Path, name: str) -> list[str]:
+    def b_args(base_url: str, c: int, j: int, result_dir: Path, name: str, long_prompt: bool = False) -> list[str]:
         return bench_args(
             base_url,
             model_dir,
             concurrency=c,
-            num_prompts=num_prompts_for(c, args.prompts_per_concurrency, args.min_prompts),
-            input_len=args.random_input_len,
+            num_prompts=args.long_prompt_count if long_prompt else num_prompts_for(c, args.prompts_per_concurrency, args.min_prompts),
+            input_len=args.long_prompt_len if long_prompt else args.random_input_len,
             output_len=args.random_output_len,
             seed=args.seed + j,
             result_dir=result_dir,
@@ -142,6 +143,9 @@ def run(args: argparse.Namespace) -> int:
             print(" ".join(f"{k}={v}" for k, v in shown.items()) + " " + shlex.join(srv_cmd(cfg, args.port)))
             for j, c in enumerate(concs):
                 bargs = b_args(f"http://127.0.0.1:{args.port}", c, j, out / "raw", f"{cfg}-r{rep}-c{c}.json")
+                print("  " + shlex.join([*split_command(args.vllm_bin), "bench", "serve", *bargs]))
+            if args.long_prompt_len:
+                bargs = b_args(f"http://127.0.0.1:{args.port}", 1, len(concs), out / "raw", f"{cfg}-r{rep}-long.json", True)
                 print("  " + shlex.join([*split_command(args.vllm_bin), "bench", "serve", *bargs]))
         print(f"# bench runner: {args.bench_runner}")
         if args.locust_users:
@@ -185,7 +189,7 @@ def _run_all(
     schedule: list[tuple[int, str]],
     concs: list[int],
     srv_cmd: Callable[[str, int], list[str]],
-    b_args: Callable[[str, int, int, Path, str], list[str]],
+    b_args: Callable[..., list[str]],
     runner: CliBenchRunner | WorkerBenchRunner,
 ) -> int:
     say(f"writing {args.model_size} model to {model_dir}")
@@ -218,6 +222,9 @@ def _run_all(
         "warmup_requests": args.warmup_requests,
         "bench_runner": args.bench_runner,
     }
+    if args.long_prompt_len:
+        workload["long_prompt"] = {"input_len": args.long_prompt_len, "concurrency": 1,
+                                   "num_prompts": args.long_prompt_count, "seed": args.seed + len(concs)}
     say("collecting host and version info")
     doc = results_header(
         KIND,
@@ -230,6 +237,7 @@ def _run_all(
             },
             "multicast_off_env": dict(MULTICAST_OFF_ENV),
             "records": [],
+            LONG_PROMPT_RECORDS: [],
             "server_logs": [],
             "errors": [],
             "skipped": [],
@@ -241,7 +249,7 @@ def _run_all(
     write_results(json_path, doc)
 
     est_startup: float | None = None
-    est_bench: dict[int, float] = {}
+    est_bench: dict[str, float] = {}
     dead_configs: set[str] = set()
     port = args.port
     stop_reserve = args.stop_grace_s + 15.0
@@ -273,21 +281,25 @@ def _run_all(
                                              args.warmup_requests)
                 est_startup = max(est_startup or 0.0, waited)
                 say(f"{tag}: healthy after {waited:.1f}s" + (f", warm-up {ok} ok, {bad} failed" if args.warmup_requests else ""))
-                for j, c in enumerate(concs):
-                    est = est_bench.get(c, args.bench_estimate_s)
+                points = [(c, f"c{c}", False) for c in concs]
+                if args.long_prompt_len:
+                    points.append((1, "long", True))
+                for j, (c, label, long_prompt) in enumerate(points):
+                    est = est_bench.get(label, args.bench_estimate_s)
                     if deadline.remaining() < est + stop_reserve:
-                        skip(rep, cfg, c, f"budget: {deadline.remaining():.0f}s left < ~{est + stop_reserve:.0f}s needed")
-                        say(f"{tag} c={c}: skipped, not enough budget left")
+                        skip(rep, cfg, c, f"{label}: budget: {deadline.remaining():.0f}s left < ~{est + stop_reserve:.0f}s needed")
+                        say(f"{tag} {label}: skipped, not enough budget left")
                         continue
                     if not server.alive():
                         raise ServerError(
                             f"server {cfg} exited (code {server.proc.returncode}); last 50 log lines:\n"
                             + "\n".join(tail_lines(log_path, 50))
                         )
-                    name = f"{cfg}-r{rep}-c{c}"
-                    bargs = b_args(server.base_url, c, j, raw_dir, name + ".json")
-                    n_prompts = num_prompts_for(c, args.prompts_per_concurrency, args.min_prompts)
-                    say(f"{tag} c={c}: vllm bench serve ({runner.name}), {n_prompts} prompts")
+                    name = f"{cfg}-r{rep}-{label}"
+                    bargs = b_args(server.base_url, c, j, raw_dir, name + ".json", long_prompt)
+                    n_prompts = args.long_prompt_count if long_prompt else num_prompts_for(c, args.prompts_per_concurrency, args.min_prompts)
+                    input_len = args.long_prompt_len if long_prompt else args.random_input_len
+                    say(f"{tag} {label}: vllm bench serve ({runner.name}), {n_prompts} prompts of {input_len} tokens, concurrency {c}")
                     t0 = time.monotonic()
                     rc = runner.run(bargs, raw_dir / f"{name}.log", deadline.clip(args.bench_timeout_s, stop_reserve))
                     dur = time.monotonic() - t0
@@ -295,10 +307,12 @@ def _run_all(
                     if rc == 0 and result_file.exists():
                         parsed = parse_bench_result(result_file)
                         rec = make_record(cfg, c, rep, parsed, result_file=str(result_file.relative_to(out)), wall_s=round(dur, 1))
-                        doc["records"].append(rec)
-                        est_bench[c] = max(est_bench.get(c, 0.0), dur)
+                        if long_prompt:
+                            rec["input_len"] = input_len
+                        doc[LONG_PROMPT_RECORDS if long_prompt else "records"].append(rec)
+                        est_bench[label] = max(est_bench.get(label, 0.0), dur)
                         say(
-                            f"{tag} c={c}: done in {dur:.1f}s: TPOT p50 {_g(rec['tpot_ms_p50'])} ms, "
+                            f"{tag} {label}: done in {dur:.1f}s: TPOT p50 {_g(rec['tpot_ms_p50'])} ms, "
                             f"ITL p99 {_g(rec['itl_ms_p99'])} ms, TTFT p50 {_g(rec['ttft_ms_p50'])} ms, "
                             f"{_g(rec['output_tok_s'])} tok/s, failed {rec['failed']}"
                         )
@@ -306,9 +320,9 @@ def _run_all(
                         why = "timed out" if rc is None else f"exit code {rc}"
                         tail = tail_lines(raw_dir / f"{name}.log", 20)
                         doc["errors"].append(
-                            {"config": cfg, "repeat": rep, "concurrency": c, "error": f"vllm bench serve {why}", "log_tail": tail}
+                            {"config": cfg, "repeat": rep, "concurrency": c, "error": f"vllm bench serve ({label}) {why}", "log_tail": tail}
                         )
-                        say(f"{tag} c={c}: FAILED ({why}); see {raw_dir / (name + '.log')}")
+                        say(f"{tag} {label}: FAILED ({why}); see {raw_dir / (name + '.log')}")
                     write_results(json_path, doc)
                 if (args.profile_tokens or args.profile_prefill_tokens) and rep == 1:
                     if deadline.remaining() < 90.0 + stop_reserve:

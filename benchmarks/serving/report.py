@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common.results import under, world_size_of
-from benchmarks.serving.schema import EXTRA_RESULT_KEYS, parse_bench_result
+from benchmarks.serving.schema import EXTRA_RESULT_KEYS, LONG_PROMPT_RECORDS, parse_bench_result
 from benchmarks.serving.stats import METRICS, Stat, aggregate, ordered_configs, verdict
 
 
@@ -20,12 +20,41 @@ def _fmt_stat(stat: Stat | None, fmt: str) -> str:
     return f"{fmt.format(stat.mean)} ± {fmt.format(stat.spread / 2.0)}"
 
 
+def _point_tables(L: list[str], agg: dict[tuple[int, str], dict[str, Any]], configs: Sequence[str], c: int,
+                  where: str) -> None:
+    """One point's table (a row per config), then yali's verdict against each other config."""
+    head_metric = METRICS[0]
+    others = [o for o in configs if o != "yali" and (c, o) in agg]
+    cols = ["config", "runs", *[m.label for m in METRICS], "failed", f"yali vs this ({head_metric.label})"]
+    L.append("| " + " | ".join(cols) + " |")
+    L.append("|" + "|".join(["---"] * len(cols)) + "|")
+    y = agg.get((c, "yali"))
+    for cfg in configs:
+        a = agg.get((c, cfg))
+        if a is None:
+            continue
+        cells = [cfg, str(a["repeats"])]
+        cells += [_fmt_stat(a[m.key], m.fmt) for m in METRICS]
+        cells.append(str(a["failed"]))
+        cells.append("—" if cfg == "yali" else verdict(y[head_metric.key] if y else None, a[head_metric.key], True)[1])
+        L.append("| " + " | ".join(cells) + " |")
+    L.append("")
+    if y and others:
+        L.append(f"Verdicts at {where}, yali vs each config:")
+        L.append("")
+        L.append("| metric | " + " | ".join(f"vs {o}" for o in others) + " |")
+        L.append("|---|" + "|".join(["---"] * len(others)) + "|")
+        for m in METRICS:
+            cells = [verdict(y[m.key], agg[(c, o)][m.key], m.lower_is_better)[1] for o in others]
+            L.append(f"| {m.label} | " + " | ".join(cells) + " |")
+        L.append("")
+
+
 def render_markdown(doc: dict[str, Any], plot_files: Sequence[str] = ()) -> str:
     records = doc.get("records") or []
     agg = aggregate(records)
     configs = ordered_configs(records)
     concs = sorted({int(r["concurrency"]) for r in records})
-    others = [c for c in configs if c != "yali"]
     L: list[str] = []
     L.append(f"# Serving benchmark, TP={world_size_of(doc)}: yali vs vLLM all-reduce paths")
     L.append("")
@@ -56,38 +85,18 @@ def render_markdown(doc: dict[str, Any], plot_files: Sequence[str] = ()) -> str:
     if not records:
         L.append("**No benchmark point completed.**")
         L.append("")
-    head_metric = METRICS[0]
     for c in concs:
         L.append(f"## Concurrency {c}")
         L.append("")
-        cols = ["config", "runs", *[m.label for m in METRICS], "failed", f"yali vs this ({head_metric.label})"]
-        L.append("| " + " | ".join(cols) + " |")
-        L.append("|" + "|".join(["---"] * len(cols)) + "|")
-        y = agg.get((c, "yali"))
-        for cfg in configs:
-            a = agg.get((c, cfg))
-            if a is None:
-                continue
-            cells = [cfg, str(a["repeats"])]
-            cells += [_fmt_stat(a[m.key], m.fmt) for m in METRICS]
-            cells.append(str(a["failed"]))
-            if cfg == "yali":
-                cells.append("—")
-            else:
-                cells.append(verdict(y[head_metric.key] if y else None, a[head_metric.key], True)[1])
-            L.append("| " + " | ".join(cells) + " |")
+        _point_tables(L, agg, configs, c, f"concurrency {c}")
+    long_records = doc.get(LONG_PROMPT_RECORDS) or []
+    if long_records:
+        long_in = sorted({int(r.get("input_len") or 0) for r in long_records})
+        L.append(f"## Long prompts: input {', '.join(map(str, long_in))} tokens, concurrency 1")
         L.append("")
-        if y and others:
-            present = [o for o in others if (c, o) in agg]
-            if present:
-                L.append(f"Verdicts at concurrency {c}, yali vs each config:")
-                L.append("")
-                L.append("| metric | " + " | ".join(f"vs {o}" for o in present) + " |")
-                L.append("|---|" + "|".join(["---"] * len(present)) + "|")
-                for m in METRICS:
-                    cells = [verdict(y[m.key], agg[(c, o)][m.key], m.lower_is_better)[1] for o in present]
-                    L.append(f"| {m.label} | " + " | ".join(cells) + " |")
-                L.append("")
+        L.append("The time to first token of a long prompt (its prefill), each server after its concurrency points.")
+        L.append("")
+        _point_tables(L, aggregate(long_records), ordered_configs(long_records), 1, "the long-prompt point")
     logs = doc.get("server_logs") or []
     if logs:
         L.append("## All-reduce backends the servers logged")
@@ -212,7 +221,7 @@ def merge_results(docs: Sequence[dict[str, Any]], sources: Sequence[str],
     merged = dict(docs[0])
     merged["merged_from"] = list(sources)
     merged["commands"] = [d.get("command") for d in docs]
-    for key in ("records", "server_logs", "errors", "skipped"):
+    for key in ("records", LONG_PROMPT_RECORDS, "server_logs", "errors", "skipped"):
         merged[key] = []
     next_rep: dict[str, int] = {}
     for i, d in enumerate(docs):
@@ -226,8 +235,9 @@ def merge_results(docs: Sequence[dict[str, Any]], sources: Sequence[str],
             rep = e.get("repeat")
             return renum.get((e.get("config"), int(rep)), rep) if rep is not None else rep
 
-        for r in d.get("records") or []:
-            merged["records"].append({**r, "repeat": repeat_of(r), "result_file": under(prefix, r.get("result_file"))})
+        for key in ("records", LONG_PROMPT_RECORDS):
+            for r in d.get(key) or []:
+                merged[key].append({**r, "repeat": repeat_of(r), "result_file": under(prefix, r.get("result_file"))})
         for e in d.get("server_logs") or []:
             merged["server_logs"].append({**e, "repeat": repeat_of(e), "log_file": under(prefix, e.get("log_file"))})
         for key in ("errors", "skipped"):
@@ -238,7 +248,7 @@ def merge_results(docs: Sequence[dict[str, Any]], sources: Sequence[str],
 def backfill_extra_keys(doc: dict[str, Any], base: Path) -> None:
     """Fills the EXTRA_RESULT_KEYS a record lacks (written before they existed) from its
     ``result_file`` (relative to ``base``, the result's directory) where that file is kept."""
-    for r in doc.get("records") or []:
+    for r in [*(doc.get("records") or []), *(doc.get(LONG_PROMPT_RECORDS) or [])]:
         missing = [k for k in EXTRA_RESULT_KEYS if r.get(k) is None]
         path = base / r["result_file"] if missing and r.get("result_file") else None
         if path is None or not path.is_file():

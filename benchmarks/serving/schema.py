@@ -9,6 +9,8 @@ from typing import Any
 
 KIND = "serving-benchmark"
 RESULT_NAME = "serving-benchmark.json"
+# The records of the long-prompt point (--long-prompt-len: concurrency 1, a longer input, its own table).
+LONG_PROMPT_RECORDS = "long_prompt_records"
 DEFAULT_CONFIGS = ("yali", "vllm-default", "nccl")
 
 ROW_KEYS = (

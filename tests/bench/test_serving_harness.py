@@ -476,7 +476,8 @@ def bench_main(args):
            "request_throughput": n / 1.0, "request_goodput": None, "output_throughput": 1000.0 * c / tpot,
            "total_token_throughput": 1.0, "max_output_tokens_per_s": 1.0, "max_concurrent_requests": c,
            "rtfx": 0.0}
-    for m, v in (("ttft", 40.0 * factor), ("tpot", tpot), ("itl", tpot)):
+    ttft = 40.0 * factor * int(args.random_input_len) / 1024  # a prefill grows with the prompt
+    for m, v in (("ttft", ttft), ("tpot", tpot), ("itl", tpot)):
         res.update({f"mean_{m}_ms": v, f"median_{m}_ms": v, f"std_{m}_ms": 0.0, f"p50_{m}_ms": v, f"p99_{m}_ms": v * 1.5})
     os.makedirs(args.result_dir, exist_ok=True)
     with open(os.path.join(args.result_dir, args.result_filename), "w") as f:
@@ -723,6 +724,43 @@ def test_full_run_with_fake_vllm(tmp_path, fake_vllm, monkeypatch):
     assert "(better)" in nccl_row  # fake nccl is 30% slower than fake yali
     if importlib.util.find_spec("matplotlib"):
         assert (out / "tpot_p50.png").stat().st_size > 1000 and (out / "itl_p99.png").exists()
+
+
+def test_long_prompt_point_has_its_own_records_table_and_merge(tmp_path, fake_vllm, monkeypatch):
+    """--long-prompt-len adds one concurrency-1 point of longer prompts to every server, recorded apart
+    from the concurrency points (their tables stay as they are), tabled on its own, kept by a merge."""
+    monkeypatch.setattr(bench_run, "prepare_model", _tiny_model)
+    monkeypatch.setattr(bench_run, "install_signal_handlers", lambda: None)
+    out = tmp_path / "out"
+    monkeypatch.setenv("PYTHONPATH", str(fake_vllm.parent))
+    common = ["--vllm-bin", f"{sys.executable} {fake_vllm}", "--bench-runner", "worker", "--bench-module", "fake_vllm",
+              "--model-size", "8b", "--model-dir", str(tmp_path / "model"), "--concurrency", "1", "--configs", "yali,nccl",
+              "--budget-s", "300", "--stop-grace-s", "4", "--startup-timeout-s", "30", "--bench-timeout-s", "30",
+              "--warmup-requests", "0", "--random-output-len", "16"]
+    with pytest.raises(SystemExit, match="--max-model-len 2048 < input\\+output 4112"):
+        sb.main([*common, "--long-prompt-len", "4096", "--out", str(out)])
+    rc = sb.main([*common, "--repeats", "2", "--long-prompt-len", "4096", "--long-prompt-count", "3",
+                  "--max-model-len", "8192", "--port", str(free_port()), "--out", str(out)])
+    assert rc == 0
+    doc = json.loads((out / "serving-benchmark.json").read_text())
+    serving_doc_schema_check(doc)
+    assert doc["workload"]["long_prompt"] == {"input_len": 4096, "concurrency": 1, "num_prompts": 3, "seed": 1}
+    assert len(doc["records"]) == 4 and all("input_len" not in r for r in doc["records"])
+    long_recs = doc[schema.LONG_PROMPT_RECORDS]
+    assert sorted((r["config"], r["repeat"]) for r in long_recs) == [("nccl", 1), ("nccl", 2), ("yali", 1), ("yali", 2)]
+    assert all(r["input_len"] == 4096 and r["concurrency"] == 1 and r["num_prompts"] == 3 for r in long_recs)
+    short_ttft = {r["config"]: r["ttft_ms_p50"] for r in doc["records"]}
+    assert all(r["ttft_ms_p50"] == pytest.approx(4 * short_ttft[r["config"]], rel=0.01) for r in long_recs)
+    md = (out / "serving-benchmark.md").read_text()
+    long_md = md.split("## Long prompts: input 4096 tokens, concurrency 1")[1]
+    assert "(better)" in next(line for line in long_md.splitlines() if line.startswith("| nccl |"))
+    assert "Verdicts at the long-prompt point" in long_md
+    merged = tmp_path / "merged"
+    path = out / "serving-benchmark.json"
+    assert sb.main(["--report-only", str(path), str(path), "--out", str(merged)]) == 0
+    mdoc = json.loads((merged / "serving-benchmark.json").read_text())
+    assert sorted(r["repeat"] for r in mdoc[schema.LONG_PROMPT_RECORDS] if r["config"] == "yali") == [1, 2, 3, 4]
+    assert "## Long prompts" in (merged / "serving-benchmark.md").read_text()
 
 
 def test_budget_exhausted_still_writes_results(tmp_path, fake_vllm, monkeypatch):
