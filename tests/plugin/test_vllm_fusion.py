@@ -445,6 +445,7 @@ def _factory_choices(cfg, tp) -> dict:
     os.environ["YALI_FUSION"] = "1"
     del handler_lines[:]
     res["overlap_pass"] = type(factory(cfg)).__name__
+    res["overlap_factor"] = fusion_patch.fusion_cache_factor()
     res["overlap_log"] = [ln for ln in handler_lines if ln.startswith("YALI fusion pass ON")]
     del os.environ["YALI_OVERLAP"], os.environ["YALI_FUSION"]
 
@@ -633,16 +634,16 @@ def test_ranks_factory_follows_yali_and_yali_fusion(tp_ranks):
         assert res["disabled_pass"] == "StandInPass" and res["disabled_factor"] == "vllm"
         # YALI_FUSION=1 builds YALI's pass at every world size YALI serves
         assert res["forced_decision"] == [True, served]
-        assert res["forced_pass"] == "YaliAllReduceFusionPass" and res["forced_factor"] == "yali"
+        assert res["forced_pass"] == "YaliAllReduceFusionPass" and _choice(res["forced_factor"]) == "yali"
         if leave is None:  # unset YALI_FUSION: YALI's pass
             assert res["on_decision"] == [True, served]
-            assert res["on_pass"] == "YaliAllReduceFusionPass" and res["on_factor"] == "yali"
+            assert res["on_pass"] == "YaliAllReduceFusionPass" and _choice(res["on_factor"]) == "yali"
             default_line = on_line
         else:  # unset YALI_FUSION at a FUSION_BY_FLASHINFER world size: vLLM's pass below, YALI's above
             why = (f"TP group 'tp:0': {leave}; YALI's pass serves the compile ranges above FlashInfer's "
                    "that YALI serves")
             assert res["on_decision"] == [False, why] and res["on_choice"] == ["vllm+yali", why]
-            assert res["on_pass"] == "FlashInferThenYaliPass" and res["on_factor"] == "vllm+yali"
+            assert res["on_pass"] == "FlashInferThenYaliPass" and _choice(res["on_factor"]) == "vllm+yali"
             default_line = ("YALI fusion pass ON above FlashInfer's compile ranges (vLLM's FlashInfer "
                             f"all-reduce+RMSNorm fusion serves those): {why}")
         # each distinct line once per process: at two ranks YALI_FUSION=1 repeats the ON line
@@ -685,15 +686,26 @@ def test_unserved_tp_world_size_keeps_vllms_fusion_pass(unserved_tp_ranks):
         assert "StandInPass" in res["configured"] and "YaliAllReduceFusionPass" not in res["configured"]
 
 
+def _choice(factor: str) -> str:
+    """The pass choice of a compile-cache factor ("yali@<sources hash>" -> "yali")."""
+    return factor.split("@")[0]
+
+
 def test_ranks_overlap_pass_serves_two_ranks_only(tp_ranks):
+    """YALI_OVERLAP=1 adds the overlap pass at two ranks, and the compile-cache factor says so (a
+    server with the overlap must not load the graph of a server without it); at N ranks neither."""
     n = len(tp_ranks)
     served = f"YALI serves TP group 'tp:0' ({n} ranks)"
     for res in tp_ranks:
+        sources = res["forced_factor"].split("@")[1]
+        assert len(sources) == 16 and res["overlap_factor"].endswith("@" + sources)
         if n == 2:
             assert res["overlap_pass"] == "YaliFusionWithOverlap"
+            assert _choice(res["overlap_factor"]) == "yali+overlap"
             note = "prefill GEMM + all-reduce + RMSNorm overlapped (YALI_OVERLAP=1)"
         else:
             assert res["overlap_pass"] == "YaliAllReduceFusionPass"
+            assert res["overlap_factor"] == res["forced_factor"]
             note = f"YALI_OVERLAP=1 is not applied: TP world size is {n}; the overlap serves 2 ranks"
         assert res["overlap_log"] == [
             f"YALI fusion pass ON (replaces vLLM's FlashInfer all-reduce+RMSNorm fusion): {served}; {note}"

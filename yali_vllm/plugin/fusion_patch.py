@@ -9,7 +9,10 @@ choice (:data:`CACHE_FACTOR`).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
+from pathlib import Path
 from typing import Any
 
 from yali_vllm.vllm_log import LOGGER
@@ -86,11 +89,9 @@ def fusion_pass_factory(original: Any) -> Any:
 def _with_overlap(fusion_pass: Any, config: Any) -> tuple[Any, str]:
     """Under YALI_OVERLAP=1: the fusion pass followed by the overlap pass when the TP group has the
     world size the overlap serves, else the fusion pass alone; and what the log line adds."""
-    from vllm.distributed.parallel_state import get_tp_group
-
     from yali_vllm import vllm_overlap
 
-    refusal = vllm_overlap.overlap_refusal(get_tp_group().world_size)
+    refusal = _overlap_refusal()
     if refusal is not None:
         return fusion_pass, f"; YALI_OVERLAP=1 is not applied: {refusal}"
     return (vllm_overlap.with_overlap(fusion_pass, config),
@@ -135,24 +136,51 @@ def unpatch_fusion_pass() -> None:
 
 
 def fusion_cache_factor() -> str:
-    """Which fusion pass this process builds: "yali", "vllm" or "vllm+yali" (or "invalid")."""
+    """Which passes this process builds, as vLLM's compile cache key sees them: "vllm", or
+    "yali", "yali+overlap" or "vllm+yali" followed by "@" and the hash of YALI's pass sources
+    (a graph rewritten by another version of them is not reused); "invalid (...)" for a bad knob."""
     try:
+        from yali_vllm.config import env_flag
         from yali_vllm.vllm_fusion import fusion_choice
 
-        return fusion_choice()[0]
+        choice = fusion_choice()[0]
+        if choice == "yali" and env_flag("YALI_OVERLAP", False) and _overlap_refusal() is None:
+            choice += "+overlap"
+        return choice if choice == "vllm" else f"{choice}@{_pass_sources_hash()}"
     except Exception as e:
         return f"invalid ({type(e).__name__})"
 
 
+def _overlap_refusal() -> str | None:
+    """Why the overlap pass is not built for this process's TP group (None: it is, under YALI_OVERLAP=1)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from yali_vllm import vllm_overlap
+
+    return vllm_overlap.overlap_refusal(get_tp_group().world_size)
+
+
+@functools.lru_cache(maxsize=1)
+def _pass_sources_hash() -> str:
+    """The hash of the modules whose code rewrites vLLM's graphs (the fusion and overlap passes)."""
+    from yali_vllm import vllm_fusion, vllm_overlap
+
+    h = hashlib.sha256()
+    for module in (vllm_fusion, vllm_overlap):
+        h.update(Path(module.__file__).read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _register_cache_factor() -> None:
-    """Make vLLM's compile cache key depend on the fusion pass chosen.
+    """Make vLLM's compile cache key depend on the passes chosen (fusion_cache_factor).
 
     vLLM keys its torch.compile caches (VllmBackend's cache directory and the
     AOT-compiled artifact) on its config and on ``vllm.envs.compile_factors()``,
     which hashes every entry of ``vllm.envs.environment_variables``; the
-    plugin's choice is in neither.  Without this entry a run with YALI's pass
-    would load a graph compiled with FlashInfer's fusion by an earlier run
-    without YALI (or the reverse).  The entry's getter is evaluated when vLLM
+    plugin's choice is in neither (the AOT key does not see the passes' uuid).
+    Without this entry a run with YALI's pass would load a graph compiled with
+    FlashInfer's fusion by an earlier run without YALI (or the reverse), and a
+    run with YALI_OVERLAP=1 the graph of an earlier run without the overlap.  The entry's getter is evaluated when vLLM
     computes the key, in the worker, after the TP group is set up."""
     import vllm.envs as envs
 
