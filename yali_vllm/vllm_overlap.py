@@ -55,8 +55,26 @@ def run_on_group(group, x: torch.Tensor, weight_t: torch.Tensor, residual, norm_
     yc = getattr(getattr(group, "device_communicator", None), "yali_comm", None)
     weight = weight_t.t()  # the linear layer's [hidden, k] weight (a view)
     if yc is not None and x.shape[0] >= MIN_TOKENS and yc.can_overlap(x, weight, residual, norm_weight):
+        _log_first_call(group, True, x.shape[0])
         return yc.gemm_allreduce_rmsnorm(x, weight, residual, norm_weight, eps)
+    _log_first_call(group, False, x.shape[0])
     return vllm_fusion.run_on_group(group, torch.mm(x, weight_t), residual, norm_weight, eps)
+
+
+_first_calls: set[tuple[str, bool]] = set()
+
+
+def _log_first_call(group, overlapped: bool, tokens: int) -> None:
+    """One line per process and (group, path) the first time the op runs: the sign that the
+    overlap is in the compiled graph also when vLLM loaded that graph from its compile cache
+    (where the overlap pass is never built and its line never appears)."""
+    key = (str(getattr(group, "unique_name", "?")), overlapped)
+    if key in _first_calls:
+        return
+    _first_calls.add(key)
+    logger.info("YALI overlap op: first call on group '%s' (%d tokens) runs %s", key[0], tokens,
+                "the overlapped GEMM + all-reduce + RMSNorm" if overlapped
+                else "the GEMM, then the fused all-reduce + RMSNorm path")
 
 
 def yali_gemm_allreduce_rmsnorm(

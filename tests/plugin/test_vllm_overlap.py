@@ -77,6 +77,25 @@ def test_routing_by_token_count(tokens, overlapped):
         assert torch.equal(norm, exp[0]) and torch.equal(res_out, exp[1])
 
 
+def test_first_call_of_each_path_is_logged_once(caplog, monkeypatch):
+    """The overlap op says which path its first call takes (the sign of the overlap in a graph vLLM
+    loaded from its compile cache), once per group and path."""
+    monkeypatch.setattr(vllm_overlap, "_first_calls", set())
+    group = Group(_layer(vllm_overlap.MIN_TOKENS)[2], Yali(overlap=True))
+    group.unique_name = "tp:0"
+    with caplog.at_level(logging.INFO, logger="vllm.yali"):
+        for tokens in (vllm_overlap.MIN_TOKENS, vllm_overlap.MIN_TOKENS + 1, 8, 9):
+            x, weight, _, res, nw = _layer(tokens)
+            group.peer = torch.zeros(tokens, 64).bfloat16()
+            vllm_overlap.run_on_group(group, x, weight.t(), res, nw, EPS)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("YALI overlap op")]
+    assert lines == [
+        f"YALI overlap op: first call on group 'tp:0' ({vllm_overlap.MIN_TOKENS} tokens) runs the overlapped "
+        "GEMM + all-reduce + RMSNorm",
+        "YALI overlap op: first call on group 'tp:0' (8 tokens) runs the GEMM, then the fused all-reduce + RMSNorm path",
+    ]
+
+
 def test_refused_tensors_take_the_fused_path():
     x, weight, peer, res, nw = _layer(600)
     yali = Yali(overlap=False)
