@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common.results import under, world_size_of
-from benchmarks.serving.schema import EXTRA_RESULT_KEYS, LONG_PROMPT_RECORDS, parse_bench_result
+from benchmarks.serving.schema import EXTRA_RESULT_KEYS, LONG_PROMPT_RECORDS, SLOW_GAP_BINS, parse_bench_result
 from benchmarks.serving.stats import METRICS, Stat, aggregate, ordered_configs, verdict
 
 
@@ -50,6 +50,25 @@ def _point_tables(L: list[str], agg: dict[tuple[int, str], dict[str, Any]], conf
         L.append("")
 
 
+def _slow_gap_table(L: list[str], records: Sequence[dict[str, Any]], configs: Sequence[str], c: int) -> None:
+    """Where the gaps longer than each point's ITL p99 fall in a request, per config (summed over repeats)."""
+    rows = []
+    for cfg in configs:
+        slow = [r["slow_gaps"] for r in records if r["config"] == cfg and int(r["concurrency"]) == c and r.get("slow_gaps")]
+        if slow:
+            counts = {name: sum(s["above_p99"].get(name, 0) for s in slow) for name, _, _ in SLOW_GAP_BINS}
+            rows.append((cfg, sum(s["gaps"] for s in slow), counts))
+    if not rows:
+        return
+    L.append("Gaps longer than the point's ITL p99 (about the slowest 1 %), by their place in a request (gap 1 follows the first token):")
+    L.append("")
+    L.append("| config | gaps | " + " | ".join(f"gap {name}" for name, _, _ in SLOW_GAP_BINS) + " |")
+    L.append("|---|---|" + "|".join(["---"] * len(SLOW_GAP_BINS)) + "|")
+    for cfg, n, counts in rows:
+        L.append(f"| {cfg} | {n} | " + " | ".join(str(counts[name]) for name, _, _ in SLOW_GAP_BINS) + " |")
+    L.append("")
+
+
 def render_markdown(doc: dict[str, Any], plot_files: Sequence[str] = ()) -> str:
     records = doc.get("records") or []
     agg = aggregate(records)
@@ -89,6 +108,7 @@ def render_markdown(doc: dict[str, Any], plot_files: Sequence[str] = ()) -> str:
         L.append(f"## Concurrency {c}")
         L.append("")
         _point_tables(L, agg, configs, c, f"concurrency {c}")
+        _slow_gap_table(L, records, configs, c)
     long_records = doc.get(LONG_PROMPT_RECORDS) or []
     if long_records:
         long_in = sorted({int(r.get("input_len") or 0) for r in long_records})

@@ -62,6 +62,7 @@ def bench_args(
         "--num-warmups",
         str(num_warmups),
         "--save-result",
+        "--save-detailed",  # per-request gaps: where the slowest fall (schema.slow_gap_positions)
         "--result-dir",
         str(result_dir),
         "--result-filename",

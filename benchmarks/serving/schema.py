@@ -56,6 +56,28 @@ def _num(v: Any) -> float | None:
     return f if f == f else None  # NaN -> None
 
 
+# Where in a request the slowest gaps fall: the gap after the first token, the next ones, the rest.
+SLOW_GAP_BINS = (("1", 1, 1), ("2-8", 2, 8), ("9+", 9, None))
+
+
+def slow_gap_positions(itls: Any) -> dict[str, Any] | None:
+    """From ``--save-detailed``'s per-request inter-token gaps (seconds): the gaps longer than the
+    point's own 99th percentile (about the slowest 1 %), counted by their index in the request (gap 1 follows the first
+    token), so an ITL p99 difference can be placed (a request's first decode steps, or any step).
+    None when the result has no per-request gaps."""
+    if not isinstance(itls, list) or not any(isinstance(r, list) and r for r in itls):
+        return None
+    gaps = sorted(g for r in itls if isinstance(r, list) for g in r)
+    p99 = gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
+    counts = {name: 0 for name, _, _ in SLOW_GAP_BINS}
+    for r in itls:
+        for i, g in enumerate(r if isinstance(r, list) else [], start=1):
+            if g > p99:
+                name = next(n for n, lo, hi in SLOW_GAP_BINS if i >= lo and (hi is None or i <= hi))
+                counts[name] += 1
+    return {"p99_ms": round(p99 * 1e3, 3), "gaps": len(gaps), "above_p99": counts}
+
+
 def parse_bench_result(result: dict[str, Any] | str | Path) -> dict[str, Any]:
     """Row metrics from one ``vllm bench serve --save-result`` JSON (vLLM 0.26 keys)."""
     if not isinstance(result, dict):
@@ -70,6 +92,9 @@ def parse_bench_result(result: dict[str, Any] | str | Path) -> dict[str, Any]:
                 if val is not None:
                     break
         row[key] = val
+    slow = slow_gap_positions(result.get("itls"))
+    if slow is not None:
+        row["slow_gaps"] = slow
     row["failed"] = int(result.get("failed") or 0)
     row["completed"] = int(result.get("completed") or 0)
     row["duration_s"] = _num(result.get("duration"))
@@ -81,7 +106,7 @@ def make_record(config: str, concurrency: int, repeat: int, parsed: dict[str, An
     rec = {"config": config, "concurrency": int(concurrency), "repeat": int(repeat)}
     for k in ROW_KEYS[3:]:
         rec[k] = parsed.get(k)
-    for k in ("completed", "duration_s", "num_prompts", *EXTRA_RESULT_KEYS):
+    for k in ("completed", "duration_s", "num_prompts", "slow_gaps", *EXTRA_RESULT_KEYS):
         if k in parsed:
             rec[k] = parsed[k]
     rec.update(extra)

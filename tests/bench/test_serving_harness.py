@@ -145,6 +145,16 @@ def test_vllm_result_keys_match_vllm_source_when_available():
 
 
 # ------------------------------------------------------------ aggregation and verdicts
+def test_slow_gap_positions_bins_the_gaps_above_p99():
+    assert schema.slow_gap_positions(None) is None and schema.slow_gap_positions([[], []]) is None
+    # 500 gaps of 1 ms but five: 9 ms (gap 1), 8 ms (gap 5), 7 ms (gap 12), 6 and 5 ms (gap 3 of two
+    # requests); the p99 (the 496th of 500) is 5 ms, so the 9, 8, 7 and 6 ms gaps lie above it
+    itls = [[0.009] + [0.001] * 99, [0.001] * 4 + [0.008] + [0.001] * 95, [0.001] * 11 + [0.007] + [0.001] * 88,
+            [0.001] * 2 + [0.006] + [0.001] * 97, [0.001] * 2 + [0.005] + [0.001] * 97]
+    slow = schema.slow_gap_positions(itls)
+    assert slow == {"p99_ms": 5.0, "gaps": 500, "above_p99": {"1": 1, "2-8": 2, "9+": 1}}
+
+
 def test_summarize_mean_and_spread():
     st = stats.summarize([5.0, 5.2, None])
     assert st.n == 2 and st.mean == pytest.approx(5.1) and st.spread == pytest.approx(0.2)
@@ -452,7 +462,7 @@ def add_cli_args(p):
               "--random-input-len", "--random-output-len", "--seed", "--max-concurrency", "--num-prompts",
               "--num-warmups", "--result-dir", "--result-filename", "--percentile-metrics", "--metric-percentiles"):
         p.add_argument(a, required=a in ("--base-url", "--max-concurrency", "--num-prompts", "--result-dir"))
-    for a in ("--ignore-eos", "--save-result", "--disable-tqdm"):
+    for a in ("--ignore-eos", "--save-result", "--save-detailed", "--disable-tqdm"):
         p.add_argument(a, action="store_true")
 
 
@@ -486,6 +496,9 @@ def bench_main(args):
     ttft = 40.0 * factor * int(args.random_input_len) / 1024  # a prefill grows with the prompt
     for m, v in (("ttft", ttft), ("tpot", tpot), ("itl", tpot)):
         res.update({f"mean_{m}_ms": v, f"median_{m}_ms": v, f"std_{m}_ms": 0.0, f"p50_{m}_ms": v, f"p99_{m}_ms": v * 1.5})
+    if args.save_detailed:  # per-request gaps (s): the first decode gap of every request the slowest
+        out = int(args.random_output_len or 4)
+        res["itls"] = [[3 * tpot / 1e3] + [tpot / 1e3] * (out - 2) for _ in range(n)]
     os.makedirs(args.result_dir, exist_ok=True)
     with open(os.path.join(args.result_dir, args.result_filename), "w") as f:
         json.dump(res, f)
@@ -725,8 +738,12 @@ def test_full_run_with_fake_vllm(tmp_path, fake_vllm, monkeypatch):
     assert "$ vllm bench serve --backend vllm" in point_log and "fake bench done" in point_log
     assert "bench worker ready" in (out / "raw" / "bench-worker.log").read_text()
     assert not list((out / "raw").glob("*.done-*"))
+    # --save-detailed: where the slowest gaps fall (the fake's first decode gap of every request)
+    slow = next(r for r in doc["records"] if r["config"] == "yali" and r["concurrency"] == 8)["slow_gaps"]
+    assert slow["gaps"] == 32 * 255 and slow["above_p99"] == {"1": 32, "2-8": 0, "9+": 0}
     md = (out / "serving-benchmark.md").read_text()
     c8 = md.split("## Concurrency 8")[1]
+    assert "| yali | 16320 | 64 | 0 | 0 |" in c8  # two repeats
     nccl_row = next(line for line in c8.splitlines() if line.startswith("| nccl |"))
     assert "(better)" in nccl_row  # fake nccl is 30% slower than fake yali
     if importlib.util.find_spec("matplotlib"):
