@@ -16,20 +16,26 @@ def rec(nbytes, timing, p50, p99=None, backend="yali", dtype="bf16"):
 
 def test_target_rows_worst_size_decides_and_missing_targets_are_named():
     res = {"records": [
-        rec(2 * KiB, "graph", 2.5), rec(64 * KiB, "graph", 3.6),       # 64 KiB misses 3.5 by 0.10
-        rec(64 * KiB, "graph", 1.0, backend="nccl"),                     # other backends do not count
-        rec(1 * MiB, "graph", 5.6), rec(4 * MiB, "graph", 14.0),
-        rec(64 * MiB, "graph", 64 * MiB / 337e3),                         # 337 GB/s: misses 340 by 3
+        rec(2 * KiB, "graph", 2.3), rec(64 * KiB, "graph", 2.5),       # 64 KiB misses 2.4 by 0.10
+        rec(64 * KiB, "graph", 2.0, backend="nccl"),                     # faster than yali at 64 KiB
+        rec(2 * KiB, "graph", 4.6, backend="vllm-custom"),
+        rec(1 * MiB, "graph", 4.9), rec(4 * MiB, "graph", 14.0),
+        rec(64 * MiB, "graph", 64 * MiB / 337e3),                         # 337 GB/s: misses 350 by 13
         rec(16 * MiB, "eager", 60.0, 61.0), rec(64 * MiB, "eager", 200.0, 240.0),  # p99/p50 1.20 misses 1.15
     ]}
     rows = {label: (measured, verdict) for label, measured, verdict in ab.target_rows(res)}
-    assert rows["≤ 64 KiB: per-op ≤ 3.5 µs"] == ("2K: 2.50, 64K: 3.60", "missed by 0.10")
-    assert rows["1 MiB: per-op ≤ 7.0 µs"][1] == "met" and rows["4 MiB: per-op ≤ 15 µs"][1] == "met"
-    assert rows["64 MiB: busBW ≥ 340 GB/s"][1] == "missed by 3.00"
-    assert rows["1 GiB eager: busBW ≥ 360 GB/s"] == ("not measured in this run", "–")
+    assert rows["≤ 64 KiB: per-op ≤ 2.4 µs"] == ("2K: 2.30, 64K: 2.50", "missed by 0.10")
+    assert rows["1 MiB: per-op ≤ 5.0 µs"][1] == "met" and rows["4 MiB: per-op ≤ 13 µs"][1] == "missed by 1.00"
+    assert rows["≥ 64 MiB: busBW ≥ 350 GB/s"] == ("64M: 337.00", "missed by 13.00")
+    # yali / best other: 2.3 / 4.6 = 0.50 at 2 KiB, 2.5 / 2.0 = 1.25 at 64 KiB; sizes with no other backend left out
+    assert rows["every size: no other backend faster (yali / best other ≤ 1)"] == (
+        "2K: 0.50, 64K: 1.25", "missed by 0.25")
     assert rows["16–256 MiB eager: p99/p50 ≤ 1.15"][1] == "missed by 0.05"
     md = ab.markdown_table({"records": res["records"], "host": "h", "date": "d", "command": "c"})
-    assert "## Targets (yali, bf16)" in md and "| 4 MiB: per-op ≤ 15 µs | 4M: 14.00 | met |" in md
+    assert "## Targets (yali, bf16)" in md and "| 4 MiB: per-op ≤ 13 µs | 4M: 14.00 | missed by 1.00 |" in md
+    del res["records"][-2:]
+    rows = {label: (measured, verdict) for label, measured, verdict in ab.target_rows(res)}
+    assert rows["16–256 MiB eager: p99/p50 ≤ 1.15"] == ("not measured in this run", "–")
 
 
 def test_eager_table_starts_where_eager_is_a_device_time():

@@ -103,36 +103,39 @@ def test_fused_table_matches_its_result_file(header_start, world_size):
                 assert _number(cell) == pytest.approx(round(want, 2), abs=0.006), (row[0], t, cell)
 
 
-# README's TP=4 serving tables: column -> (concurrency, record field); a cell shows as many digits
-# as its mean has.
-TP4_COLUMNS = {
+# README's serving tables: column -> (concurrency, record field); a cell shows as many digits as
+# its mean has.
+SERVING_COLUMNS = {
     "c=1 TPOT p50": (1, "tpot_ms_p50"), "c=1 TTFT p50": (1, "ttft_ms_p50"), "c=1 TTFT p99": (1, "ttft_ms_p99"),
+    "c=1 ITL p99": (1, "itl_ms_p99"), "c=8 TPOT p50": (8, "tpot_ms_p50"),
     "c=32 output tok/s": (32, "output_tok_s"), "c=32 TPOT p50": (32, "tpot_ms_p50"),
     "c=32 ITL p99": (32, "itl_ms_p99"), "c=32 TTFT p50": (32, "ttft_ms_p50"),
 }
-TP4_ROWS = {"YALI (`YALI_WORLD_SIZES=all`)": "yali", "vLLM's defaults": "vllm-default"}
+SERVING_ROWS = {"YALI (`YALI_WORLD_SIZES=all`)": "yali", "YALI": "yali", "vLLM's defaults": "vllm-default"}
 
 
-def test_tp4_serving_tables_match_their_result_files():
+@pytest.mark.parametrize("first, last, world_size, tables", [
+    ("### Two GPUs", "### Serving at TP=4", 2, 1), ("### Serving at TP=4", "## Limits", 4, 2)])
+def test_serving_tables_match_their_result_files(first, last, world_size, tables):
     """Each cell is the mean ± half the spread of the starts in the merged serving result linked
     last before its table; the bold cell of a column is the better configuration (lower, or more
     tokens/s)."""
-    section = README[README.index("### Serving at TP=4"):README.index("## Limits")]
+    section = README[README.index(first):README.index(last)]
     starts = [m.start() for m in re.finditer(r"^\| \| c=", section, re.M)]
-    assert len(starts) >= 2
+    assert len(starts) >= tables
     for start in starts:
         link = re.findall(r"\((benchmarks/results/current/serving/[\w.-]+)/README\.md\)", section[:start])[-1]
         data = json.loads((REPO / link / "serving-benchmark.json").read_text())
-        assert data["world_size"] == 4 and data["shared_gpu"] is False
+        assert data["world_size"] == world_size and data["shared_gpu"] is False
         lines = section[start:].split("\n\n", 1)[0].splitlines()
         cells = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in lines]
         header, rows = cells[0][1:], cells[2:]
-        assert sorted(r[0] for r in rows) == sorted(TP4_ROWS)
+        assert sorted(SERVING_ROWS[r[0]] for r in rows) == ["vllm-default", "yali"]
         shown: dict = {}
         for row in rows:
-            cfg = TP4_ROWS[row[0]]
+            cfg = SERVING_ROWS[row[0]]
             for name, cell in zip(header, row[1:]):
-                conc, field = TP4_COLUMNS[name]
+                conc, field = SERVING_COLUMNS[name]
                 values = [r[field] for r in data["records"] if r["config"] == cfg and r["concurrency"] == conc]
                 assert len(values) == 2, (link, cfg, name, values)
                 mean, half = sum(values) / 2, (max(values) - min(values)) / 2
