@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# End-to-end serving benchmark of the 70B-class dummy model, bounded by its own budget.
+# End-to-end serving benchmark of an embedded dummy model (MODEL_SIZE, default 70b; also 8b),
+# bounded by its own budget.
 #   serving.sh [REPEATS] [SUFFIX] [CONFIGS] [PROFILE_TOKENS]
+# (OUTPUT_LEN: tokens out, default 256, input 1024; MIN_PROMPTS (default 8) at concurrency 1;
+# LONG_PROMPT_LEN > 0: one more point per server, 32 prompts of that many tokens at concurrency 1
+# (the max model length grows to hold it).)
 # (TP: the servers' tensor-parallel size, default 2; 4 or 8 on a host with that many GPUs (6 splits
 # neither embedded model, and the benchmark refuses it); the result name then carries -tpN.)
 # (SERVING_BUDGET_S bounds the run, default 555 s. LOCUST_USERS > 0: a locust run of LOCUST_S
@@ -22,12 +26,17 @@
 # its log, its JSON and one archive (the markdown, load-test/soak JSON, per-point raw files, server
 # logs and locust CSV/HTML are inside it; the markdown is also printed).
 . scripts/gpu_host/env.sh
-name="serving-70b-$(date +%Y%m%d)$TP_TAG-${2:-r1}"
+MODEL_SIZE="${MODEL_SIZE:-70b}"
+LONG="${LONG_PROMPT_LEN:-0}"
+MAX_LEN=$(( (LONG > 1024 ? LONG : 1024) + ${OUTPUT_LEN:-256} ))
+MAX_LEN=$(( MAX_LEN > 2048 ? MAX_LEN : 2048 ))
+name="serving-$MODEL_SIZE-$(date +%Y%m%d)$TP_TAG-${2:-r1}"
 work=/tmp/$name
-timeout -k 20 "$(( ${SERVING_BUDGET_S:-555} + 20 ))" python3 -m benchmarks.serving_bench --model-size 70b --world-size "$TP" --repeats "${1:-1}" --concurrency "${CONCURRENCY:-1,8,32}" \
+timeout -k 20 "$(( ${SERVING_BUDGET_S:-555} + 20 ))" python3 -m benchmarks.serving_bench --model-size "$MODEL_SIZE" --world-size "$TP" --repeats "${1:-1}" --concurrency "${CONCURRENCY:-1,8,32}" \
   --configs "${3:-yali,vllm-default,nccl}" --profile-tokens "${4:-0}" --profile-prefill-tokens "${PROFILE_PREFILL_TOKENS:-0}" \
   --locust-users "${LOCUST_USERS:-0}" --locust-duration-s "${LOCUST_S:-60}" --soak-s "${SOAK_S:-0}" \
-  --random-input-len 1024 --random-output-len 256 --max-num-seqs 64 --stop-grace-s "${STOP_GRACE_S:-30}" --budget-s "${SERVING_BUDGET_S:-555}" --out "$work" \
+  --random-input-len 1024 --random-output-len "${OUTPUT_LEN:-256}" --min-prompts "${MIN_PROMPTS:-8}" --long-prompt-len "$LONG" \
+  --max-model-len "$MAX_LEN" --max-num-seqs 64 --stop-grace-s "${STOP_GRACE_S:-30}" --budget-s "${SERVING_BUDGET_S:-555}" --out "$work" \
   ${STEP_TIMES:+--step-times} 2>&1 \
   | tee "$OUT/$name.log" | grep -v -i warn | tail -45
 cp "$work"/serving-benchmark.json "$OUT/$name.json" 2>/dev/null
