@@ -35,6 +35,8 @@ from torch._inductor.pattern_matcher import PatternMatcherPass
 from vllm.compilation.passes.inductor_pass import enable_fake_mode
 from vllm.compilation.passes.vllm_inductor_pass import VllmInductorPass, VllmPatternMatcherPass
 
+from yali_vllm.vllm_log import log_first_call
+
 logger = logging.getLogger("vllm.yali")
 
 FUSION_VAR = "YALI_FUSION"
@@ -160,19 +162,11 @@ def norm_after_all_reduce(ar: torch.Tensor, residual, weight: torch.Tensor, eps:
     return out, res
 
 
-_first_calls: set[tuple[str, bool]] = set()
-
-
 def _log_first_call(group, yali: bool) -> None:
-    """One line per process and (group, path) the first time the op runs. It says that YALI's fused
-    op is in the compiled graph also when vLLM loaded that graph from its compile cache, where
-    the fusion pass is never built and its ON line never appears."""
-    key = (str(getattr(group, "unique_name", "?")), yali)
-    if key in _first_calls:
-        return
-    _first_calls.add(key)
-    logger.info("YALI fused all-reduce + RMSNorm op: first call on group '%s' runs %s", key[0],
-                "YALI's fused kernel" if yali else "the group's all-reduce, then vLLM's RMSNorm")
+    """The fused op's first call per group and path (vllm_log.log_first_call)."""
+    name = str(getattr(group, "unique_name", "?"))
+    log_first_call("fused", (name, yali), "YALI fused all-reduce + RMSNorm op: first call on group '%s' runs %s", name,
+                   "YALI's fused kernel" if yali else "the group's all-reduce, then vLLM's RMSNorm")
 
 
 def run_on_group(group, input: torch.Tensor, residual, weight: torch.Tensor, eps: float):

@@ -96,3 +96,16 @@ def hold_until_configured() -> bool:
     log.setLevel(logging.DEBUG)
     log.propagate = False
     return True
+
+
+_first_calls: set[tuple] = set()
+
+
+def log_first_call(op: str, key: tuple, msg: str, *args) -> None:
+    """One INFO line per process, op and key (its group and path) the first time `op` runs: the
+    sign that the op is in the compiled graph also when vLLM loaded that graph from its compile
+    cache, where the pass that put it there is never built and its line never appears."""
+    if (op, key) in _first_calls:
+        return
+    _first_calls.add((op, key))
+    logging.getLogger(LOGGER).info(msg, *args)

@@ -33,6 +33,7 @@ from torch import fx
 from vllm.compilation.passes.vllm_inductor_pass import VllmInductorPass
 
 from yali_vllm import overlap, vllm_fusion
+from yali_vllm.vllm_log import log_first_call
 
 logger = logging.getLogger("vllm.yali")
 
@@ -61,20 +62,12 @@ def run_on_group(group, x: torch.Tensor, weight_t: torch.Tensor, residual, norm_
     return vllm_fusion.run_on_group(group, torch.mm(x, weight_t), residual, norm_weight, eps)
 
 
-_first_calls: set[tuple[str, bool]] = set()
-
-
 def _log_first_call(group, overlapped: bool, tokens: int) -> None:
-    """One line per process and (group, path) the first time the op runs: the sign that the
-    overlap is in the compiled graph also when vLLM loaded that graph from its compile cache
-    (where the overlap pass is never built and its line never appears)."""
-    key = (str(getattr(group, "unique_name", "?")), overlapped)
-    if key in _first_calls:
-        return
-    _first_calls.add(key)
-    logger.info("YALI overlap op: first call on group '%s' (%d tokens) runs %s", key[0], tokens,
-                "the overlapped GEMM + all-reduce + RMSNorm" if overlapped
-                else "the GEMM, then the fused all-reduce + RMSNorm path")
+    """The overlap op's first call per group and path (vllm_log.log_first_call)."""
+    name = str(getattr(group, "unique_name", "?"))
+    log_first_call("overlap", (name, overlapped), "YALI overlap op: first call on group '%s' (%d tokens) runs %s", name,
+                   tokens, "the overlapped GEMM + all-reduce + RMSNorm" if overlapped
+                   else "the GEMM, then the fused all-reduce + RMSNorm path")
 
 
 def yali_gemm_allreduce_rmsnorm(

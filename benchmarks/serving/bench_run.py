@@ -62,6 +62,13 @@ def validate_args(args: argparse.Namespace) -> list[str]:
     return configs
 
 
+def point_prompts(args: argparse.Namespace, c: int, long_prompt: bool) -> tuple[int, int]:
+    """(prompts, input tokens) of a point: a concurrency point, or the long-prompt point."""
+    if long_prompt:
+        return args.long_prompt_count, args.long_prompt_len
+    return num_prompts_for(c, args.prompts_per_concurrency, args.min_prompts), args.random_input_len
+
+
 def write_decode_profile(out: Path, tokens: int, model_size: str) -> Path | None:
     """decode-profile.json/.md from out/traces/<config>/ (profile_analysis)."""
     doc = profile_analysis.profile_doc(out / "traces", tokens,
@@ -121,12 +128,13 @@ def run(args: argparse.Namespace) -> int:
         return cmd
 
     def b_args(base_url: str, c: int, j: int, result_dir: Path, name: str, long_prompt: bool = False) -> list[str]:
+        n_prompts, input_len = point_prompts(args, c, long_prompt)
         return bench_args(
             base_url,
             model_dir,
             concurrency=c,
-            num_prompts=args.long_prompt_count if long_prompt else num_prompts_for(c, args.prompts_per_concurrency, args.min_prompts),
-            input_len=args.long_prompt_len if long_prompt else args.random_input_len,
+            num_prompts=n_prompts,
+            input_len=input_len,
             output_len=args.random_output_len,
             seed=args.seed + j,
             result_dir=result_dir,
@@ -255,8 +263,9 @@ def _run_all(
     stop_reserve = args.stop_grace_s + 15.0
     interrupted: BaseException | None = None
 
-    def skip(rep: int, cfg: str, c: int | None, reason: str) -> None:
-        doc["skipped"].append({"config": cfg, "repeat": rep, "concurrency": c, "reason": reason})
+    def skip(rep: int, cfg: str, c: int | None, reason: str, long_prompt: bool = False) -> None:
+        doc["skipped"].append({"config": cfg, "repeat": rep, "concurrency": c, "reason": reason,
+                               **({"point": "long"} if long_prompt else {})})
 
     try:
         for idx, (rep, cfg) in enumerate(schedule):
@@ -287,7 +296,8 @@ def _run_all(
                 for j, (c, label, long_prompt) in enumerate(points):
                     est = est_bench.get(label, args.bench_estimate_s)
                     if deadline.remaining() < est + stop_reserve:
-                        skip(rep, cfg, c, f"{label}: budget: {deadline.remaining():.0f}s left < ~{est + stop_reserve:.0f}s needed")
+                        skip(rep, cfg, c, f"budget: {deadline.remaining():.0f}s left < ~{est + stop_reserve:.0f}s needed",
+                             long_prompt)
                         say(f"{tag} {label}: skipped, not enough budget left")
                         continue
                     if not server.alive():
@@ -297,8 +307,7 @@ def _run_all(
                         )
                     name = f"{cfg}-r{rep}-{label}"
                     bargs = b_args(server.base_url, c, j, raw_dir, name + ".json", long_prompt)
-                    n_prompts = args.long_prompt_count if long_prompt else num_prompts_for(c, args.prompts_per_concurrency, args.min_prompts)
-                    input_len = args.long_prompt_len if long_prompt else args.random_input_len
+                    n_prompts, input_len = point_prompts(args, c, long_prompt)
                     say(f"{tag} {label}: vllm bench serve ({runner.name}), {n_prompts} prompts of {input_len} tokens, concurrency {c}")
                     t0 = time.monotonic()
                     rc = runner.run(bargs, raw_dir / f"{name}.log", deadline.clip(args.bench_timeout_s, stop_reserve))
@@ -320,7 +329,8 @@ def _run_all(
                         why = "timed out" if rc is None else f"exit code {rc}"
                         tail = tail_lines(raw_dir / f"{name}.log", 20)
                         doc["errors"].append(
-                            {"config": cfg, "repeat": rep, "concurrency": c, "error": f"vllm bench serve ({label}) {why}", "log_tail": tail}
+                            {"config": cfg, "repeat": rep, "concurrency": c, "error": f"vllm bench serve {why}", "log_tail": tail,
+                             **({"point": "long"} if long_prompt else {})}
                         )
                         say(f"{tag} {label}: FAILED ({why}); see {raw_dir / (name + '.log')}")
                     write_results(json_path, doc)

@@ -62,7 +62,9 @@ def yali_log_warnings(config: str, key_lines: Sequence[str]) -> list[str]:
     if wants_fusion and on and not fused:
         warnings.append(f"no 'YALI fusion pass ON' line and no first call of YALI's fused op in the {config} "
                         "server's log: the all-reduce + RMSNorm pairs ran through vLLM's FlashInfer fusion or unfused")
-    if env.get("YALI_OVERLAP") == "1" and on and not any(YALI_OVERLAP_RE.search(ln) for ln in key_lines):
+    overlap_refused = any("YALI_OVERLAP=1 is not applied" in ln for ln in key_lines)  # not two ranks
+    if (env.get("YALI_OVERLAP") == "1" and env.get("YALI_FUSION") != "0" and on and not overlap_refused
+            and not any(YALI_OVERLAP_RE.search(ln) for ln in key_lines)):
         warnings.append(f"no 'YALI overlap pass' line and no first call of the overlap op in the {config} "
                         "server's log: its compiled graph has no overlap (vLLM's compile cache gave it another "
                         "configuration's graph?)")

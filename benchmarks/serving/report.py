@@ -9,7 +9,7 @@ from typing import Any
 
 from benchmarks.common.results import under, world_size_of
 from benchmarks.serving.schema import EXTRA_RESULT_KEYS, LONG_PROMPT_RECORDS, SLOW_GAP_BINS, parse_bench_result
-from benchmarks.serving.stats import METRICS, Stat, aggregate, ordered_configs, verdict
+from benchmarks.serving.stats import METRICS, Metric, Stat, aggregate, ordered_configs, verdict
 
 
 def _fmt_stat(stat: Stat | None, fmt: str) -> str:
@@ -21,9 +21,9 @@ def _fmt_stat(stat: Stat | None, fmt: str) -> str:
 
 
 def _point_tables(L: list[str], agg: dict[tuple[int, str], dict[str, Any]], configs: Sequence[str], c: int,
-                  where: str) -> None:
-    """One point's table (a row per config), then yali's verdict against each other config."""
-    head_metric = METRICS[0]
+                  where: str, head_metric: Metric = METRICS[0]) -> None:
+    """One point's table (a row per config, its last column yali against that config on
+    `head_metric`), then yali's verdict against each other config on every metric."""
     others = [o for o in configs if o != "yali" and (c, o) in agg]
     cols = ["config", "runs", *[m.label for m in METRICS], "failed", f"yali vs this ({head_metric.label})"]
     L.append("| " + " | ".join(cols) + " |")
@@ -36,7 +36,8 @@ def _point_tables(L: list[str], agg: dict[tuple[int, str], dict[str, Any]], conf
         cells = [cfg, str(a["repeats"])]
         cells += [_fmt_stat(a[m.key], m.fmt) for m in METRICS]
         cells.append(str(a["failed"]))
-        cells.append("—" if cfg == "yali" else verdict(y[head_metric.key] if y else None, a[head_metric.key], True)[1])
+        cells.append("—" if cfg == "yali" else
+                     verdict(y[head_metric.key] if y else None, a[head_metric.key], head_metric.lower_is_better)[1])
         L.append("| " + " | ".join(cells) + " |")
     L.append("")
     if y and others:
@@ -67,6 +68,11 @@ def _slow_gap_table(L: list[str], records: Sequence[dict[str, Any]], configs: Se
     for cfg, n, counts in rows:
         L.append(f"| {cfg} | {n} | " + " | ".join(str(counts[name]) for name, _, _ in SLOW_GAP_BINS) + " |")
     L.append("")
+
+
+def _point_name(entry: dict[str, Any]) -> str:
+    """c=N for a concurrency point (c=None: the whole server), "long prompts" for the long-prompt point."""
+    return "long prompts" if entry.get("point") == "long" else f"c={entry.get('concurrency')}"
 
 
 def render_markdown(doc: dict[str, Any], plot_files: Sequence[str] = ()) -> str:
@@ -101,7 +107,8 @@ def render_markdown(doc: dict[str, Any], plot_files: Sequence[str] = ()) -> str:
         "(negative = lower) and whether that is better or worse for yali."
     )
     L.append("")
-    if not records:
+    long_records = doc.get(LONG_PROMPT_RECORDS) or []
+    if not records and not long_records:
         L.append("**No benchmark point completed.**")
         L.append("")
     for c in concs:
@@ -109,14 +116,14 @@ def render_markdown(doc: dict[str, Any], plot_files: Sequence[str] = ()) -> str:
         L.append("")
         _point_tables(L, agg, configs, c, f"concurrency {c}")
         _slow_gap_table(L, records, configs, c)
-    long_records = doc.get(LONG_PROMPT_RECORDS) or []
-    if long_records:
-        long_in = sorted({int(r.get("input_len") or 0) for r in long_records})
-        L.append(f"## Long prompts: input {', '.join(map(str, long_in))} tokens, concurrency 1")
+    ttft = next(m for m in METRICS if m.key == "ttft_ms_p50")
+    for n in sorted({int(r.get("input_len") or 0) for r in long_records}):
+        recs = [r for r in long_records if int(r.get("input_len") or 0) == n]
+        L.append(f"## Long prompts: input {n} tokens, concurrency 1")
         L.append("")
         L.append("The time to first token of a long prompt (its prefill), each server after its concurrency points.")
         L.append("")
-        _point_tables(L, aggregate(long_records), ordered_configs(long_records), 1, "the long-prompt point")
+        _point_tables(L, aggregate(recs), ordered_configs(recs), 1, f"the {n}-token prompts", ttft)
     logs = doc.get("server_logs") or []
     if logs:
         L.append("## All-reduce backends the servers logged")
@@ -142,10 +149,10 @@ def render_markdown(doc: dict[str, Any], plot_files: Sequence[str] = ()) -> str:
         L.append("")
         for e in errs:
             src = f" (`{e['source']}`)" if e.get("source") else ""
-            L.append(f"- error: {e.get('config')} r{e.get('repeat')} c={e.get('concurrency')}{src}: {str(e.get('error'))[:300]}")
+            L.append(f"- error: {e.get('config')} r{e.get('repeat')} {_point_name(e)}{src}: {str(e.get('error'))[:300]}")
         for s in skipped:
             src = f" (`{s['source']}`)" if s.get("source") else ""
-            L.append(f"- skipped: {s.get('config')} r{s.get('repeat')} c={s.get('concurrency')}{src}: {s.get('reason')}")
+            L.append(f"- skipped: {s.get('config')} r{s.get('repeat')} {_point_name(s)}{src}: {s.get('reason')}")
         L.append("")
     if plot_files:
         L.append("## Plots")
@@ -247,7 +254,8 @@ def merge_results(docs: Sequence[dict[str, Any]], sources: Sequence[str],
     for i, d in enumerate(docs):
         prefix = prefixes[i] if prefixes else ""
         renum: dict[tuple[str, int], int] = {}
-        for cfg, rep in sorted({(r["config"], int(r["repeat"])) for r in d.get("records") or []} |
+        for cfg, rep in sorted({(r["config"], int(r["repeat"]))
+                                for r in [*(d.get("records") or []), *(d.get(LONG_PROMPT_RECORDS) or [])]} |
                                {(s["config"], int(s["repeat"])) for s in d.get("server_logs") or [] if s.get("repeat") is not None}):
             next_rep[cfg] = next_rep.get(cfg, 0) + 1
             renum[(cfg, rep)] = next_rep[cfg]

@@ -62,13 +62,15 @@ SLOW_GAP_BINS = (("1", 1, 1), ("2-8", 2, 8), ("9+", 9, None))
 
 def slow_gap_positions(itls: Any) -> dict[str, Any] | None:
     """From ``--save-detailed``'s per-request inter-token gaps (seconds): the gaps longer than the
-    point's own 99th percentile (about the slowest 1 %), counted by their index in the request (gap 1 follows the first
+    point's own 99th percentile (vLLM's ITL p99; about the slowest 1 %), counted by their index in the request (gap 1 follows the first
     token), so an ITL p99 difference can be placed (a request's first decode steps, or any step).
     None when the result has no per-request gaps."""
     if not isinstance(itls, list) or not any(isinstance(r, list) and r for r in itls):
         return None
     gaps = sorted(g for r in itls if isinstance(r, list) for g in r)
-    p99 = gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
+    pos = 0.99 * (len(gaps) - 1)  # numpy's default percentile (linear), as vLLM's p99_itl_ms
+    lo = int(pos)
+    p99 = gaps[lo] + (gaps[min(lo + 1, len(gaps) - 1)] - gaps[lo]) * (pos - lo)
     counts = {name: 0 for name, _, _ in SLOW_GAP_BINS}
     for r in itls:
         for i, g in enumerate(r if isinstance(r, list) else [], start=1):

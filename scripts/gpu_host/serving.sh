@@ -2,7 +2,7 @@
 # End-to-end serving benchmark of an embedded dummy model (MODEL_SIZE, default 70b; also 8b),
 # bounded by its own budget.
 #   serving.sh [REPEATS] [SUFFIX] [CONFIGS] [PROFILE_TOKENS]
-# (OUTPUT_LEN: tokens out, default 256, input 1024; MIN_PROMPTS (default 8) at concurrency 1;
+# (OUTPUT_LEN: tokens out, default 256, input 1024; MIN_PROMPTS: the fewest prompts of a point (default 8);
 # LONG_PROMPT_LEN > 0: one more point per server, 32 prompts of that many tokens at concurrency 1
 # (the max model length grows to hold it).)
 # (TP: the servers' tensor-parallel size, default 2; 4 or 8 on a host with that many GPUs (6 splits

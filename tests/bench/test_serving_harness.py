@@ -147,12 +147,16 @@ def test_vllm_result_keys_match_vllm_source_when_available():
 # ------------------------------------------------------------ aggregation and verdicts
 def test_slow_gap_positions_bins_the_gaps_above_p99():
     assert schema.slow_gap_positions(None) is None and schema.slow_gap_positions([[], []]) is None
-    # 500 gaps of 1 ms but five: 9 ms (gap 1), 8 ms (gap 5), 7 ms (gap 12), 6 and 5 ms (gap 3 of two
-    # requests); the p99 (the 496th of 500) is 5 ms, so the 9, 8, 7 and 6 ms gaps lie above it
-    itls = [[0.009] + [0.001] * 99, [0.001] * 4 + [0.008] + [0.001] * 95, [0.001] * 11 + [0.007] + [0.001] * 88,
-            [0.001] * 2 + [0.006] + [0.001] * 97, [0.001] * 2 + [0.005] + [0.001] * 97]
+    # 1000 gaps of 1 ms but five: 9 ms (gap 1), 8 ms (gap 5), 7 ms (gap 12), 6 and 5 ms (gap 3 of
+    # two requests). vLLM's p99 (numpy's linear percentile) lies at position 989.01 of the sorted
+    # gaps, among the 1 ms ones: exactly the five slow gaps lie above it.
+    itls = [[0.009] + [0.001] * 199, [0.001] * 4 + [0.008] + [0.001] * 195, [0.001] * 11 + [0.007] + [0.001] * 188,
+            [0.001] * 2 + [0.006] + [0.001] * 197, [0.001] * 2 + [0.005] + [0.001] * 197]
     slow = schema.slow_gap_positions(itls)
-    assert slow == {"p99_ms": 5.0, "gaps": 500, "above_p99": {"1": 1, "2-8": 2, "9+": 1}}
+    assert slow == {"p99_ms": 1.0, "gaps": 1000, "above_p99": {"1": 1, "2-8": 3, "9+": 1}}
+    # 100 gaps of 1..100 ms: the p99 is 99.01 ms (numpy), so only the 100 ms gap (gap 100) is above
+    slow = schema.slow_gap_positions([[i / 1e3 for i in range(1, 101)]])
+    assert slow == {"p99_ms": 99.01, "gaps": 100, "above_p99": {"1": 0, "2-8": 0, "9+": 1}}
 
 
 def test_summarize_mean_and_spread():
@@ -439,6 +443,10 @@ def test_scan_ignores_own_header_lines_and_checks_yali_state(tmp_path):
                   "overlapped GEMM + all-reduce + RMSNorm")
     assert logs.yali_log_warnings("yali-overlap", cached + [overlap_pass]) == []
     assert logs.yali_log_warnings("yali-overlap", cached + [overlap_op]) == []
+    # at four ranks the plugin does not build the overlap pass, and says so: no warning
+    refused = ("INFO [fusion_patch.py:70] YALI fusion pass ON (replaces vLLM's FlashInfer all-reduce+RMSNorm "
+               "fusion): x; YALI_OVERLAP=1 is not applied: TP world size is 4; the overlap serves 2 ranks")
+    assert logs.yali_log_warnings("yali-overlap", on4 + [refused]) == []
     assert configs.SERVER_CONFIGS["yali-fusion"].env["YALI_FUSION"] == "1"
     cfg = configs.SERVER_CONFIGS["yali-flashinfer-fusion"]
     assert cfg.env == {"YALI_ENABLE": "1", "YALI_WORLD_SIZES": "all", "YALI_FUSION": "0"} and cfg.args == ()
@@ -778,13 +786,41 @@ def test_long_prompt_point_has_its_own_records_table_and_merge(tmp_path, fake_vl
     md = (out / "serving-benchmark.md").read_text()
     long_md = md.split("## Long prompts: input 4096 tokens, concurrency 1")[1]
     assert "(better)" in next(line for line in long_md.splitlines() if line.startswith("| nccl |"))
-    assert "Verdicts at the long-prompt point" in long_md
+    assert "Verdicts at the 4096-token prompts" in long_md and "yali vs this (TTFT p50 (ms))" in long_md
     merged = tmp_path / "merged"
     path = out / "serving-benchmark.json"
     assert sb.main(["--report-only", str(path), str(path), "--out", str(merged)]) == 0
     mdoc = json.loads((merged / "serving-benchmark.json").read_text())
     assert sorted(r["repeat"] for r in mdoc[schema.LONG_PROMPT_RECORDS] if r["config"] == "yali") == [1, 2, 3, 4]
     assert "## Long prompts" in (merged / "serving-benchmark.md").read_text()
+
+
+def test_long_prompt_report_alone_per_length_and_renumbered_by_a_merge(tmp_path):
+    """A result whose only records are long-prompt ones is a result (not "no point completed"); a
+    merge of runs with different long-prompt lengths tables each length apart, with TTFT as the
+    headline, and renumbers repeats known only from long-prompt records."""
+    def long_rec(cfg, rep, n, ttft):
+        return {"config": cfg, "concurrency": 1, "repeat": rep, "input_len": n, "ttft_ms_p50": ttft,
+                "tpot_ms_p50": 4.0, "failed": 0}
+
+    docs = []
+    for n, ttft in ((2048, 40.0), (4096, 70.0)):
+        recs = [long_rec("yali", 1, n, ttft), long_rec("nccl", 1, n, ttft * 1.3)]
+        docs.append(results.results_header(schema.KIND, {"model": {"size": "8b"}, "workload": {}, "records": [],
+                                                         schema.LONG_PROMPT_RECORDS: recs,
+                                                         "skipped": [{"config": "yali", "repeat": 1, "concurrency": 1,
+                                                                      "point": "long", "reason": "budget"}]}))
+    md = report.render_markdown(docs[0])
+    assert "No benchmark point completed" not in md and "## Long prompts: input 2048 tokens" in md
+    assert "- skipped: yali r1 long prompts: budget" in md
+    merged = report.merge_results(docs, ["a.json", "b.json"])
+    assert sorted((r["config"], r["repeat"]) for r in merged[schema.LONG_PROMPT_RECORDS]) == [
+        ("nccl", 1), ("nccl", 2), ("yali", 1), ("yali", 2)]
+    md = report.render_markdown(merged)
+    t2048 = md.split("## Long prompts: input 2048 tokens, concurrency 1")[1].split("## ")[0]
+    t4096 = md.split("## Long prompts: input 4096 tokens, concurrency 1")[1].split("## ")[0]
+    assert "yali vs this (TTFT p50 (ms))" in t2048 and "| 40.0 |" in t2048 and "70.0" not in t2048
+    assert "| 70.0 |" in t4096 and "40.0" not in t4096
 
 
 def test_budget_exhausted_still_writes_results(tmp_path, fake_vllm, monkeypatch):

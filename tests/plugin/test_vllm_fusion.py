@@ -32,7 +32,7 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 import vllm.ir.ops  # noqa: E402
 
-from yali_vllm import config, plugin, vllm_fusion  # noqa: E402
+from yali_vllm import config, plugin, vllm_fusion, vllm_log  # noqa: E402
 from yali_vllm.plugin import fusion_patch  # noqa: E402
 from .cpu_ranks import run_cpu_ranks  # noqa: E402
 
@@ -237,7 +237,7 @@ def test_first_call_of_each_path_is_logged_once(caplog):
     """The op says once per group and path what it runs: the sign of YALI's fused op in a graph
     that vLLM loaded from its compile cache (no fusion pass is built then)."""
     x, peer, res, w = _tensors()
-    vllm_fusion._first_calls.clear()
+    vllm_log._first_calls.clear()
     group = StandInGroup(peer, StandInYali(fuse=True, group=StandInGroup(peer)))
     group.unique_name = "tp:7"
     with caplog.at_level("INFO", logger="vllm.yali"):

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 import vllm.ir.ops  # noqa: E402
 from torch import fx  # noqa: E402
 
-from yali_vllm import vllm_fusion, vllm_overlap  # noqa: E402
+from yali_vllm import vllm_fusion, vllm_log, vllm_overlap  # noqa: E402
 
 EPS = 1e-5
 
@@ -80,7 +80,7 @@ def test_routing_by_token_count(tokens, overlapped):
 def test_first_call_of_each_path_is_logged_once(caplog, monkeypatch):
     """The overlap op says which path its first call takes (the sign of the overlap in a graph vLLM
     loaded from its compile cache), once per group and path."""
-    monkeypatch.setattr(vllm_overlap, "_first_calls", set())
+    monkeypatch.setattr(vllm_log, "_first_calls", set())
     group = Group(_layer(vllm_overlap.MIN_TOKENS)[2], Yali(overlap=True))
     group.unique_name = "tp:0"
     with caplog.at_level(logging.INFO, logger="vllm.yali"):

@@ -162,11 +162,12 @@ def _overlap_refusal() -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def _pass_sources_hash() -> str:
-    """The hash of the modules whose code rewrites vLLM's graphs (the fusion and overlap passes)."""
-    from yali_vllm import vllm_fusion, vllm_overlap
+    """The hash of the modules that decide how vLLM's graphs are rewritten: the fusion and overlap
+    passes, and what they read (overlap.MIN_TOKENS, config.FUSION_BY_FLASHINFER and the limits)."""
+    from yali_vllm import config, overlap, vllm_fusion, vllm_overlap
 
     h = hashlib.sha256()
-    for module in (vllm_fusion, vllm_overlap):
+    for module in (vllm_fusion, vllm_overlap, overlap, config):
         h.update(Path(module.__file__).read_bytes())
     return h.hexdigest()[:16]
 
