@@ -8,6 +8,9 @@ every Python. It is compiled against whatever torch is installed (pip's
 Hopper: TORCH_CUDA_ARCH_LIST defaults to 9.0a (sm_90a).
 YALI_BUILD_LEGACY=1 also compiles the legacy flash kernels (flash-ll, one-shot,
 two-shot: csrc/core/yali/legacy/), which the default size table never picks.
+YALI_BUILD_UNCHECKED=1 builds kernels that send and check no cross-rank call descriptor
+(csrc/core/yali/call_check.cuh): a measurement build for the check's cost, never for serving
+(the communicator refuses it unless YALI_ALLOW_UNCHECKED=1).
 """
 import glob
 import os
@@ -28,7 +31,12 @@ _built_against = tuple(int(p) for p in torch.__version__.split("+")[0].split("."
 if _built_against < TARGET:
     raise SystemExit(f"yali-vllm builds against torch >= {TARGET[0]}.{TARGET[1]}; torch {torch.__version__} is installed")
 
-LEGACY = os.environ.get("YALI_BUILD_LEGACY", "0").strip().lower() in {"1", "true", "yes", "on"}
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in {"1", "true", "yes", "on"}
+
+
+LEGACY = _flag("YALI_BUILD_LEGACY")
+UNCHECKED = _flag("YALI_BUILD_UNCHECKED")
 sources = sorted(glob.glob("csrc/core/yali/*.cu") + glob.glob("csrc/core/yali/*.cpp")) + [
     "csrc/bindings/torch_ops.cpp"
 ]
@@ -39,6 +47,7 @@ defines = [
     f'-DYALI_TORCH_TARGET="{TARGET[0]}.{TARGET[1]}"',
 ]
 legacy = ["-DYALI_LEGACY_KERNELS"] if LEGACY else []  # for the .cu and the .cpp files alike
+legacy += ["-DYALI_UNCHECKED_CALLS"] if UNCHECKED else []
 
 setup(
     ext_modules=[

@@ -43,6 +43,10 @@ WORLD_SIZES_VAR = "YALI_WORLD_SIZES"
 # The end of build_info() of a library built with the legacy flash kernels (YALI_BUILD_LEGACY=1;
 # csrc/bindings/torch_ops.cpp: YALI_BUILD_KERNELS).
 LEGACY_BUILD_MARK = ", with the legacy flash kernels"
+# In build_info() of a measurement build whose kernels check no call across the ranks
+# (YALI_BUILD_UNCHECKED=1; csrc/bindings/torch_ops.cpp: YALI_BUILD_CHECKS).
+UNCHECKED_BUILD_MARK = ", without the cross-rank call check"
+ALLOW_UNCHECKED_VAR = "YALI_ALLOW_UNCHECKED"
 # Kernel modes accepted by all_reduce(mode=...) (enum class KernelMode); -1 = the configured one.
 MODES = {"config": -1, "auto": 0, "flash": 1, "stream": 2}
 
@@ -73,6 +77,8 @@ SETTINGS = {
     "YALI_KERNEL_MODE": "auto, flash or stream",
     "YALI_TIMEOUT_S": "the kernels' watchdog",
     "YALI_ALLOW_SHARED_GPU": "both ranks on one GPU, for testing",
+    "YALI_ALLOW_UNCHECKED": "use a measurement build whose kernels check no call across the ranks "
+                            "(YALI_BUILD_UNCHECKED=1), e.g. to time the check",
     "YALI_EP": "1: YALI's expert-parallel dispatch / combine in vLLM's DP + EP MoE serving (default off)",
     "YALI_EP_SLOT_BYTES": "largest EP message of one rank (dispatch: all its tensors; default 2 MiB)",
 }
@@ -89,6 +95,7 @@ TOOL_VARIABLES = (
     "YALI_LOAD_COMPLETIONS_WEIGHT", "YALI_LOAD_TIMEOUT_S", "YALI_LOAD_WAIT_S", "YALI_LOAD_IGNORE_EOS",  # locustfile
     "YALI_BENCH_DEBUG", "YALI_RAY_TEST_TIMEOUT", "YALI_EXPECT_OTHER_BUILD_TORCH",  # benchmarks, tests
     "YALI_GIT_COMMIT",  # result files: the source commit of a copied work tree
+    "YALI_BUILD_LEGACY", "YALI_BUILD_UNCHECKED",  # setup.py
 )
 # Tuning knobs: validated, with the list of known names, by the C++ core (csrc/core/yali/config.cpp).
 DEV_PREFIX = "YALI_DEV_"
@@ -152,7 +159,17 @@ def legacy_kernels() -> bool:
     """Whether the library has the legacy flash kernels (flash-ll, one-shot, two-shot), built with
     YALI_BUILD_LEGACY=1: only then are YALI_DEV_PUSH_MAX below YALI_DEV_FLASH_BYTES and the
     YALI_DEV_LL_* / ONESHOT_MAX / FLASH_CTA_BYTES knobs accepted."""
-    return _ext.ops().build_info().endswith(LEGACY_BUILD_MARK)
+    return LEGACY_BUILD_MARK in _ext.ops().build_info()
+
+
+def unchecked_refusal(build_info: str, env=None) -> str | None:
+    """Why a communicator refuses this library (None: it does not): a measurement build whose kernels
+    check no call across the ranks (YALI_BUILD_UNCHECKED=1) serves only under YALI_ALLOW_UNCHECKED=1."""
+    if UNCHECKED_BUILD_MARK not in build_info or env_flag(ALLOW_UNCHECKED_VAR, False, env):
+        return None
+    return (f"this library was built with YALI_BUILD_UNCHECKED=1: its kernels check no call across the ranks "
+            f"(a measurement build; calls that differ would give wrong sums); set {ALLOW_UNCHECKED_VAR}=1 to "
+            f"use it anyway")
 
 
 def world_size_refusal(world_size: int) -> str | None:

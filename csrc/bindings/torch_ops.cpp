@@ -42,8 +42,14 @@
 #else
 #define YALI_BUILD_KERNELS ""
 #endif
+#ifdef YALI_UNCHECKED_CALLS  // call_check.cuh: kCheckCalls
+#define YALI_BUILD_CHECKS ", without the cross-rank call check"  // yali_vllm.config.UNCHECKED_BUILD_MARK
+#else
+#define YALI_BUILD_CHECKS ""
+#endif
 extern "C" __attribute__((used, visibility("default"))) const char yali_build_info[] =
-    "yali-vllm build: torch " YALI_BUILD_TORCH " headers, stable ABI target " YALI_TORCH_TARGET YALI_BUILD_KERNELS;
+    "yali-vllm build: torch " YALI_BUILD_TORCH " headers, stable ABI target " YALI_TORCH_TARGET YALI_BUILD_KERNELS
+    YALI_BUILD_CHECKS;
 
 namespace {
 
