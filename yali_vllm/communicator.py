@@ -262,9 +262,13 @@ class YaliCommunicator:
                 self.device = torch.device("cuda", index)
                 me["uuid"] = str(torch.cuda.get_device_properties(self.device).uuid)
                 config.check_environment()
-                unchecked = config.unchecked_refusal(_ext.ops().build_info())
+                build = _ext.ops().build_info()
+                unchecked = config.unchecked_refusal(build)
                 if unchecked:
                     raise ValueError(unchecked)
+                if config.UNCHECKED_BUILD_MARK in build and self.rank == 0:  # allowed by YALI_ALLOW_UNCHECKED=1
+                    logger.warning("yali: measurement build (YALI_BUILD_UNCHECKED=1, allowed by %s=1): the kernels "
+                                   "check no call across the ranks", config.ALLOW_UNCHECKED_VAR)
                 me["config"] = _ext.ops().config_string()  # raises ValueError naming a bad YALI_* variable
                 me["overlap"] = config.env_flag(OVERLAP_VAR, False)
         except Exception as e:
@@ -277,9 +281,6 @@ class YaliCommunicator:
         if me["overlap"] and not self.overlap_enabled and self.rank == 0:
             logger.warning("yali: %s=1 is ignored on %d ranks: the overlapped GEMM + all-reduce + RMSNorm "
                            "serves two ranks", OVERLAP_VAR, self.world_size)
-        if self.rank == 0 and config.UNCHECKED_BUILD_MARK in _ext.ops().build_info():
-            logger.warning("yali: measurement build (YALI_BUILD_UNCHECKED=1, allowed by %s=1): the kernels "
-                           "check no call across the ranks", config.ALLOW_UNCHECKED_VAR)
         self.config = config.parse_config_string(me["config"])
         self.max_bytes = int(self.config["max_bytes"] if max_bytes is None else min(max_bytes, self.config["max_bytes"]))
         if self.world_size > 2 and self.config["mode"] == "stream":

@@ -263,9 +263,8 @@ def _run_all(
     stop_reserve = args.stop_grace_s + 15.0
     interrupted: BaseException | None = None
 
-    def skip(rep: int, cfg: str, c: int | None, reason: str, long_prompt: bool = False) -> None:
-        doc["skipped"].append({"config": cfg, "repeat": rep, "concurrency": c, "reason": reason,
-                               **({"point": "long"} if long_prompt else {})})
+    def skip(rep: int, cfg: str, c: int | None, reason: str, mark: dict[str, str] | None = None) -> None:
+        doc["skipped"].append({"config": cfg, "repeat": rep, "concurrency": c, "reason": reason, **(mark or {})})
 
     try:
         for idx, (rep, cfg) in enumerate(schedule):
@@ -294,10 +293,11 @@ def _run_all(
                 if args.long_prompt_len:
                     points.append((1, "long", True))
                 for j, (c, label, long_prompt) in enumerate(points):
+                    mark = {"point": "long"} if long_prompt else {}  # on its skipped / error entries
                     est = est_bench.get(label, args.bench_estimate_s)
                     if deadline.remaining() < est + stop_reserve:
                         skip(rep, cfg, c, f"budget: {deadline.remaining():.0f}s left < ~{est + stop_reserve:.0f}s needed",
-                             long_prompt)
+                             mark)
                         say(f"{tag} {label}: skipped, not enough budget left")
                         continue
                     if not server.alive():
@@ -330,7 +330,7 @@ def _run_all(
                         tail = tail_lines(raw_dir / f"{name}.log", 20)
                         doc["errors"].append(
                             {"config": cfg, "repeat": rep, "concurrency": c, "error": f"vllm bench serve {why}", "log_tail": tail,
-                             **({"point": "long"} if long_prompt else {})}
+                             **mark}
                         )
                         say(f"{tag} {label}: FAILED ({why}); see {raw_dir / (name + '.log')}")
                     write_results(json_path, doc)

@@ -70,6 +70,11 @@ def _slow_gap_table(L: list[str], records: Sequence[dict[str, Any]], configs: Se
     L.append("")
 
 
+def _all_records(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The concurrency points' records and the long-prompt point's."""
+    return [*(doc.get("records") or []), *(doc.get(LONG_PROMPT_RECORDS) or [])]
+
+
 def _point_name(entry: dict[str, Any]) -> str:
     """c=N for a concurrency point (c=None: the whole server), "long prompts" for the long-prompt point."""
     return "long prompts" if entry.get("point") == "long" else f"c={entry.get('concurrency')}"
@@ -254,8 +259,7 @@ def merge_results(docs: Sequence[dict[str, Any]], sources: Sequence[str],
     for i, d in enumerate(docs):
         prefix = prefixes[i] if prefixes else ""
         renum: dict[tuple[str, int], int] = {}
-        for cfg, rep in sorted({(r["config"], int(r["repeat"]))
-                                for r in [*(d.get("records") or []), *(d.get(LONG_PROMPT_RECORDS) or [])]} |
+        for cfg, rep in sorted({(r["config"], int(r["repeat"])) for r in _all_records(d)} |
                                {(s["config"], int(s["repeat"])) for s in d.get("server_logs") or [] if s.get("repeat") is not None}):
             next_rep[cfg] = next_rep.get(cfg, 0) + 1
             renum[(cfg, rep)] = next_rep[cfg]
@@ -276,7 +280,7 @@ def merge_results(docs: Sequence[dict[str, Any]], sources: Sequence[str],
 def backfill_extra_keys(doc: dict[str, Any], base: Path) -> None:
     """Fills the EXTRA_RESULT_KEYS a record lacks (written before they existed) from its
     ``result_file`` (relative to ``base``, the result's directory) where that file is kept."""
-    for r in [*(doc.get("records") or []), *(doc.get(LONG_PROMPT_RECORDS) or [])]:
+    for r in _all_records(doc):
         missing = [k for k in EXTRA_RESULT_KEYS if r.get(k) is None]
         path = base / r["result_file"] if missing and r.get("result_file") else None
         if path is None or not path.is_file():

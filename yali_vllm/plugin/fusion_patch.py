@@ -45,7 +45,6 @@ def fusion_pass_factory(original: Any) -> Any:
 
     def AllReduceFusionPass(config: Any) -> Any:
         from yali_vllm import vllm_fusion
-        from yali_vllm.config import env_flag
 
         choice, why = vllm_fusion.fusion_choice()
         if choice == "vllm+yali":
@@ -63,9 +62,12 @@ def fusion_pass_factory(original: Any) -> Any:
         if choice == "yali":
             try:
                 pass_ = vllm_fusion.YaliAllReduceFusionPass(config)
-                if env_flag("YALI_OVERLAP", False):  # opt-in until measured on two GPUs
-                    pass_, note = _with_overlap(pass_, config)
-                    why += note
+                overlapped, note = _overlap_plan()
+                if overlapped:
+                    from yali_vllm import vllm_overlap
+
+                    pass_ = vllm_overlap.with_overlap(pass_, config)
+                why += note
             except Exception as e:  # deterministic, so every rank falls back alike
                 logger.warning(
                     "YALI fusion pass OFF: building it failed (%s: %s); using vLLM's FlashInfer fusion",
@@ -86,16 +88,21 @@ def fusion_pass_factory(original: Any) -> Any:
     return AllReduceFusionPass
 
 
-def _with_overlap(fusion_pass: Any, config: Any) -> tuple[Any, str]:
-    """Under YALI_OVERLAP=1: the fusion pass followed by the overlap pass when the TP group has the
-    world size the overlap serves, else the fusion pass alone; and what the log line adds."""
-    from yali_vllm import vllm_overlap
+def _overlap_plan() -> tuple[bool, str]:
+    """Whether the overlap pass follows YALI's fusion pass in this process (YALI_OVERLAP=1, opt-in,
+    and a TP group of the world size the overlap serves), and what the ON line adds ("" when
+    YALI_OVERLAP is off). ValueError naming YALI_OVERLAP when it is invalid."""
+    from vllm.distributed.parallel_state import get_tp_group
 
-    refusal = _overlap_refusal()
+    from yali_vllm import vllm_overlap
+    from yali_vllm.config import env_flag
+
+    if not env_flag("YALI_OVERLAP", False):
+        return False, ""
+    refusal = vllm_overlap.overlap_refusal(get_tp_group().world_size)
     if refusal is not None:
-        return fusion_pass, f"; YALI_OVERLAP=1 is not applied: {refusal}"
-    return (vllm_overlap.with_overlap(fusion_pass, config),
-            "; prefill GEMM + all-reduce + RMSNorm overlapped (YALI_OVERLAP=1)")
+        return False, f"; YALI_OVERLAP=1 is not applied: {refusal}"
+    return True, "; prefill GEMM + all-reduce + RMSNorm overlapped (YALI_OVERLAP=1)"
 
 
 def patch_fusion_pass() -> bool:
@@ -140,24 +147,14 @@ def fusion_cache_factor() -> str:
     "yali", "yali+overlap" or "vllm+yali" followed by "@" and the hash of YALI's pass sources
     (a graph rewritten by another version of them is not reused); "invalid (...)" for a bad knob."""
     try:
-        from yali_vllm.config import env_flag
         from yali_vllm.vllm_fusion import fusion_choice
 
         choice = fusion_choice()[0]
-        if choice == "yali" and env_flag("YALI_OVERLAP", False) and _overlap_refusal() is None:
+        if choice == "yali" and _overlap_plan()[0]:
             choice += "+overlap"
         return choice if choice == "vllm" else f"{choice}@{_pass_sources_hash()}"
     except Exception as e:
         return f"invalid ({type(e).__name__})"
-
-
-def _overlap_refusal() -> str | None:
-    """Why the overlap pass is not built for this process's TP group (None: it is, under YALI_OVERLAP=1)."""
-    from vllm.distributed.parallel_state import get_tp_group
-
-    from yali_vllm import vllm_overlap
-
-    return vllm_overlap.overlap_refusal(get_tp_group().world_size)
 
 
 @functools.lru_cache(maxsize=1)
