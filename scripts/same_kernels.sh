@@ -2,7 +2,7 @@
 # Do the kernels of the working tree compile to the same machine code as those of REV?
 #   scripts/same_kernels.sh [REV]        (default HEAD)
 # Compiles every csrc/core/yali/*.cu (rank.cu includes the all-reduce kernel headers, ep.cu the
-# expert-parallel ones, overlap.cu the overlap's; the legacy kernels under csrc/core/yali/legacy/
+# expert-parallel ones; the legacy kernels under csrc/core/yali/legacy/
 # with -DYALI_LEGACY_KERNELS, which both trees get) of REV and of the working tree for sm_90a and compares the SASS of every function, with the anonymous-namespace hash (which
 # depends on the file's contents) masked. A function of REV is
 #   the same     if some function of the tree has its code instruction for instruction;

@@ -14,7 +14,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from . import _ext, config, ops, overlap
+from . import _ext, config, ops
 
 logger = logging.getLogger("yali_vllm")
 
@@ -106,8 +106,6 @@ class YaliError(RuntimeError):
     kernel trapped, so this process's CUDA context is lost: the process must restart."""
 
 
-# Opt-in (off by default) until it is measured on two GPUs: the prefill overlap (overlap.py).
-OVERLAP_VAR = "YALI_OVERLAP"
 # How often the abort watcher looks at the host-mapped abort record (no CUDA call, no GIL held
 # while it sleeps).
 ABORT_POLL_S = 0.2
@@ -119,16 +117,15 @@ class _AbortWatcher:
     """Logs a kernel's abort reason the moment the watchdog records it, before anything in the
     process trips over the lost CUDA context (which only says "unspecified launch failure")."""
 
-    def __init__(self, handle: int, rank: int, overlap_handle: int | None = None):
+    def __init__(self, handle: int, rank: int):
         self._handle = handle  # not the communicator: the thread must not keep it alive
-        self._overlap = overlap_handle
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"yali-abort-watch-r{rank}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(ABORT_POLL_S):
-            msg = _abort_message(self._handle, self._overlap)
+            msg = _ext.ops().abort_message(self._handle)
             if msg:
                 logger.error("YALI error: %s", msg)
                 return
@@ -137,13 +134,6 @@ class _AbortWatcher:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5 * ABORT_POLL_S + 1)
-
-
-def _abort_message(handle: int, overlap_handle: int | None) -> str:
-    """Why a kernel of this rank gave up ("" if none did): the all-reduce kernels' record, then the
-    overlap's (host-mapped records: no CUDA call)."""
-    y = _ext.ops()
-    return y.abort_message(handle) or (y.overlap_abort_message(overlap_handle) if overlap_handle is not None else "")
 
 
 def _boot_id() -> str:
@@ -177,8 +167,8 @@ def _serve_limit(cfg: dict, max_bytes: int, world_size: int) -> int:
 
 
 def _check_same_everywhere(peers: list) -> None:
-    """Every rank on one node, with the same YALI_* settings and YALI_OVERLAP (raises
-    YaliUnavailable naming the first rank that differs from rank 0)."""
+    """Every rank on one node, with the same YALI_* settings (raises YaliUnavailable naming the
+    first rank that differs from rank 0)."""
     first = peers[0]
     for r, d in enumerate(peers[1:], start=1):
         if (d["host"], d["boot_id"]) != (first["host"], first["boot_id"]):
@@ -189,9 +179,6 @@ def _check_same_everywhere(peers: list) -> None:
         if d.get("ep_slot_bytes") != first.get("ep_slot_bytes"):
             raise YaliUnavailable(f"the ranks' EP slot sizes differ: rank 0 {first.get('ep_slot_bytes')} vs rank {r} "
                                   f"{d.get('ep_slot_bytes')} (YALI_EP_SLOT_BYTES)")
-        if d["overlap"] != first["overlap"]:
-            raise YaliUnavailable(f"the ranks' {OVERLAP_VAR} differ: rank 0 {first['overlap']} vs rank {r} "
-                                  f"{d['overlap']}")
 
 
 def nvlink_between(a: int, b: int) -> bool | None:
@@ -233,7 +220,6 @@ class YaliCommunicator:
     def __init__(self, group: dist.ProcessGroup, device: torch.device | int | str, max_bytes: int | None = None,
                  ep_slot_bytes: int = 0):
         self._handle: int | None = None
-        self._overlap: overlap.OverlapEngine | None = None
         self._watcher: _AbortWatcher | None = None
         # Set once a CUDA graph captured one of this communicator's kernels: the graph holds its
         # buffers' addresses, so the buffers must outlive it (see the plugin's checkpoint hook).
@@ -270,17 +256,10 @@ class YaliCommunicator:
                     logger.warning("yali: measurement build (YALI_BUILD_UNCHECKED=1, allowed by %s=1): the kernels "
                                    "check no call across the ranks", config.ALLOW_UNCHECKED_VAR)
                 me["config"] = _ext.ops().config_string()  # raises ValueError naming a bad YALI_* variable
-                me["overlap"] = config.env_flag(OVERLAP_VAR, False)
         except Exception as e:
             me["error"] = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
         peers = self._exchange(me)
         _check_same_everywhere(peers)
-        # The overlap's receive slots (2 x SLOT_BYTES per GPU) exist only when it is switched on;
-        # it pairs two ranks, so a larger group runs without it.
-        self.overlap_enabled = bool(me["overlap"]) and self.world_size == 2
-        if me["overlap"] and not self.overlap_enabled and self.rank == 0:
-            logger.warning("yali: %s=1 is ignored on %d ranks: the overlapped GEMM + all-reduce + RMSNorm "
-                           "serves two ranks", OVERLAP_VAR, self.world_size)
         self.config = config.parse_config_string(me["config"])
         self.max_bytes = int(self.config["max_bytes"] if max_bytes is None else min(max_bytes, self.config["max_bytes"]))
         if self.world_size > 2 and self.config["mode"] == "stream":
@@ -295,9 +274,6 @@ class YaliCommunicator:
             self._check_p2p([d["uuid"] for d in peers])
             self._handle = y.create(self.device.index, self.rank, self.world_size, self.ep_slot_bytes)
             step["ipc"] = bytes(y.ipc_handle(self._handle))
-            if self.overlap_enabled:  # the overlapped GEMM + all-reduce + RMSNorm's receive slots
-                self._overlap_handle = y.overlap_create(self.device.index, self.rank, overlap.SLOT_BYTES)
-                step["overlap_ipc"] = bytes(y.overlap_ipc_handle(self._overlap_handle))
         except Exception as e:
             step["error"] = f"{type(e).__name__}: {e}"
         try:
@@ -307,8 +283,6 @@ class YaliCommunicator:
                 for r, peer in enumerate(steps):
                     if r != self.rank:
                         y.open_peer(self._handle, list(peer["ipc"]), r)
-                if self.overlap_enabled:
-                    y.overlap_open_peer(self._overlap_handle, list(steps[1 - self.rank]["overlap_ipc"]))
             except Exception as e:
                 opened["error"] = f"cannot map another rank's buffer: {e}"
             self._exchange(opened)  # every rank zeroed its flags and mapped every other rank's buffer
@@ -317,10 +291,7 @@ class YaliCommunicator:
             self.close()
             raise
         self.buffer_bytes = int(y.buffer_bytes(self._handle))
-        if self.overlap_enabled:
-            self._overlap = overlap.OverlapEngine(self._overlap_handle, self.device)
-            overlap.register(self._overlap)
-        self._watcher = _AbortWatcher(self._handle, self.rank, self._overlap_handle)
+        self._watcher = _AbortWatcher(self._handle, self.rank)
         logger.info("yali: rank %d %s", self.rank, self.describe())
 
     def _exchange(self, mine: dict) -> list:
@@ -423,24 +394,8 @@ class YaliCommunicator:
             return tuple(r_ if o is None else o.copy_(r_) for o, r_ in zip(outs, (n, r)))
         return ops.fused_allreduce_rmsnorm(self._handle, x, residual, weight, eps, norm_out, residual_out)
 
-    def can_overlap(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
-                    norm_weight: torch.Tensor) -> bool:
-        """True when gemm_allreduce_rmsnorm(x, weight, residual, norm_weight, eps) is served: x a
-        contiguous [tokens, k] tensor, weight [hidden, k] of x's dtype and device, and the
-        [tokens, hidden] result what can_fuse() serves (hidden a multiple of 16 bytes, at most
-        MAX_FUSED_HIDDEN_BYTES per row; any token count: larger ones run in windows)."""
-        if self._overlap is None or not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
-            return False
-        if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or x.shape[0] == 0:
-            return False
-        if weight.dtype != x.dtype or weight.device != x.device or weight.requires_grad:
-            return False
-        out_like = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device="meta")
-        return servable(x, self.device, 1 << 62) and self._fusable_rows(out_like, residual, norm_weight)
-
     def _fusable_rows(self, out: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
-        """The row size, the norm weight and the residual fit a fused epilogue writing `out` (of any
-        device: a meta tensor describes the result of a GEMM still to run)."""
+        """The row size, the norm weight and the residual fit a fused epilogue writing `out`."""
         hidden = out.shape[-1]
         row_bytes = hidden * out.element_size()
         if row_bytes % 16 != 0 or row_bytes > MAX_FUSED_HIDDEN_BYTES:
@@ -455,37 +410,6 @@ class YaliCommunicator:
         ):
             return False
         return True
-
-    def gemm_allreduce_rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
-                               norm_weight: torch.Tensor, eps: float, chunks: int = overlap.DEFAULT_CHUNKS,
-                               norm_out: torch.Tensor | None = None,
-                               residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm_out, residual_out) of RMSNorm(all_reduce(x @ weight.T) [+ residual]), the all-reduce
-        hidden under the GEMM: the GEMM runs in `chunks` row chunks and the copy engine sends each
-        chunk's partial sums to the peer while the next one computes (overlap.py). The result is
-        bitwise what all_reduce + fused_allreduce_rmsnorm's epilogue give for the same partial sums
-        (fp32 sum rounded once to the dtype, then the fused op's arithmetic), on both ranks.
-        x: [tokens, k], this rank's slice; weight: [hidden, k], the row-parallel linear layer's
-        weight on this rank. Both ranks call it alike (same shapes and chunks). Raises ValueError /
-        TypeError / RuntimeError naming the problem for inputs can_overlap() refuses."""
-        if self._handle is None or self._overlap is None:
-            raise RuntimeError("yali: gemm_allreduce_rmsnorm on a closed YaliCommunicator")
-        if not 1 <= int(chunks) <= overlap.MAX_CHUNKS:
-            raise ValueError(f"yali: chunks must be in [1, {overlap.MAX_CHUNKS}], got {chunks}")
-        self._note_capture()
-        shape = (x.shape[0], weight.shape[0])
-        outs = [norm_out, residual_out]
-        given = list(outs)
-        if _unaligned(residual, norm_weight, *outs):  # the consumer kernel moves 16-byte vectors
-            residual, norm_weight = aligned(residual), aligned(norm_weight)
-            outs = [None, None]
-        outs = [o if o is not None else torch.empty(shape, dtype=x.dtype, device=x.device) for o in outs]
-        ops.gemm_allreduce_rmsnorm(self._overlap.handle, x, weight, residual, norm_weight, float(eps), int(chunks),
-                                   outs[0], outs[1])
-        for i in range(2):  # outputs given at an unaligned address receive the result
-            if given[i] is not None and given[i] is not outs[i]:
-                outs[i] = given[i].copy_(outs[i])
-        return outs[0], outs[1]
 
     # ------------------------------------------------------------------ expert parallelism
     def ep_serves_dispatch(self, tensors: list[torch.Tensor], counts: list[int]) -> bool:
@@ -581,11 +505,6 @@ class YaliCommunicator:
         """Fused all-reduce + RMSNorm launches that ran on this GPU (graph replays included). Synchronises."""
         return int(_ext.ops().device_fused_calls(self._handle))
 
-    def overlap_calls(self) -> int:
-        """Overlapped GEMM + all-reduce + RMSNorm consumer launches that ran on this GPU (one per window;
-        graph replays included). Synchronises."""
-        return int(_ext.ops().overlap_calls(self._overlap_handle))
-
     def fused_launch(self, rows: int, hidden: int, dtype: torch.dtype) -> dict:
         """How a fused call of `rows` x `hidden` `dtype` runs: one launch or not, CTAs, batched receive
         poll, row loads before the epoch fetch, message bytes sent per CTA, CTAs per thread block cluster,
@@ -595,7 +514,7 @@ class YaliCommunicator:
     def abort_message(self) -> str:
         """Why a kernel gave up waiting for the peer ("" if none did)."""
         h = self._handle if self._handle is not None else self._kept
-        return _abort_message(h, self._overlap_handle) if h is not None else ""
+        return _ext.ops().abort_message(h) if h is not None else ""
 
     def describe(self) -> str:
         c = self.config
@@ -611,14 +530,9 @@ class YaliCommunicator:
             f"flash up to {_mib(flash_max) if flash_max >= 2**20 else str(flash_max) + ' B'}, "
             f"stream above that up to {_mib(self._serve_limit)}, mode={c['mode']}, "
             f"{buffers}"
-            + (f", overlapped GEMM + all-reduce + RMSNorm from {overlap.MIN_TOKENS} tokens with receive slots "
-               f"2 x {_mib(overlap.SLOT_BYTES)} per GPU ({OVERLAP_VAR}=1)" if self.overlap_enabled else "")
         )
 
     _kept: int | None = None  # a closed communicator's handle whose buffers stay (see close())
-    _overlap: overlap.OverlapEngine | None = None
-    overlap_enabled: bool = False  # YALI_OVERLAP=1 at set-up
-    _overlap_handle: int | None = None  # the overlap buffer (overlap.py), closed and kept with the Rank's
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Releases the buffers, coordinated with the peer: both ranks call it, like a collective.
@@ -638,8 +552,6 @@ class YaliCommunicator:
         h, self._handle = self._handle, None
         if self._watcher is not None:
             self._watcher.stop()
-        if self._overlap is not None:
-            overlap.unregister(self._overlap.handle)
         y = _ext.ops()
         try:
             torch.cuda.synchronize(self.device)
@@ -661,15 +573,10 @@ class YaliCommunicator:
                           "until the process exits")
             return
         y.destroy(h)
-        if self._overlap_handle is not None:
-            y.overlap_destroy(self._overlap_handle)
 
     def _close_peers(self, handle: int) -> None:
-        """Unmaps the peer's buffers: the all-reduce's and the overlap's."""
-        y = _ext.ops()
-        y.close_peer(handle)
-        if self._overlap_handle is not None:
-            y.overlap_close_peer(self._overlap_handle)
+        """Unmaps the other ranks' buffers."""
+        _ext.ops().close_peer(handle)
 
     def _keep(self, handle: int, why: str) -> None:
         self._kept = handle

@@ -72,7 +72,6 @@ SETTINGS = {
     "YALI_WORLD_SIZES": "the TP world sizes the vLLM plugin serves (default 2; e.g. 2,4)",
     "YALI_FUSION": "YALI's all-reduce + RMSNorm fusion pass instead of vLLM's FlashInfer one "
                    "(unset: at the world sizes of FUSION_BY_FLASHINFER vLLM's pass serves its ranges)",
-    "YALI_OVERLAP": "prefill GEMM + all-reduce + RMSNorm overlapped on the copy engine (opt-in)",
     "YALI_MAX_BYTES": "largest message YALI serves",
     "YALI_KERNEL_MODE": "auto, flash or stream",
     "YALI_TIMEOUT_S": "the kernels' watchdog",

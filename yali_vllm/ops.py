@@ -77,42 +77,6 @@ def fused_allreduce_rmsnorm(comm: int, x: torch.Tensor, residual: torch.Tensor |
     return norm_out, residual_out
 
 
-# ---------------------------------------------------------------- overlap (yali_vllm/overlap.py)
-def overlap_send(overlap: int, partial: torch.Tensor, row_begin: int, row_end: int, slot: int, chunk: int) -> None:
-    """Rows [row_begin, row_end) of `partial` into the peer's receive slot, then the chunk's flag
-    (current stream: the side stream)."""
-    _launch(torch.ops.yali.overlap_send, overlap, partial, row_begin, row_end, slot, chunk)
-
-
-def overlap_consume(overlap: int, partial: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                    eps: float, norm_out: torch.Tensor, residual_out: torch.Tensor, chunk_rows: int,
-                    slot: int) -> None:
-    """The overlap's consumer kernel: all-reduce sum of `partial` and the peer's, residual add,
-    RMSNorm, per chunk of chunk_rows rows as the peer's flag arrives (current stream)."""
-    _launch(torch.ops.yali.overlap_consume, overlap, partial, residual, weight, float(eps), norm_out, residual_out,
-            chunk_rows, slot)
-
-
-@torch.library.custom_op("yali_vllm::gemm_allreduce_rmsnorm", mutates_args=("norm_out", "residual_out"))
-def gemm_allreduce_rmsnorm(overlap: int, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
-                           norm_weight: torch.Tensor, eps: float, chunks: int, norm_out: torch.Tensor,
-                           residual_out: torch.Tensor) -> None:
-    """The overlapped row-parallel GEMM + all-reduce + (residual add) RMSNorm as one op, opaque to
-    torch.compile (its streams and events stay inside): (norm_out, residual_out) =
-    RMSNorm(all_reduce(x @ weight.T) [+ residual]) with the fused op's arithmetic. `overlap` is a
-    YaliCommunicator's overlap buffer handle; see overlap.OverlapEngine.run."""
-    from . import overlap as _overlap  # imports this module
-
-    _overlap.engine(overlap).run(x, weight, residual, norm_weight, eps, chunks, norm_out, residual_out)
-
-
-@gemm_allreduce_rmsnorm.register_fake
-def _(overlap, x, weight, residual, norm_weight, eps, chunks, norm_out, residual_out) -> None:
-    torch._check(norm_out.shape[0] == x.shape[0], lambda: "yali: norm_out must have x's rows")
-    torch._check(norm_out.shape[-1] == weight.shape[0], lambda: "yali: norm_out must have weight.shape[0] columns")
-    torch._check(residual_out.shape == norm_out.shape, lambda: "yali: residual_out must have norm_out's shape")
-
-
 def ep_dispatch(comm: int, inputs: list[torch.Tensor], outputs: list[torch.Tensor], counts: list[int]) -> None:
     """outputs[i] = inputs[i] of every rank of communicator `comm`, in rank order (ep.cuh)."""
     _launch(torch.ops.yali.ep_dispatch, comm, inputs, outputs, counts)

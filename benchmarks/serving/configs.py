@@ -57,13 +57,6 @@ SERVER_CONFIGS: dict[str, ServerConfig] = {
         "yali plugin on, YALI_FUSION=0: vLLM's FlashInfer all-reduce+RMSNorm fusion serves the "
         "fused pairs (the control for effects of the plugin outside its fused kernel)",
     ),
-    # The prefill overlap (opt-in): compare TTFT at a long input (--random-input-len 4096) with "yali".
-    "yali-overlap": ServerConfig(
-        "yali-overlap",
-        {**YALI_ON, "YALI_OVERLAP": "1"},
-        (),
-        "yali plugin on, YALI_OVERLAP=1: prefill GEMM + all-reduce + RMSNorm overlapped from 512 tokens",
-    ),
     # MoE models (--model-size qwen3-30b-a3b or mixtral-8x7b) with data + expert parallelism over the
     # same N GPUs: YALI's dispatch / combine against vLLM's all-gather / reduce-scatter manager (NCCL).
     "yali-ep": ServerConfig(

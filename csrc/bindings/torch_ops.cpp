@@ -32,7 +32,6 @@
 #include <vector>
 
 #include "yali/config.h"
-#include "yali/overlap.h"
 #include "yali/plan.h"
 #include "yali/rank.h"
 #include "yali/testing.h"
@@ -476,137 +475,6 @@ void testing_early_trigger(int64_t device, int64_t spin_ns) {
 // Also readable from the file itself (yali_vllm/_ext.py does, when the library fails to load).
 std::string build_info() { return yali_build_info; }
 
-// ================================================================== overlap
-// The copy-engine overlap of a row-parallel GEMM with all-reduce + residual add + RMSNorm
-// (csrc/core/yali/overlap.h). yali_vllm/overlap.py runs the GEMM chunks and the side stream;
-// these ops are its pieces. An overlap buffer has its own handle (an Overlap pointer).
-std::unordered_set<yali::Overlap*> g_live_overlaps;
-
-yali::Overlap* get_overlap(int64_t handle) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto* o = reinterpret_cast<yali::Overlap*>(handle);
-  YALI_CHECK(g_live_overlaps.count(o), "overlap handle ", handle, " is not open (closed already?)");
-  return o;
-}
-
-int64_t overlap_create(int64_t device, int64_t rank, int64_t slot_bytes) {
-  YALI_CHECK_VALUE(slot_bytes > 0, "overlap slot size must be positive, got ", slot_bytes);
-  const yali::Config c = config_from_env();
-  yali::Overlap* o = core([&] { return new yali::Overlap(int(device), int(rank), size_t(slot_bytes), c.timeout_s); });
-  std::lock_guard<std::mutex> lock(g_mu);
-  g_live_overlaps.insert(o);
-  return reinterpret_cast<int64_t>(o);
-}
-
-void overlap_destroy(int64_t handle) {
-  yali::Overlap* o = get_overlap(handle);
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    g_live_overlaps.erase(o);
-  }
-  delete o;
-}
-
-void overlap_close_peer(int64_t handle) {
-  yali::Overlap* o = get_overlap(handle);
-  core([&] { o->close_peer(); });
-}
-
-std::vector<int64_t> overlap_ipc_handle(int64_t handle) {
-  const yali::IpcHandleBytes h = core([&] { return get_overlap(handle)->ipc_handle(); });
-  return std::vector<int64_t>(h.begin(), h.end());
-}
-
-void overlap_open_peer(int64_t handle, std::vector<int64_t> peer) {
-  yali::IpcHandleBytes h;
-  YALI_CHECK_VALUE(peer.size() == h.size(), "overlap_open_peer expects the peer's ", h.size(),
-                   "-byte IPC handle, got ", peer.size(), " bytes");
-  for (size_t i = 0; i < h.size(); ++i) {
-    YALI_CHECK_VALUE(peer[i] >= 0 && peer[i] <= 255, "overlap_open_peer: byte ", i, " of the IPC handle is ", peer[i]);
-    h[i] = uint8_t(peer[i]);
-  }
-  yali::Overlap* o = get_overlap(handle);
-  core([&] { o->open_peer(h); });
-}
-
-// Rows [row_begin, row_end) of `partial` ([rows, hidden], contiguous) into the same rows of the
-// peer's receive slot `slot`, then chunk `chunk`'s flag; on the current stream (the side stream).
-void overlap_send(int64_t handle, const Tensor& partial, int64_t row_begin, int64_t row_end, int64_t slot,
-                  int64_t chunk) {
-  const yali::Overlap* o = get_overlap(handle);
-  YALI_CHECK_VALUE(on(partial, o->device()) && partial.dim() == 2 && partial.is_contiguous(),
-                   "partial must be a contiguous [rows, hidden] tensor on cuda:", o->device());
-  YALI_CHECK_VALUE(0 <= row_begin && row_begin <= row_end && row_end <= partial.size(0), "rows [", row_begin, ", ",
-                   row_end, ") are not rows of partial ", shape_of(partial));
-  YALI_CHECK_VALUE(slot == 0 || slot == 1, "slot must be 0 or 1, got ", slot);
-  YALI_CHECK_VALUE(chunk >= 0 && chunk < yali::kOverlapMaxChunks, "chunk must be in [0, ", yali::kOverlapMaxChunks,
-                   "), got ", chunk);
-  const size_t row_bytes = size_t(partial.size(1)) * partial.element_size();
-  YALI_CHECK_VALUE(size_t(partial.size(0)) * row_bytes <= o->slot_bytes(), "partial ", shape_of(partial),
-                   " does not fit the ", o->slot_bytes(), "-byte receive slot");
-  const char* src = static_cast<const char*>(partial.data_ptr()) + size_t(row_begin) * row_bytes;
-  const torch::stable::accelerator::DeviceGuard guard(o->device());
-  const cudaError_t e = o->send(src, size_t(row_begin) * row_bytes, size_t(row_end - row_begin) * row_bytes,
-                                int(slot), int(chunk), current_stream(o->device()));
-  YALI_CHECK(e == cudaSuccess, "overlap_send failed: ", cudaGetErrorString(e),
-             o->aborted() ? " <- " + o->abort_message() : std::string());
-}
-
-// (norm_out, residual_out) = RMSNorm(partial + the peer's partial [+ residual]), per chunk of
-// chunk_rows rows as the peer's flag arrives; on the current stream (the main stream).
-void overlap_consume(int64_t handle, const Tensor& partial, const std::optional<Tensor>& residual,
-                     const Tensor& weight, double eps, const Tensor& norm_out, const Tensor& residual_out,
-                     int64_t chunk_rows, int64_t slot) {
-  const yali::Overlap* o = get_overlap(handle);
-  YALI_CHECK_VALUE(on(partial, o->device()) && partial.dim() == 2 && partial.size(0) > 0 && partial.size(1) > 0 &&
-                       partial.is_contiguous(),
-                   "partial must be a contiguous [rows, hidden] tensor on cuda:", o->device(), ", got ",
-                   shape_of(partial), " on ", device_of(partial));
-  const int64_t rows = partial.size(0);
-  const int64_t hidden = partial.size(1);
-  const yali::DType dt = to_dtype(partial.scalar_type());
-  auto like_partial = [&](const Tensor& t) {
-    return on(t, o->device()) && t.scalar_type() == partial.scalar_type() && same_shape(t, partial) &&
-           t.is_contiguous();
-  };
-  YALI_CHECK_VALUE(like_partial(norm_out), "norm_out must be a contiguous tensor like partial (shape ",
-                   shape_of(partial), ")");
-  YALI_CHECK_VALUE(like_partial(residual_out), "residual_out must be a contiguous tensor like partial (shape ",
-                   shape_of(partial), ")");
-  if (residual) YALI_CHECK_VALUE(like_partial(*residual), "residual must be a contiguous tensor like partial");
-  YALI_CHECK_VALUE(on(weight, o->device()) && weight.scalar_type() == partial.scalar_type() && weight.dim() == 1 &&
-                       weight.size(0) == hidden && weight.is_contiguous(),
-                   "weight must be a contiguous [", hidden, "] tensor of partial's dtype and device");
-  YALI_CHECK_VALUE(norm_out.data_ptr() != residual_out.data_ptr() && norm_out.data_ptr() != partial.data_ptr() &&
-                       (!residual || norm_out.data_ptr() != residual->data_ptr()),
-                   "norm_out must not alias partial, residual or residual_out");
-  const size_t row_bytes = size_t(hidden) * partial.element_size();
-  YALI_CHECK_VALUE(row_bytes % 16 == 0 && row_bytes <= yali::kFusedMaxRowBytes, "a row of ", hidden, " ",
-                   partial.scalar_type(), " elements (", row_bytes, " bytes) is not served: it must be a multiple ",
-                   "of 16 bytes and at most ", yali::kFusedMaxRowBytes, " bytes");
-  YALI_CHECK_VALUE(size_t(rows) * row_bytes <= o->slot_bytes(), "partial ", shape_of(partial), " does not fit the ",
-                   o->slot_bytes(), "-byte receive slot");
-  YALI_CHECK_VALUE(chunk_rows > 0 && (rows + chunk_rows - 1) / chunk_rows <= yali::kOverlapMaxChunks,
-                   "chunk_rows ", chunk_rows, " cuts ", rows, " rows into more than ", yali::kOverlapMaxChunks,
-                   " chunks");
-  YALI_CHECK_VALUE(slot == 0 || slot == 1, "slot must be 0 or 1, got ", slot);
-  const torch::stable::accelerator::DeviceGuard guard(o->device());
-  const cudaError_t e = o->consume(partial.data_ptr(), residual ? residual->data_ptr() : nullptr, weight.data_ptr(),
-                                   float(eps), norm_out.data_ptr(), residual_out.data_ptr(), size_t(rows),
-                                   size_t(hidden), size_t(chunk_rows), dt, int(slot), current_stream(o->device()));
-  YALI_CHECK(e == cudaSuccess, "overlap_consume launch failed: ", cudaGetErrorString(e),
-             o->aborted() ? " <- " + o->abort_message() : std::string(" (tensors must be 16-byte aligned)"));
-}
-
-int64_t overlap_buffer_bytes(int64_t handle) { return int64_t(get_overlap(handle)->buffer_bytes()); }
-int64_t overlap_calls(int64_t handle) {
-  const yali::Overlap* o = get_overlap(handle);
-  YALI_CHECK(!o->aborted(), o->abort_message());
-  return core([&] { return int64_t(o->device_calls()); });
-}
-std::string overlap_abort_message(int64_t handle) { return get_overlap(handle)->abort_message(); }
-// ================================================================== end of overlap
-
 }  // namespace
 
 STABLE_TORCH_LIBRARY(yali, m) {
@@ -640,19 +508,6 @@ STABLE_TORCH_LIBRARY(yali, m) {
   m.def("ep_slot_bytes(int comm) -> int");
   m.def("ep_dispatch(int comm, Tensor[] inputs, Tensor(a!)[] outputs, int[] counts) -> ()");
   m.def("ep_combine(int comm, Tensor input, Tensor(a!) out, int[] counts) -> ()");
-  // overlap (see the overlap block above)
-  m.def("overlap_create(int device, int rank, int slot_bytes) -> int");
-  m.def("overlap_destroy(int overlap) -> ()");
-  m.def("overlap_close_peer(int overlap) -> ()");
-  m.def("overlap_ipc_handle(int overlap) -> int[]");
-  m.def("overlap_open_peer(int overlap, int[] peer_handle) -> ()");
-  m.def("overlap_send(int overlap, Tensor partial, int row_begin, int row_end, int slot, int chunk) -> ()");
-  m.def(
-      "overlap_consume(int overlap, Tensor partial, Tensor? residual, Tensor weight, float eps, "
-      "Tensor(a!) norm_out, Tensor(b!) residual_out, int chunk_rows, int slot) -> ()");
-  m.def("overlap_buffer_bytes(int overlap) -> int");
-  m.def("overlap_calls(int overlap) -> int");
-  m.def("overlap_abort_message(int overlap) -> str");
 }
 
 // Ops without tensor arguments have no dispatch key to pick: registered for every backend.
@@ -680,14 +535,6 @@ STABLE_TORCH_LIBRARY_IMPL(yali, CompositeExplicitAutograd, m) {
   m.impl("ep_serves_dispatch", TORCH_BOX(&ep_serves_dispatch));
   m.impl("ep_serves_combine", TORCH_BOX(&ep_serves_combine));
   m.impl("ep_slot_bytes", TORCH_BOX(&ep_slot_bytes));
-  m.impl("overlap_create", TORCH_BOX(&overlap_create));
-  m.impl("overlap_destroy", TORCH_BOX(&overlap_destroy));
-  m.impl("overlap_close_peer", TORCH_BOX(&overlap_close_peer));
-  m.impl("overlap_ipc_handle", TORCH_BOX(&overlap_ipc_handle));
-  m.impl("overlap_open_peer", TORCH_BOX(&overlap_open_peer));
-  m.impl("overlap_buffer_bytes", TORCH_BOX(&overlap_buffer_bytes));
-  m.impl("overlap_calls", TORCH_BOX(&overlap_calls));
-  m.impl("overlap_abort_message", TORCH_BOX(&overlap_abort_message));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(yali, CUDA, m) {
@@ -695,6 +542,4 @@ STABLE_TORCH_LIBRARY_IMPL(yali, CUDA, m) {
   m.impl("fused_allreduce_rmsnorm", TORCH_BOX(&fused_allreduce_rmsnorm));
   m.impl("ep_dispatch", TORCH_BOX(&ep_dispatch));
   m.impl("ep_combine", TORCH_BOX(&ep_combine));
-  m.impl("overlap_send", TORCH_BOX(&overlap_send));
-  m.impl("overlap_consume", TORCH_BOX(&overlap_consume));
 }

@@ -5,10 +5,9 @@
 # included) and numerics on real silicon when no multi-GPU machine is available. Local memory
 # stands where NVLink would be and the processes take turns on the GPU, so nothing here is a
 # timing and a race that needs the link's latency may not show.
-#   shared_gpu.sh [all|fused|allreduce|reliability|overlap|ranks|ep]
+#   shared_gpu.sh [all|fused|allreduce|reliability|ranks|ep]
 #   all (default): the two-rank fused suite first, then the two-rank all-reduce (< 9.5 min);
 #   reliability: mismatched calls, watchdog paths, a killed peer, close() (~5 min);
-#   overlap: the overlapped GEMM + all-reduce + RMSNorm against the unfused sequence (~4 min);
 #   ranks: the all-reduce and the fused op at 2, 4, 6 and 8 ranks, a mismatched call included,
 #   all N processes on GPU 0 (tests/gpu/test_ranks.py, ~3 min on an H100);
 #   ep: the expert-parallel dispatch and combine at 2, 4, 6 and 8 ranks (tests/gpu/test_ep.py)
@@ -16,7 +15,7 @@
 # 232 s: archive/gpu-tests/20261123-shared-h200), so the all-reduce part leaves out the 100k-call stress
 # test, whose 300 s bound assumes concurrent ranks; it stays with the 2-GPU host (kernels.sh).
 # Writes to $OUT: gpu-tests-shared-<part>-<date>.{json,log} (gpu-test-run results).
-# SHARED_FUSED_S, SHARED_ALLREDUCE_S, SHARED_RELIABILITY_S, SHARED_OVERLAP_S, SHARED_RANKS_S and SHARED_EP_S
+# SHARED_FUSED_S, SHARED_ALLREDUCE_S, SHARED_RELIABILITY_S, SHARED_RANKS_S and SHARED_EP_S
 # override the bounds of the parts.
 . scripts/gpu_host/env.sh
 export YALI_ALLOW_SHARED_GPU=1 YALI_TIMEOUT_S=30
@@ -39,8 +38,7 @@ case "$MODE" in
   fused)     run_part fused "${SHARED_FUSED_S:-540}" tests/gpu/test_fused.py ;;
   allreduce) run_part allreduce "${SHARED_ALLREDUCE_S:-540}" tests/gpu/test_allreduce.py tests/gpu/test_bench_timing.py -k "not stress" ;;
   reliability) run_part reliability "${SHARED_RELIABILITY_S:-540}" tests/gpu/test_reliability.py ;;
-  overlap)   run_part overlap "${SHARED_OVERLAP_S:-540}" tests/gpu/test_overlap.py ;;
   ranks)     run_part ranks "${SHARED_RANKS_S:-560}" tests/gpu/test_ranks.py ;;
   ep)        run_part ep "${SHARED_EP_S:-560}" tests/gpu/test_ep.py ;;
-  *)         echo "usage: $0 [all|fused|allreduce|reliability|overlap|ranks|ep]" >&2; exit 2 ;;
+  *)         echo "usage: $0 [all|fused|allreduce|reliability|ranks|ep]" >&2; exit 2 ;;
 esac

@@ -376,7 +376,6 @@ def _tp_setup(rank: int, port: int, world_size: int, model_dir: str):
     the plugin registered.  Returns (its VllmConfig, the TP GroupCoordinator)."""
     os.environ["VLLM_DISABLE_PYNCCL"] = "1"  # no NCCL library on a CPU box
     os.environ.pop("YALI_FUSION", None)
-    os.environ.pop("YALI_OVERLAP", None)
     from vllm.config import CompilationConfig, DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.config.compilation import CompilationMode, PassConfig
     from vllm.distributed.parallel_state import get_tp_group, init_distributed_environment, initialize_model_parallel
@@ -404,8 +403,8 @@ def _tp_setup(rank: int, port: int, world_size: int, model_dir: str):
 
 def _factory_choices(cfg, tp) -> dict:
     """What the plugin's pass factory and vLLM's pass manager build for `tp`, with
-    and without a (stand-in) YALI communicator, YALI_FUSION=0 and YALI_OVERLAP=1,
-    and the lines the factory logs."""
+    and without a (stand-in) YALI communicator and with YALI_FUSION=0 or 1, and the lines the
+    factory logs."""
     from vllm.compilation.passes import pass_manager
 
     res: dict = {}
@@ -439,15 +438,6 @@ def _factory_choices(cfg, tp) -> dict:
     del os.environ["YALI_FUSION"]
     res["log"] = [ln for ln in handler_lines if ln.startswith(("YALI fusion pass ON", "YALI fusion pass OFF"))]
     res["patterns_log"] = [ln for ln in handler_lines if ln.startswith("YALI fusion pass: patterns")]
-    # YALI_OVERLAP=1: the overlap pass joins the fusion pass at the world size it serves
-    # (YALI_FUSION=1: YALI's pass at every world size).
-    os.environ["YALI_OVERLAP"] = "1"
-    os.environ["YALI_FUSION"] = "1"
-    del handler_lines[:]
-    res["overlap_pass"] = type(factory(cfg)).__name__
-    res["overlap_factor"] = fusion_patch.fusion_cache_factor()
-    res["overlap_log"] = [ln for ln in handler_lines if ln.startswith("YALI fusion pass ON")]
-    del os.environ["YALI_OVERLAP"], os.environ["YALI_FUSION"]
 
     # vLLM's own pass manager, with the symbol patched (a stand-in original:
     # see the module docstring), builds one of the two passes.
@@ -676,13 +666,12 @@ def test_unserved_tp_world_size_keeps_vllms_fusion_pass(unserved_tp_ranks):
     why = f"TP group 'tp:0': {refusal}"
     for res in unserved_tp_ranks:
         assert res["off_decision"] == res["on_decision"] == [False, why]
-        assert res["off_pass"] == res["on_pass"] == res["overlap_pass"] == "StandInPass"
+        assert res["off_pass"] == res["on_pass"] == "StandInPass"
         assert res["on_factor"] == "vllm"
         assert res["log"] == [
             f"YALI fusion pass OFF: {why}; using vLLM's FlashInfer all-reduce+RMSNorm fusion",
             "YALI fusion pass OFF: disabled by YALI_FUSION; using vLLM's FlashInfer all-reduce+RMSNorm fusion",
         ]
-        assert res["overlap_log"] == []
         assert "StandInPass" in res["configured"] and "YaliAllReduceFusionPass" not in res["configured"]
 
 
@@ -691,25 +680,12 @@ def _choice(factor: str) -> str:
     return factor.split("@")[0]
 
 
-def test_ranks_overlap_pass_serves_two_ranks_only(tp_ranks):
-    """YALI_OVERLAP=1 adds the overlap pass at two ranks, and the compile-cache factor says so (a
-    server with the overlap must not load the graph of a server without it); at N ranks neither."""
-    n = len(tp_ranks)
-    served = f"YALI serves TP group 'tp:0' ({n} ranks)"
-    for res in tp_ranks:
-        sources = res["forced_factor"].split("@")[1]
-        assert len(sources) == 16 and res["overlap_factor"].endswith("@" + sources)
-        if n == 2:
-            assert res["overlap_pass"] == "YaliFusionWithOverlap"
-            assert _choice(res["overlap_factor"]) == "yali+overlap"
-            note = "prefill GEMM + all-reduce + RMSNorm overlapped (YALI_OVERLAP=1)"
-        else:
-            assert res["overlap_pass"] == "YaliAllReduceFusionPass"
-            assert res["overlap_factor"] == res["forced_factor"]
-            note = f"YALI_OVERLAP=1 is not applied: TP world size is {n}; the overlap serves 2 ranks"
-        assert res["overlap_log"] == [
-            f"YALI fusion pass ON (replaces vLLM's FlashInfer all-reduce+RMSNorm fusion): {served}; {note}"
-        ]
+def test_ranks_cache_factor_names_the_pass_sources(tp_ranks):
+    """The compile-cache factor carries the hash of YALI's pass sources, the same on every rank,
+    so a graph rewritten by another version of the passes is not reused."""
+    hashes = {res["forced_factor"].split("@")[1] for res in tp_ranks}
+    assert len(hashes) == 1 and len(hashes.pop()) == 16
+    assert all(res["on_factor"].split("@")[1] == res["forced_factor"].split("@")[1] for res in tp_ranks)
 
 
 def test_ranks_pass_applies_only_to_the_token_counts_yali_serves(tp_ranks):

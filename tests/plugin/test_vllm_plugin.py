@@ -713,11 +713,11 @@ def test_ranks_agree_on_yali_enable(cpu_ranks):
     reason, warn = _same_on_every_rank(cpu_ranks, "cuda_unknown_var")
     assert "unknown YALI_* variable(s) YALI_MAX_BYTE='1M'" in reason and warn
     reason, warn = _same_on_every_rank(cpu_ranks, "cuda_fusion_differs")
-    settings = ["on, set, overlap off"] + ["off, overlap off"] * (n - 1)
-    assert f"YALI_FUSION / YALI_OVERLAP settings differ: {settings}" in reason and warn
+    settings = ["on, set"] + ["off"] * (n - 1)
+    assert f"YALI_FUSION settings differ: {settings}" in reason and warn
     reason, warn = _same_on_every_rank(cpu_ranks, "cuda_fusion_set_differs")
-    settings = ["on, set, overlap off"] + ["on, overlap off"] * (n - 1)
-    assert f"YALI_FUSION / YALI_OVERLAP settings differ: {settings}" in reason and warn
+    settings = ["on, set"] + ["on"] * (n - 1)
+    assert f"YALI_FUSION settings differ: {settings}" in reason and warn
     reason, warn = _same_on_every_rank(cpu_ranks, "cuda_no_custom_ar")
     assert "custom all-reduce is disabled" in reason and not warn
     reason, warn = _same_on_every_rank(cpu_ranks, "cuda_bad_world_sizes")

@@ -62,12 +62,6 @@ def fusion_pass_factory(original: Any) -> Any:
         if choice == "yali":
             try:
                 pass_ = vllm_fusion.YaliAllReduceFusionPass(config)
-                overlapped, note = _overlap_plan()
-                if overlapped:
-                    from yali_vllm import vllm_overlap
-
-                    pass_ = vllm_overlap.with_overlap(pass_, config)
-                why += note
             except Exception as e:  # deterministic, so every rank falls back alike
                 logger.warning(
                     "YALI fusion pass OFF: building it failed (%s: %s); using vLLM's FlashInfer fusion",
@@ -86,23 +80,6 @@ def fusion_pass_factory(original: Any) -> Any:
 
     setattr(AllReduceFusionPass, _FACTORY_ORIGINAL, original)
     return AllReduceFusionPass
-
-
-def _overlap_plan() -> tuple[bool, str]:
-    """Whether the overlap pass follows YALI's fusion pass in this process (YALI_OVERLAP=1, opt-in,
-    and a TP group of the world size the overlap serves), and what the ON line adds ("" when
-    YALI_OVERLAP is off). ValueError naming YALI_OVERLAP when it is invalid."""
-    from vllm.distributed.parallel_state import get_tp_group
-
-    from yali_vllm import vllm_overlap
-    from yali_vllm.config import env_flag
-
-    if not env_flag("YALI_OVERLAP", False):
-        return False, ""
-    refusal = vllm_overlap.overlap_refusal(get_tp_group().world_size)
-    if refusal is not None:
-        return False, f"; YALI_OVERLAP=1 is not applied: {refusal}"
-    return True, "; prefill GEMM + all-reduce + RMSNorm overlapped (YALI_OVERLAP=1)"
 
 
 def patch_fusion_pass() -> bool:
@@ -144,14 +121,12 @@ def unpatch_fusion_pass() -> None:
 
 def fusion_cache_factor() -> str:
     """Which passes this process builds, as vLLM's compile cache key sees them: "vllm", or
-    "yali", "yali+overlap" or "vllm+yali" followed by "@" and the hash of YALI's pass sources
+    "yali" or "vllm+yali" followed by "@" and the hash of YALI's pass sources
     (a graph rewritten by another version of them is not reused); "invalid (...)" for a bad knob."""
     try:
         from yali_vllm.vllm_fusion import fusion_choice
 
         choice = fusion_choice()[0]
-        if choice == "yali" and _overlap_plan()[0]:
-            choice += "+overlap"
         return choice if choice == "vllm" else f"{choice}@{_pass_sources_hash()}"
     except Exception as e:
         return f"invalid ({type(e).__name__})"
@@ -159,12 +134,12 @@ def fusion_cache_factor() -> str:
 
 @functools.lru_cache(maxsize=1)
 def _pass_sources_hash() -> str:
-    """The hash of the modules that decide how vLLM's graphs are rewritten: the fusion and overlap
-    passes, and what they read (overlap.MIN_TOKENS, config.FUSION_BY_FLASHINFER and the limits)."""
-    from yali_vllm import config, overlap, vllm_fusion, vllm_overlap
+    """The hash of the modules that decide how vLLM's graphs are rewritten: the fusion pass and
+    what it reads (config.FUSION_BY_FLASHINFER and the limits)."""
+    from yali_vllm import config, vllm_fusion
 
     h = hashlib.sha256()
-    for module in (vllm_fusion, vllm_overlap, overlap, config):
+    for module in (vllm_fusion, config):
         h.update(Path(module.__file__).read_bytes())
     return h.hexdigest()[:16]
 
@@ -177,8 +152,7 @@ def _register_cache_factor() -> None:
     which hashes every entry of ``vllm.envs.environment_variables``; the
     plugin's choice is in neither (the AOT key does not see the passes' uuid).
     Without this entry a run with YALI's pass would load a graph compiled with
-    FlashInfer's fusion by an earlier run without YALI (or the reverse), and a
-    run with YALI_OVERLAP=1 the graph of an earlier run without the overlap.  The entry's getter is evaluated when vLLM
+    FlashInfer's fusion by an earlier run without YALI (or the reverse).  The entry's getter is evaluated when vLLM
     computes the key, in the worker, after the TP group is set up."""
     import vllm.envs as envs
 

@@ -50,16 +50,13 @@ def _local_info(comm: Any) -> dict[str, Any]:
 
 
 def _fusion_setting() -> str:
-    """This rank's YALI_FUSION and YALI_OVERLAP as they are understood ("on"/"off", or the error),
-    for comparison: the ranks must build the same compile passes."""
+    """This rank's YALI_FUSION as it is understood ("on"/"off", or the error), for comparison:
+    the ranks must build the same compile passes."""
     try:
-        from yali_vllm.config import env_flag
         from yali_vllm.vllm_fusion import fusion_enabled, fusion_forced
 
-        overlap = "on" if env_flag("YALI_OVERLAP", False) else "off"
         # "on, set" (YALI_FUSION=1) differs from "on" (unset) where FUSION_BY_FLASHINFER applies
-        fusion = ("on, set" if fusion_forced() else "on") if fusion_enabled() else "off"
-        return f"{fusion}, overlap {overlap}"
+        return ("on, set" if fusion_forced() else "on") if fusion_enabled() else "off"
     except Exception as e:
         return f"invalid ({e})"
 
@@ -176,7 +173,7 @@ def setup_yali(comm: Any, *, platform_is_cuda: bool, stateless: bool = False) ->
     # in FlashInfer's.
     fusion = [i["fusion"] for i in infos]
     if len(set(fusion)) > 1:
-        return Decision(None, f"the ranks' YALI_FUSION / YALI_OVERLAP settings differ: {fusion}", True)
+        return Decision(None, f"the ranks' YALI_FUSION settings differ: {fusion}", True)
 
     yc, why = _create_communicator(comm)
     # Agree: YALI is used only if every rank has it, otherwise a rank would
