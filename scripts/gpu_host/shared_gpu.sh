@@ -5,17 +5,18 @@
 # included) and numerics on real silicon when no multi-GPU machine is available. Local memory
 # stands where NVLink would be and the processes take turns on the GPU, so nothing here is a
 # timing and a race that needs the link's latency may not show.
-#   shared_gpu.sh [all|fused|allreduce|reliability|ranks|ep]
+#   shared_gpu.sh [all|fused|allreduce|reliability|ranks|ep|delays]
 #   all (default): the two-rank fused suite first, then the two-rank all-reduce (< 9.5 min);
 #   reliability: mismatched calls, watchdog paths, a killed peer, close() (~5 min);
 #   ranks: the all-reduce and the fused op at 2, 4, 6 and 8 ranks, a mismatched call included,
 #   all N processes on GPU 0 (tests/gpu/test_ranks.py, ~3 min on an H100);
-#   ep: the expert-parallel dispatch and combine at 2, 4, 6 and 8 ranks (tests/gpu/test_ep.py)
+#   ep: the expert-parallel dispatch and combine at 2, 4, 6 and 8 ranks (tests/gpu/test_ep.py);
+#   delays: ranks arriving at different times in CUDA graphs, and a killed rank (tests/gpu/test_delays.py)
 # Taking turns costs about 3.3 ms per call pair (the 10k-replay graph test, 70k pairs, takes
 # 232 s: archive/gpu-tests/20261123-shared-h200), so the all-reduce part leaves out the 100k-call stress
 # test, whose 300 s bound assumes concurrent ranks; it stays with the 2-GPU host (kernels.sh).
 # Writes to $OUT: gpu-tests-shared-<part>-<date>.{json,log} (gpu-test-run results).
-# SHARED_FUSED_S, SHARED_ALLREDUCE_S, SHARED_RELIABILITY_S, SHARED_RANKS_S and SHARED_EP_S
+# SHARED_FUSED_S, SHARED_ALLREDUCE_S, SHARED_RELIABILITY_S, SHARED_RANKS_S, SHARED_EP_S and SHARED_DELAYS_S
 # override the bounds of the parts.
 . scripts/gpu_host/env.sh
 export YALI_ALLOW_SHARED_GPU=1 YALI_TIMEOUT_S=30
@@ -40,5 +41,6 @@ case "$MODE" in
   reliability) run_part reliability "${SHARED_RELIABILITY_S:-540}" tests/gpu/test_reliability.py ;;
   ranks)     run_part ranks "${SHARED_RANKS_S:-560}" tests/gpu/test_ranks.py ;;
   ep)        run_part ep "${SHARED_EP_S:-560}" tests/gpu/test_ep.py ;;
-  *)         echo "usage: $0 [all|fused|allreduce|reliability|ranks|ep]" >&2; exit 2 ;;
+  delays)    run_part delays "${SHARED_DELAYS_S:-560}" tests/gpu/test_delays.py ;;
+  *)         echo "usage: $0 [all|fused|allreduce|reliability|ranks|ep|delays]" >&2; exit 2 ;;
 esac

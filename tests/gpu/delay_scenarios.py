@@ -1,0 +1,147 @@
+"""Calls whose ranks arrive at different times (the buffer-reuse and parity arguments under stress):
+one CUDA graph of CALLS_PER_GRAPH calls cycling through the size boundaries of every kernel, each
+preceded on each rank by a GPU sleep of its own, replayed many times, every result checked on the
+device; and the same graph with one rank killed in the middle.
+
+Inputs change with every replay and every call (a stale word of an earlier call or replay would
+be a wrong value, not a lucky equal one) and stay small integers, so every sum is exact in bf16:
+rank r's input to call j of replay i is (e % 7) + r + 1 + (i + j) % 5 at element e, whose sum over
+N ranks is N * (e % 7) + N (N + 1) / 2 + N * ((i + j) % 5)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+
+from yali_vllm.communicator import YaliCommunicator
+
+from .ranks_scenarios import differing, first_two_launch_rows, kernel_spans, table_of
+from .reliability import _record_then_error
+from .scenarios import _device, capture_after_warmup, digest
+
+CALLS_PER_GRAPH = 64
+MAX_SLEEP_CYCLES = 20_000  # about 10 us at the H100's clock: longer than most calls it delays
+LATE_RANK_CYCLES = 20_000  # "last-rank": the last rank sleeps this long before every call
+FUSED_HIDDEN = 8192
+SERVE_TOP = 8 << 20  # the largest message probed: every kernel YALI serves at 2 to 8 ranks up to here
+
+
+def boundary_counts(world_size: int, top: int = SERVE_TOP) -> list[int]:
+    """bf16 element counts: 1 KiB, 16 bytes below and above every switch between two kernels of
+    the size table (at N ranks the one-shot / two-shot limit), and top - 2 bytes (an odd tail)."""
+    counts = [512]
+    spans = kernel_spans(table_of(world_size), top=top)
+    for (_, _, hi), (_, lo_next, _) in zip(spans, spans[1:]):
+        if lo_next == hi + 1:  # two served kernels meet here
+            counts += [hi // 2 - 8, hi // 2 + 8]
+    counts.append(top // 2 - 1)
+    return counts
+
+
+def call_specs(comm) -> list[tuple]:
+    """("all_reduce", count) and ("fused", rows) calls: the boundary counts, then the fused op at
+    one row of FUSED_HIDDEN, at its one-launch limit and one row above it (when the table has a
+    two-launch size)."""
+    specs = [("all_reduce", n) for n in boundary_counts(comm.world_size)]
+    specs.append(("fused", 1))
+    two = first_two_launch_rows(comm, FUSED_HIDDEN, torch.bfloat16)
+    if two is not None:
+        specs += [("fused", two - 1), ("fused", two)]
+    return specs
+
+
+def sleeps_of(mode: str, rank: int, world_size: int, seed: int) -> list[int]:
+    """The GPU sleep (cycles) of this rank before each call of the graph: "random", drawn per
+    (rank, call); "last-rank", LATE_RANK_CYCLES on the last rank only (rank 0 always a call ahead)."""
+    if mode == "random":
+        g = torch.Generator().manual_seed(seed * 16 + rank)
+        return torch.randint(0, MAX_SLEEP_CYCLES, (CALLS_PER_GRAPH,), generator=g).tolist()
+    if mode == "last-rank":
+        return [LATE_RANK_CYCLES if rank == world_size - 1 else 0] * CALLS_PER_GRAPH
+    raise ValueError(f"mode must be 'random' or 'last-rank', got {mode!r}")
+
+
+def _graph(comm, rank: int, mode: str, seed: int):
+    """The graph, its replay counter and wrong-element count, and the fused outputs (for digests)."""
+    dev, n_ranks = _device(), comm.world_size
+    bf16 = torch.bfloat16
+    specs = call_specs(comm)
+    bufs = []
+    for kind, size in specs:
+        shape = (size,) if kind == "all_reduce" else (size, FUSED_HIDDEN)
+        pattern = (torch.arange(shape[0] * (shape[1] if len(shape) > 1 else 1), device=dev) % 7).to(bf16).view(shape)
+        bufs.append({"kind": kind, "pattern": pattern, "x": torch.empty_like(pattern), "out": torch.empty_like(pattern),
+                     "norm": torch.empty_like(pattern) if kind == "fused" else None})
+    weight = torch.ones(FUSED_HIDDEN, dtype=bf16, device=dev)
+    step = torch.zeros((), dtype=torch.int64, device=dev)
+    wrong = torch.zeros((), dtype=torch.int64, device=dev)
+    sleeps = sleeps_of(mode, rank, n_ranks, seed)
+    base = float(n_ranks * (n_ranks + 1) // 2)
+
+    def body():
+        step.add_(1)
+        for j in range(CALLS_PER_GRAPH):
+            b = bufs[j % len(bufs)]
+            shift = ((step + j) % 5).to(bf16)
+            b["x"].copy_(b["pattern"]).add_(float(rank + 1)).add_(shift)
+            expected = b["pattern"] * n_ranks + base + shift * n_ranks
+            if sleeps[j]:
+                torch.cuda._sleep(sleeps[j])
+            if b["kind"] == "all_reduce":
+                comm.all_reduce(b["x"], out=b["out"])
+            else:  # residual_out is the all-reduce itself
+                comm.fused_allreduce_rmsnorm(b["x"], None, weight, 1e-6, norm_out=b["norm"], residual_out=b["out"])
+            wrong.add_((b["out"] != expected).sum())
+
+    graph = capture_after_warmup(body, dev)
+    torch.cuda.synchronize(dev)
+    wrong.zero_()
+    return graph, wrong, bufs, specs
+
+
+def delayed_calls(rank, group, mode: str, replays: int, seed: int) -> dict:
+    """`replays` replays of the delayed graph; returns the wrong elements, the calls the GPU ran,
+    whether the fused outputs of the last replay differ between ranks, and any error."""
+    comm = YaliCommunicator(group, _device())
+    graph, wrong, bufs, specs = _graph(comm, rank, mode, seed)
+    calls_before = comm.device_calls()
+    t0 = time.time()
+    error = None
+    try:
+        for _ in range(replays):
+            graph.replay()
+        comm.synchronize()
+    except Exception as e:  # noqa: BLE001 - a trap: the abort record says why
+        error = f"{type(e).__name__}: {e}"
+    out = {"error": error, "abort": comm.abort_message(), "elapsed_s": time.time() - t0,
+           "calls_per_graph": CALLS_PER_GRAPH, "replays": replays, "specs": specs}
+    if error is None:
+        fused = {f"fused {i}": digest(b["norm"]) for i, b in enumerate(bufs) if b["kind"] == "fused"}
+        out.update(wrong=int(wrong.item()), device_calls=comm.device_calls() - calls_before,
+                   differing=differing(group, fused))
+    del graph
+    return out
+
+
+def delayed_calls_rank_killed(rank, group, replays_before_kill: int, wait_s: float, seed: int) -> dict:
+    """The random-delay graph on every rank; the last rank kills itself (SIGKILL) after
+    `replays_before_kill` replays, with its GPU work in flight. Every other rank replays on and must
+    end in YALI's abort record and a YaliError within YALI_TIMEOUT_S plus a margin, naming a rank
+    it waited for."""
+    comm = YaliCommunicator(group, _device())
+    graph, _, _, _ = _graph(comm, rank, "random", seed)
+    victim = comm.world_size - 1
+    t0 = time.time()
+    if rank == victim:
+        for _ in range(replays_before_kill):
+            graph.replay()
+        os.kill(os.getpid(), signal.SIGKILL)
+    launch_error = None
+    try:
+        for _ in range(2 * replays_before_kill):
+            graph.replay()
+    except Exception as e:  # noqa: BLE001 - a launch after the trap fails: the record says why
+        launch_error = f"{type(e).__name__}: {e}"
+    return {"victim": victim, "launch_error": launch_error, **_record_then_error(comm, t0, wait_s)}
