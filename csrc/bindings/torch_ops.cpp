@@ -471,6 +471,16 @@ void testing_early_trigger(int64_t device, int64_t spin_ns) {
   YALI_CHECK(e == cudaSuccess, "testing_early_trigger launch failed: ", cudaGetErrorString(e));
 }
 
+// Test-only (tests/gpu/test_progress.py): `ctas` CTAs on torch's current stream of `device` that
+// each hold a whole SM for spin_ns nanoseconds.
+void testing_occupy(int64_t device, int64_t ctas, int64_t spin_ns) {
+  YALI_CHECK_VALUE(ctas >= 1 && ctas <= 1024, "ctas must be in [1, 1024], got ", ctas);
+  YALI_CHECK_VALUE(spin_ns >= 0, "spin_ns must be >= 0, got ", spin_ns);
+  const torch::stable::accelerator::DeviceGuard guard(device);
+  const cudaError_t e = yali::testing::launch_occupy_kernel(current_stream(int(device)), int(ctas), uint64_t(spin_ns));
+  YALI_CHECK(e == cudaSuccess, "testing_occupy launch failed: ", cudaGetErrorString(e));
+}
+
 // The torch the library was compiled against and the stable ABI version it targets.
 // Also readable from the file itself (yali_vllm/_ext.py does, when the library fails to load).
 std::string build_info() { return yali_build_info; }
@@ -502,6 +512,7 @@ STABLE_TORCH_LIBRARY(yali, m) {
   m.def("device_count() -> int");
   m.def("build_info() -> str");
   m.def("testing_early_trigger(int device, int spin_ns) -> ()");  // test-only
+  m.def("testing_occupy(int device, int ctas, int spin_ns) -> ()");  // test-only
   // expert parallelism (see the block above)
   m.def("ep_serves_dispatch(int comm, int[] row_bytes, int[] counts) -> bool");
   m.def("ep_serves_combine(int comm, int hidden, ScalarType dtype, int[] counts) -> bool");
@@ -532,6 +543,7 @@ STABLE_TORCH_LIBRARY_IMPL(yali, CompositeExplicitAutograd, m) {
   m.impl("device_count", TORCH_BOX(&device_count));
   m.impl("build_info", TORCH_BOX(&build_info));
   m.impl("testing_early_trigger", TORCH_BOX(&testing_early_trigger));
+  m.impl("testing_occupy", TORCH_BOX(&testing_occupy));
   m.impl("ep_serves_dispatch", TORCH_BOX(&ep_serves_dispatch));
   m.impl("ep_serves_combine", TORCH_BOX(&ep_serves_combine));
   m.impl("ep_slot_bytes", TORCH_BOX(&ep_slot_bytes));

@@ -11,7 +11,8 @@
 #   ranks: the all-reduce and the fused op at 2, 4, 6 and 8 ranks, a mismatched call included,
 #   all N processes on GPU 0 (tests/gpu/test_ranks.py, ~3 min on an H100);
 #   ep: the expert-parallel dispatch and combine at 2, 4, 6 and 8 ranks (tests/gpu/test_ep.py);
-#   delays: ranks arriving at different times in CUDA graphs, and a killed rank (tests/gpu/test_delays.py)
+#   delays: ranks arriving at different times in CUDA graphs, a killed rank (tests/gpu/test_delays.py),
+#   and calls beside a kernel that holds all but one SM (tests/gpu/test_progress.py)
 # Taking turns costs about 3.3 ms per call pair (the 10k-replay graph test, 70k pairs, takes
 # 232 s: archive/gpu-tests/20261123-shared-h200), so the all-reduce part leaves out the 100k-call stress
 # test, whose 300 s bound assumes concurrent ranks; it stays with the 2-GPU host (kernels.sh).
@@ -41,6 +42,6 @@ case "$MODE" in
   reliability) run_part reliability "${SHARED_RELIABILITY_S:-540}" tests/gpu/test_reliability.py ;;
   ranks)     run_part ranks "${SHARED_RANKS_S:-560}" tests/gpu/test_ranks.py ;;
   ep)        run_part ep "${SHARED_EP_S:-560}" tests/gpu/test_ep.py ;;
-  delays)    run_part delays "${SHARED_DELAYS_S:-560}" tests/gpu/test_delays.py ;;
+  delays)    run_part delays "${SHARED_DELAYS_S:-560}" tests/gpu/test_delays.py tests/gpu/test_progress.py ;;
   *)         echo "usage: $0 [all|fused|allreduce|reliability|ranks|ep|delays]" >&2; exit 2 ;;
 esac

@@ -12,4 +12,10 @@ namespace yali::testing {
 // Legal CUDA: it declares no dependency on the kernel before it.
 cudaError_t launch_early_trigger_kernel(cudaStream_t stream, uint64_t spin_ns);
 
+// A kernel that takes whole SMs away from every other kernel for `spin_ns` nanoseconds: `ctas` CTAs
+// of 1024 threads, each holding the SM's whole register file (64 live registers a thread) and
+// most of its shared memory, so no CTA of another kernel fits beside one (the forward-progress
+// case: YALI's kernels on the SMs that are left).
+cudaError_t launch_occupy_kernel(cudaStream_t stream, int ctas, uint64_t spin_ns);
+
 }  // namespace yali::testing

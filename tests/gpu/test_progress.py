@@ -1,0 +1,35 @@
+"""Forward progress with busy SMs, at 2, 4 and 8 ranks, each on its own GPU (progress_scenarios.py):
+another kernel holds all but one SM of every GPU (or of rank 0's only) for 2 ms while the plain
+all-reduce (every kernel of the size table) and the fused op at 16 x 8192 and 1 x 8192 run; with
+YALI_TIMEOUT_S=5 each must complete, exactly, without the watchdog. With the ranks sharing one GPU
+(YALI_ALLOW_SHARED_GPU=1) every rank's CTAs compete for that GPU's one free SM: the same must hold."""
+import pytest
+
+from . import progress_scenarios as ps
+from .pair import run_ranks
+
+WORLD_SIZES = (2, 4, 8)
+BOUND_S = {2: 120, 4: 150, 8: 200}
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(max(BOUND_S.values()) + 30)
+@pytest.mark.parametrize("busy", ["all", "rank0"])
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids=lambda n: f"{n}-ranks")
+def test_calls_complete_beside_busy_sms(world_size, busy):
+    res = run_ranks(ps.calls_beside_busy_sms, busy, world_size=world_size, timeout=BOUND_S[world_size],
+                    env={"YALI_TIMEOUT_S": "5"})
+    for rank, r in enumerate(res):
+        assert r["error"] is None and r["abort"] == "", (rank, r)
+        assert r["wrong"] == 0, (rank, r)
+        assert len(r["times_ms"]) == len(ps.span_counts(world_size)) + len(ps.FUSED_SHAPES), r
+    print({rank: r["times_ms"] for rank, r in enumerate(res)})
+
+
+@pytest.mark.cpu
+def test_span_counts_fall_inside_every_kernel_span():
+    for n in WORLD_SIZES:
+        counts = ps.span_counts(n)
+        spans = ps.kernel_spans(ps.table_of(n), top=8 << 20)
+        assert len(counts) == len(spans) >= 1
+        assert all(lo <= 2 * c <= hi for c, (_, lo, hi) in zip(counts, spans)), (n, counts, spans)
