@@ -17,7 +17,8 @@ inputs, the combine against the fp32 sum (YALI bitwise against the rank-order su
 op inside a CUDA graph of many back-to-back layers (median and p99 over replays) for the
 dispatch alone, the combine alone and the layer (dispatch + combine).
 
-Writes <out>/<name>.json (kind moe-microbench), a markdown table and a PNG plot.
+Writes <out>/<name>.json (kind moe-dispatch-combine: one row per backend, shape and token count
+with dispatch_us_p50, combine_us_p50 and total_us_p50, the layer), a markdown table and a PNG plot.
 
   python -m benchmarks.moe_bench                     # 2 ranks, Qwen3-30B-A3B's shape and more
   python -m benchmarks.moe_bench --quick             # H 2048, top-8, 1-128 tokens
@@ -208,10 +209,8 @@ def worker(rank, port, args, q):
                         print(f"[moe] {name} H={hidden} k={topk} T={tokens} failed: {e}", flush=True)
                     ok, err, times = False, None, {}
                 dist.barrier(group=gloo)
-                for op, xs in times.items():
-                    rows.append({"backend": name, "hidden": hidden, "topk": topk, "tokens": tokens, "op": op,
-                                 "us_p50": round(statistics.median(xs), 3), "us_p99": round(pct(xs, 99), 3),
-                                 "samples": len(xs), "correct": ok, "combine_max_abs_err": err})
+                if times:
+                    rows.append(schema_row(name, hidden, topk, tokens, times, ok, err))
                 if rank == 0 and times:
                     print(f"[moe {done}/{plan} {time.time() - t0:5.0f}s] {name:10s} H={hidden} k={topk} T={tokens:4d}: "
                           + "  ".join(f"{op} {statistics.median(times[op]):8.2f} us" for op in OPS)
@@ -223,9 +222,23 @@ def worker(rank, port, args, q):
     dist.destroy_process_group()
 
 
+# The schema's field of each timed op (results-schema.md, moe-dispatch-combine): the layer is the total.
+FIELDS = {"dispatch": "dispatch", "combine": "combine", "layer": "total"}
+
+
+def schema_row(backend: str, hidden: int, topk: int, tokens: int, times: dict, exact: bool, err) -> dict:
+    """One moe-dispatch-combine row: every op's median and p99 (µs) over the replays."""
+    row = {"backend": backend, "dtype": "bf16", "hidden": hidden, "topk": topk, "tokens": tokens}
+    for op, xs in times.items():
+        row[f"{FIELDS[op]}_us_p50"] = round(statistics.median(xs), 3)
+        row[f"{FIELDS[op]}_us_p99"] = round(pct(xs, 99), 3)
+    row.update(samples=min(len(xs) for xs in times.values()), exact=bool(exact), combine_max_abs_err=err)
+    return row
+
+
 def markdown_table(res) -> str:
     world = world_size_of(res)
-    get = {(r["backend"], r["hidden"], r["topk"], r["tokens"], r["op"]): r for r in res["records"]}
+    get = {(r["backend"], r["hidden"], r["topk"], r["tokens"]): r for r in res["records"]}
     keys = sorted({(r["hidden"], r["topk"], r["tokens"]) for r in res["records"]})
     lines = [f"# MoE dispatch + combine, {world} ranks (bf16 hidden, per op in a CUDA graph, median µs)", ""]
     if res.get("shared_gpu"):
@@ -233,13 +246,12 @@ def markdown_table(res) -> str:
     lines += ["| H | top-k | tokens/rank | yali dispatch | yali combine | yali layer | vLLM AgRs layer | yali / AgRs | "
               "correct |", "|---|---|---|---|---|---|---|---|---|"]
     for h, k, t in keys:
-        y = {op: get.get(("yali", h, k, t, op)) for op in OPS}
-        a = get.get(("vllm-agrs", h, k, t, "layer"))
-        ratio = f"{y['layer']['us_p50'] / a['us_p50']:.2f}" if y["layer"] and a else "–"
-        ok = all(r["correct"] for r in (*y.values(), a) if r)
-        cell = lambda r: f"{r['us_p50']:.2f}" if r else "–"  # noqa: E731
-        lines.append(f"| {h} | {k} | {t} | {cell(y['dispatch'])} | {cell(y['combine'])} | {cell(y['layer'])} | "
-                     f"{cell(a)} | {ratio} | {'yes' if ok else 'NO'} |")
+        y, a = get.get(("yali", h, k, t)), get.get(("vllm-agrs", h, k, t))
+        ratio = f"{y['total_us_p50'] / a['total_us_p50']:.2f}" if y and a else "–"
+        ok = all(r["exact"] for r in (y, a) if r)
+        cell = lambda r, f: f"{r[f]:.2f}" if r else "–"  # noqa: E731
+        lines.append(f"| {h} | {k} | {t} | {cell(y, 'dispatch_us_p50')} | {cell(y, 'combine_us_p50')} | "
+                     f"{cell(y, 'total_us_p50')} | {cell(a, 'total_us_p50')} | {ratio} | {'yes' if ok else 'NO'} |")
     if res.get("skipped_backends"):
         lines += ["", "Skipped: " + "; ".join(f"{k}: {v}" for k, v in res["skipped_backends"].items())]
     return "\n".join(lines) + "\n"
@@ -260,8 +272,8 @@ def plot(res, out_dir, name):
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
     for ax, (h, k) in zip(axes[0], shapes):
         for b in BACKENDS:
-            pts = sorted((r["tokens"], r["us_p50"]) for r in res["records"]
-                         if r["backend"] == b and r["op"] == "layer" and (r["hidden"], r["topk"]) == (h, k))
+            pts = sorted((r["tokens"], r["total_us_p50"]) for r in res["records"]
+                         if r["backend"] == b and (r["hidden"], r["topk"]) == (h, k))
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{b} dispatch + combine")
         ax.set(title=f"H={h}, top-{k}, {world_size_of(res)} ranks", xlabel="tokens per rank", ylabel="µs per layer")
@@ -275,12 +287,13 @@ def plot(res, out_dir, name):
 
 
 def write_outputs(args, res):
-    hdr = results_header("moe-microbench", {
+    hdr = results_header("moe-dispatch-combine", {
         "skipped_backends": res["skipped"],
         "method": "per op = CUDA graph replay time / ops per graph, median and p99 over replays; dispatch = "
                   "hidden bf16 [T,H] + top-k weights fp32 [T,k] + ids int32 [T,k] gathered, combine = bf16 "
                   "[N T,H] reduce-scattered, layer = both; equal token counts per rank",
         "yali_ep_slot_bytes": _slot_bytes(),
+        "model_shapes": [{"hidden": h, "topk": k} for h, k in args.shapes],
     }, world_size=args.world_size, shared_gpu=args.shared_gpu)
     write_bench_report(args.out, args.name, hdr, res["rows"], markdown_table, plot)
 

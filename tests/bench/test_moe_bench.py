@@ -23,15 +23,22 @@ def test_defaults_cover_the_studied_models_and_quick_is_smaller():
         moe_bench.build_parser().parse_args(["--world-size", "3"])
 
 
-def _row(backend, op, us, tokens=8, ok=True):
-    return {"backend": backend, "hidden": 2048, "topk": 8, "tokens": tokens, "op": op, "us_p50": us, "us_p99": us,
-            "samples": 20, "correct": ok, "combine_max_abs_err": 0.0}
+def _row(backend, dispatch, combine, total, tokens=8, exact=True):
+    times = {"dispatch": [dispatch] * 20, "combine": [combine] * 20, "layer": [total] * 20}
+    return moe_bench.schema_row(backend, 2048, 8, tokens, times, exact, 0.0)
+
+
+def test_rows_follow_the_schema():
+    row = _row("yali", 2.5, 2.6, 5.0)
+    for key in ("backend", "dtype", "hidden", "topk", "tokens", "dispatch_us_p50", "combine_us_p50", "total_us_p50",
+                "exact"):
+        assert key in row, key
+    assert row["total_us_p50"] == 5.0 and row["dtype"] == "bf16" and row["samples"] == 20
 
 
 def test_report_gives_the_ratio_per_layer_and_flags_a_wrong_result():
     doc = {"world_size": 2, "shared_gpu": False, "skipped_backends": {},
-           "records": [_row("yali", "dispatch", 2.5), _row("yali", "combine", 2.6), _row("yali", "layer", 5.0),
-                       _row("vllm-agrs", "layer", 20.0, ok=False)]}
+           "records": [_row("yali", 2.5, 2.6, 5.0), _row("vllm-agrs", 9.0, 10.0, 20.0, exact=False)]}
     md = moe_bench.markdown_table(doc)
     assert "| 2048 | 8 | 8 | 2.50 | 2.60 | 5.00 | 20.00 | 0.25 | NO |" in md
     doc["shared_gpu"] = True

@@ -22,7 +22,8 @@ ROW_KEYS = {
     "decode-profile": ["config", "rank", "kernel_class", "count", "mean_us"],  # benchmarks/decode_profile.py
     "decode-gemm": ["setup", "graph", "name", "tokens", "us_per_call"],  # research/decode_gemm_bench.py
     "decode-prefetch": ["shape", "tokens", "correct", "ours_vs_cublas", "pass"],  # research/decode_prefetch/bench.py
-    "moe-microbench": ["backend", "hidden", "topk", "tokens", "op", "us_p50"],  # benchmarks/moe_bench.py
+    "moe-dispatch-combine": ["backend", "dtype", "hidden", "topk", "tokens", "dispatch_us_p50", "combine_us_p50",
+                             "total_us_p50", "exact"],
     "layer-overlap-bench": ["model", "layer", "tokens", "us_p50"],  # the layer benchmark of the removed prefill overlap
 }
 # Every run's JSON: current/ (the quoted runs) and archive/ (the rest), each <kind>/<date>-<topic>/.
