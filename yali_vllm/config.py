@@ -7,9 +7,12 @@ ValueError naming the variable and the accepted range.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 from . import _ext
+
+logger = logging.getLogger("vllm.yali")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -96,6 +99,13 @@ TOOL_VARIABLES = (
     "YALI_GIT_COMMIT",  # result files: the source commit of a copied work tree
     "YALI_BUILD_LEGACY", "YALI_BUILD_UNCHECKED",  # setup.py
 )
+# Names yali-vllm no longer reads: accepted with a warning (once per process) instead of refused, so
+# an environment that still exports one keeps YALI on.
+RETIRED = {
+    "YALI_OVERLAP": "the prefill GEMM + all-reduce overlap is not part of yali-vllm (measured slower in serving: "
+                    "docs/DESIGN_LOG.md section 5)",
+}
+_warned_retired: set[str] = set()
 # Tuning knobs: validated, with the list of known names, by the C++ core (csrc/core/yali/config.cpp).
 DEV_PREFIX = "YALI_DEV_"
 
@@ -104,14 +114,18 @@ def unknown_variables(environ=None) -> list[str]:
     """The YALI_* names of `environ` (default os.environ) that yali-vllm does not read."""
     env = os.environ if environ is None else environ
     return sorted(k for k in env if k.startswith("YALI_") and not k.startswith(DEV_PREFIX)
-                  and k not in SETTINGS and k not in TOOL_VARIABLES)
+                  and k not in SETTINGS and k not in TOOL_VARIABLES and k not in RETIRED)
 
 
 def check_environment(environ=None) -> None:
-    """ValueError naming every unknown YALI_* variable and listing the known settings."""
+    """ValueError naming every unknown YALI_* variable and listing the known settings; a warning
+    (once) for a retired one."""
+    env = os.environ if environ is None else environ
+    for name in sorted(set(RETIRED) & set(env) - _warned_retired):
+        _warned_retired.add(name)
+        logger.warning("yali: %s=%r is ignored: %s", name, env[name], RETIRED[name])
     unknown = unknown_variables(environ)
     if unknown:
-        env = os.environ if environ is None else environ
         given = ", ".join(f"{k}={env[k]!r}" for k in unknown)
         raise ValueError(f"unknown YALI_* variable(s) {given}: yali-vllm's settings are "
                          f"{', '.join(SETTINGS)} and the {DEV_PREFIX}* tuning knobs")

@@ -6,9 +6,13 @@
 # that holds all but one SM (tests/gpu/test_progress.py), at 2, 4 and 8 ranks as the GPUs allow.
 # One gpu-test-run result per file.
 . scripts/gpu_host/env.sh
-# Bounds (s) of the three parts, 570 s in all: RELIABILITY_S, DELAYS_S, PROGRESS_S override them.
-for part in "reliability ${RELIABILITY_S:-140}" "delays ${DELAYS_S:-290}" "progress ${PROGRESS_S:-140}"; do
-  set -- $part; t=$1
+# PARTS (default "reliability delays progress") picks the parts; their bounds (s, 570 in all on two or
+# four GPUs) are RELIABILITY_S, DELAYS_S, PROGRESS_S. On eight GPUs run one part per call, e.g.
+# PARTS=delays DELAYS_S=560.
+for t in ${PARTS:-reliability delays progress}; do
+  case "$t" in reliability) b=${RELIABILITY_S:-140} ;; delays) b=${DELAYS_S:-290} ;; progress) b=${PROGRESS_S:-140} ;;
+    *) echo "reliability.sh: unknown part '$t' (reliability, delays, progress)" >&2; exit 2 ;; esac
+  set -- "$t" "$b"
   timeout -k 10 "$2" python3 scripts/record_test_run.py --out "$OUT/gpu-tests-$t.json" -- \
     -q -p no:cacheprovider -rf --durations=10 "tests/gpu/test_$t.py" 2>&1 | tee "$OUT/gpu-tests-$t.log" | tail -20
 done

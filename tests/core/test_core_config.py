@@ -317,3 +317,30 @@ def test_fused_launch_knobs_refused(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError, match=var):
         config.kernel_config()
+
+
+def test_a_retired_setting_is_ignored_with_one_warning_and_a_typo_still_refused():
+    import logging
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    log = logging.getLogger("vllm.yali")
+    handler, level = Keep(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.WARNING)
+    config._warned_retired.discard("YALI_OVERLAP")
+    try:
+        config.check_environment({"YALI_OVERLAP": "1"})
+        config.check_environment({"YALI_OVERLAP": "0"})  # once per process
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    assert [ln for ln in lines if "YALI_OVERLAP" in ln] == [
+        "yali: YALI_OVERLAP='1' is ignored: " + config.RETIRED["YALI_OVERLAP"]]
+    assert config.unknown_variables({"YALI_OVERLAP": "1"}) == []
+    with pytest.raises(ValueError, match="YALI_OVERLAPS='1'"):
+        config.check_environment({"YALI_OVERLAPS": "1"})

@@ -3,10 +3,11 @@ one CUDA graph of CALLS_PER_GRAPH calls cycling through the size boundaries of e
 preceded on each rank by a GPU sleep of its own, replayed many times, every result checked on the
 device; and the same graph with one rank killed in the middle.
 
-Inputs change with every replay and every call (a stale word of an earlier call or replay would
-be a wrong value, not a lucky equal one) and stay small integers, so every sum is exact in bf16:
-rank r's input to call j of replay i is (e % 7) + r + 1 + (i + j) % 5 at element e, whose sum over
-N ranks is N * (e % 7) + N (N + 1) / 2 + N * ((i + j) % 5)."""
+Inputs change with every run of the graph and every call (a stale word of any of the SHIFTS - 1
+calls before would be a wrong value, not a lucky equal one) and stay small integers, so every sum
+is exact in bf16: rank r's input to call j of the graph's run i is (e % 7) + r + 1 + (i + j) % SHIFTS
+at element e, whose sum over N ranks is N * (e % 7) + N (N + 1) / 2 + N * ((i + j) % SHIFTS), at
+most 164 at 8 ranks (bf16 holds every integer up to 256)."""
 from __future__ import annotations
 
 import os
@@ -25,18 +26,26 @@ CALLS_PER_GRAPH = 64
 MAX_SLEEP_CYCLES = 20_000  # about 10 us at the H100's clock: longer than most calls it delays
 LATE_RANK_CYCLES = 20_000  # "last-rank": the last rank sleeps this long before every call
 FUSED_HIDDEN = 8192
-SERVE_TOP = 8 << 20  # the largest message probed: every kernel YALI serves at 2 to 8 ranks up to here
+SHIFTS = 11  # the period of the per-call shift of the inputs
+SERVE_TOP = 8 << 20  # N ranks serve up to here (YALI_DEV_RANKS_MAX); two ranks switch to stream here
 
 
-def boundary_counts(world_size: int, top: int = SERVE_TOP) -> list[int]:
+def probe_top(world_size: int) -> int:
+    """The largest message the size table is probed to: past the flash-push / stream switch at two
+    ranks, the N-rank limit above."""
+    return SERVE_TOP + 4096 if world_size == 2 else SERVE_TOP
+
+
+def boundary_counts(world_size: int) -> list[int]:
     """bf16 element counts: 1 KiB, 16 bytes below and above every switch between two kernels of
-    the size table (at N ranks the one-shot / two-shot limit), and top - 2 bytes (an odd tail)."""
+    the size table (flash-push / stream at two ranks, one-shot / two-shot at N), and 8 MiB - 2
+    bytes (an odd tail)."""
     counts = [512]
-    spans = kernel_spans(table_of(world_size), top=top)
+    spans = kernel_spans(table_of(world_size), top=probe_top(world_size))
     for (_, _, hi), (_, lo_next, _) in zip(spans, spans[1:]):
         if lo_next == hi + 1:  # two served kernels meet here
             counts += [hi // 2 - 8, hi // 2 + 8]
-    counts.append(top // 2 - 1)
+    counts.append(SERVE_TOP // 2 - 1)
     return counts
 
 
@@ -84,7 +93,7 @@ def _graph(comm, rank: int, mode: str, seed: int):
         step.add_(1)
         for j in range(CALLS_PER_GRAPH):
             b = bufs[j % len(bufs)]
-            shift = ((step + j) % 5).to(bf16)
+            shift = ((step + j) % SHIFTS).to(bf16)
             b["x"].copy_(b["pattern"]).add_(float(rank + 1)).add_(shift)
             expected = b["pattern"] * n_ranks + base + shift * n_ranks
             if sleeps[j]:

@@ -1,7 +1,9 @@
-"""Forward progress: YALI's kernels while another kernel holds all but one SM of a GPU for a
-bounded time (testing_occupy, csrc/core/yali/testing.cu). A CTA that waits for a peer CTA which
-is never scheduled would hang; a wait that depends only on CTAs that run, or that ends when the
-SMs come back, completes. Every call checked exactly (small-integer inputs, as delay_scenarios)."""
+"""YALI's kernels while another kernel holds all but one SM of a GPU for a bounded time
+(testing_occupy, csrc/core/yali/testing.cu): their CTAs reach the SMs late, one at a time and in
+another order on each rank; every call must still complete, exactly (small-integer inputs, as in
+delay_scenarios), without the watchdog. Because the SMs come back after OCCUPY_NS, a kernel whose
+CTAs wait for peer CTAs that cannot run beside them completes too, only later: the call times
+(reported) show which waited for the SMs."""
 from __future__ import annotations
 
 import time
@@ -11,6 +13,7 @@ import torch
 from yali_vllm import _ext
 from yali_vllm.communicator import YaliCommunicator
 
+from .delay_scenarios import probe_top
 from .ranks_scenarios import kernel_spans, table_of
 from .scenarios import _device
 
@@ -20,9 +23,9 @@ REPEATS = 5
 
 
 def span_counts(world_size: int) -> list[int]:
-    """One bf16 element count in the middle of every kernel span of the size table up to 8 MiB
-    (flash-push at two ranks; push one-shot and two-shot at N)."""
-    return [((lo + hi) // 4) | 1 for _, lo, hi in kernel_spans(table_of(world_size), top=8 << 20)]
+    """One bf16 element count in the middle of every kernel span of the size table (flash-push and
+    the first stream sizes at two ranks; push one-shot and two-shot at N)."""
+    return [((lo + hi) // 4) | 1 for _, lo, hi in kernel_spans(table_of(world_size), top=probe_top(world_size))]
 
 
 def calls_beside_busy_sms(rank, group, busy: str) -> dict:

@@ -1,9 +1,11 @@
-"""Forward progress with busy SMs, at 2, 4 and 8 ranks, each on its own GPU (progress_scenarios.py):
-another kernel holds all but one SM of every GPU (or of rank 0's only) for 2 ms while the plain
-all-reduce (every kernel of the size table) and the fused op at 16 x 8192 and 1 x 8192 run; with
-YALI_TIMEOUT_S=5 each must complete, exactly, without the watchdog. With the ranks sharing one GPU
-(YALI_ALLOW_SHARED_GPU=1) every rank's CTAs compete for that GPU's one free SM: the same must hold."""
+"""Busy SMs, at 2, 4 and 8 ranks, each on its own GPU (progress_scenarios.py): another kernel holds
+all but one SM of every GPU (or of rank 0's only) for 2 ms while the plain all-reduce (every kernel
+of the size table) and the fused op at 16 x 8192 and 1 x 8192 run; with YALI_TIMEOUT_S=5 each must
+complete, exactly, without the watchdog. With the ranks sharing one GPU (YALI_ALLOW_SHARED_GPU=1)
+the processes take turns on it, so this checks the results, not the scheduling."""
 import pytest
+
+from yali_vllm import _ext
 
 from . import progress_scenarios as ps
 from .pair import run_ranks
@@ -27,9 +29,10 @@ def test_calls_complete_beside_busy_sms(world_size, busy):
 
 
 @pytest.mark.cpu
+@pytest.mark.skipif(_ext.library_error() is not None, reason=f"extension not built: {_ext.library_error()}")
 def test_span_counts_fall_inside_every_kernel_span():
     for n in WORLD_SIZES:
         counts = ps.span_counts(n)
-        spans = ps.kernel_spans(ps.table_of(n), top=8 << 20)
+        spans = ps.kernel_spans(ps.table_of(n), top=ps.probe_top(n))
         assert len(counts) == len(spans) >= 1
         assert all(lo <= 2 * c <= hi for c, (_, lo, hi) in zip(counts, spans)), (n, counts, spans)

@@ -325,9 +325,8 @@ def test_long_prefill_tokens_match_vllm_defaults(model_dir, plugin_path, tmp_pat
     tmp = tmp_path_factory.mktemp("long")
     yali = _generate(model_dir, plugin_path, tmp, yali=True, eager=False, long_prompts=True)
     plain = _generate(model_dir, plugin_path, tmp, yali=False, eager=False, long_prompts=True)
-    # the pass ran (a fresh compile) or its op did (a graph from the compile cache of another test)
-    assert "YALI fusion pass ON" in yali["log"] or "YALI fused all-reduce + RMSNorm op: first call" in yali["log"], \
-        yali["log"][-6000:]
+    # YALI's fused kernel served (its op's first call on that path; also from another test's cached graph)
+    assert "runs YALI's fused kernel" in yali["log"], yali["log"][-6000:]
     assert all(len(t) == yali["max_tokens"] for t in yali["token_ids"])
     divergences = _check_same_greedy("YALI vs vLLM's defaults, long prefills", yali, plain)
     print(f"near-tie divergences (prompt, token, gap): {divergences}")

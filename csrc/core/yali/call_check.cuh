@@ -26,9 +26,10 @@
 // peer's call n + 1 ends, which needs its checker -> the peer's call n + 2 writes those words
 // again. The release / acquire pair makes that a happens-before order in CUDA's memory model, not
 // a property of the shared L2 (which Lamport buffers assume). Its price, one thread per call: one
-// fence before the descriptor leaves (with no store of that thread outstanding: the checker
-// publishes before it touches anything) and one acquire load once the peer's descriptor is seen;
-// the polls themselves stay plain volatile loads.
+// fence before the descriptor leaves (the checker publishes before it writes its own state, so
+// the fence waits only for what that thread has in flight then: a call counter, or the row loads
+// a fused call issues early) and one acquire load once the peer's descriptor is seen; the polls
+// themselves stay plain volatile loads.
 #pragma once
 #include "kernel_common.cuh"
 
