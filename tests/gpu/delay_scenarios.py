@@ -18,7 +18,7 @@ import torch
 
 from yali_vllm.communicator import YaliCommunicator
 
-from .ranks_scenarios import differing, first_two_launch_rows, kernel_spans, table_of
+from .ranks_scenarios import differing, first_two_launch_rows, kernel_spans, small_ints, table_of
 from .reliability import _record_then_error
 from .scenarios import _device, capture_after_warmup, digest
 
@@ -80,7 +80,7 @@ def _graph(comm, rank: int, mode: str, seed: int):
     bufs = []
     for kind, size in specs:
         shape = (size,) if kind == "all_reduce" else (size, FUSED_HIDDEN)
-        pattern = (torch.arange(shape[0] * (shape[1] if len(shape) > 1 else 1), device=dev) % 7).to(bf16).view(shape)
+        pattern = small_ints(shape, dev)
         bufs.append({"kind": kind, "pattern": pattern, "x": torch.empty_like(pattern), "out": torch.empty_like(pattern),
                      "norm": torch.empty_like(pattern) if kind == "fused" else None})
     weight = torch.ones(FUSED_HIDDEN, dtype=bf16, device=dev)

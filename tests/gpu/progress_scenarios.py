@@ -14,7 +14,7 @@ from yali_vllm import _ext
 from yali_vllm.communicator import YaliCommunicator
 
 from .delay_scenarios import probe_top
-from .ranks_scenarios import kernel_spans, table_of
+from .ranks_scenarios import kernel_spans, small_ints, table_of
 from .scenarios import _device
 
 OCCUPY_NS = 2_000_000  # the busy SMs come back after 2 ms
@@ -49,8 +49,7 @@ def calls_beside_busy_sms(rank, group, busy: str) -> dict:
     t0 = time.time()
     try:
         for kind, shape in calls:
-            numel = shape[0] * (shape[1] if len(shape) > 1 else 1)
-            pattern = (torch.arange(numel, device=dev) % 7).to(bf16).view(shape)
+            pattern = small_ints(shape, dev)
             x, out, norm = torch.empty_like(pattern), torch.empty_like(pattern), torch.empty_like(pattern)
             for _ in range(REPEATS):
                 x.copy_(pattern).add_(float(rank + 1))

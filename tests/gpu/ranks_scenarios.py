@@ -413,6 +413,12 @@ def graph_replays(rank, group, comm, replays, seed):
     return out
 
 
+def small_ints(shape: tuple[int, ...], device) -> torch.Tensor:
+    """(e % 7) at element e, bf16, of `shape`: with a small offset per rank every N-rank sum is an
+    integer that bf16 holds exactly, so a result can be checked with ==."""
+    return (torch.arange(math.prod(shape), device=device) % 7).to(torch.bfloat16).view(shape)
+
+
 def stress_counts(world_size: int) -> list[int]:
     """bf16 element counts of the interleaved stress: 1000, and per kernel of the table the odd
     count nearest the middle of its span (up to 8 MiB + 4 KiB: one stream call at two ranks)."""
@@ -432,10 +438,10 @@ def interleaved_stress(rank, group, comm, rounds: int):
     dev, n_ranks = _device(), comm.world_size
     bf16 = torch.bfloat16
     counts = stress_counts(n_ranks)
-    pattern = [(torch.arange(n, device=dev) % 7).to(bf16) for n in counts]
+    pattern = [small_ints((n,), dev) for n in counts]
     xs = [torch.empty_like(p) for p in pattern]
     outs = [torch.empty_like(p) for p in pattern]
-    fused_pattern = (torch.arange(3 * 4096, device=dev) % 7).to(bf16).view(3, 4096)
+    fused_pattern = small_ints((3, 4096), dev)
     fx, weight = torch.empty_like(fused_pattern), torch.ones(4096, dtype=bf16, device=dev)
     norm, res = torch.empty_like(fx), torch.empty_like(fx)
     bad = torch.zeros((), dtype=torch.int64, device=dev)
