@@ -21,15 +21,16 @@
 //
 // The same chain orders the reuse of every receive buffer (the push area, the stream slots, the
 // descriptor slots): my call n clears the words the peer wrote (weak stores, any thread) -> my
-// kernel ends -> my call n + 1's checker issues a system-scope release fence and stores its
-// descriptor -> the peer's checker sees it and reads it again with a system-scope acquire -> the
+// kernel ends -> my call n + 1's checker stores its descriptor -> the peer's checker sees it -> the
 // peer's call n + 1 ends, which needs its checker -> the peer's call n + 2 writes those words
-// again. The release / acquire pair makes that a happens-before order in CUDA's memory model, not
-// a property of the shared L2 (which Lamport buffers assume). Its price, one thread per call: one
-// fence before the descriptor leaves (the checker publishes before it writes its own state, so
-// the fence waits only for what that thread has in flight then: a call counter, or the row loads
-// a fused call issues early) and one acquire load once the peer's descriptor is seen; the polls
-// themselves stay plain volatile loads.
+// again. What makes my clearing visible before the peer's rewrite is the kernel boundary (a
+// finished kernel's stores are in my GPU's L2) and that every peer reaches my memory through that
+// same L2, the property the Lamport buffers of TensorRT-LLM and FlashInfer rest on too. A
+// system-scope release fence before the descriptor store and an acquire load after it would make
+// it an order of CUDA's memory model instead; measured, the pair costs 1.4 us per 2 KiB call at two
+// ranks (2.56 -> 3.98 us) and 1.6 us at four (3.41 -> 5.04 us)
+// (benchmarks/results/current/allreduce/20261126-tp4-h100-release-fence, docs/DESIGN_LOG.md), half
+// the whole exchange, so the kernels do not issue it.
 #pragma once
 #include "kernel_common.cuh"
 
@@ -51,19 +52,6 @@ struct CallCheck {
   uint32_t* peer_slots;  // [2][4] in the peer's buffer
 };
 
-// The release fence of the chain above, before the descriptor stores (fence.acq_rel.sys followed
-// by a strong store is a release pattern; one fence serves every peer's store).
-__device__ __forceinline__ void release_fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-
-// The acquire of the chain above, once a descriptor is seen: a system-scope acquire load of its
-// first word (which nobody writes again before this thread clears the slot); the comparison uses
-// the word it returns.
-__device__ __forceinline__ uint32_t acquire_call_word(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 __device__ __forceinline__ void store_call(uint32_t* p, const CallDesc& d) {
   asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};"
                :: "l"(p), "r"(d.w[0]), "r"(d.w[1]), "r"(d.w[2]), "r"(d.w[3]) : "memory");
@@ -83,13 +71,10 @@ __device__ __forceinline__ bool call_arrived(const CallDesc& d) {
 // Step 1, by the checker thread, with n = LocalState::call_seq + 1 (loaded early by the caller, so
 // that the load overlaps the kernel's other start-up loads). Returns my slot of this call.
 __device__ __forceinline__ uint32_t* call_begin(const CallCheck& c, LocalState* state, uint64_t n) {
-  const int slot = int(n & 1);
-  if constexpr (kCheckCalls) {
-    release_fence_sys();
-    store_call(c.peer_slots + 4 * slot, c.desc);
-  }
   state->call_seq = n;
   state->current_call = c.desc;
+  const int slot = int(n & 1);
+  if constexpr (kCheckCalls) store_call(c.peer_slots + 4 * slot, c.desc);
   return c.my_slots + 4 * slot;
 }
 
@@ -106,7 +91,6 @@ __device__ __forceinline__ void verify_loaded(const CallDesc& mine, uint32_t* sl
         abort_waiting(abort, kernel, 8, 0, 0, nullptr, peer);
     }
   }
-  v.w[0] = acquire_call_word(slot);
   if (v.w[0] != mine.w[0] || v.w[1] != mine.w[1] || v.w[2] != mine.w[2] || v.w[3] != mine.w[3])
     abort_waiting(abort, kernel, 9, 0, 0, &v, peer);
   store_call(slot, CallDesc{{kCallEmpty, kCallEmpty, kCallEmpty, kCallEmpty}});
@@ -135,14 +119,12 @@ __device__ __forceinline__ uint32_t* ranks_call_slot(char* buf, size_t off, int 
 // Step 1 for N ranks; returns my slots of this call ([world][4], slot [r] for rank r).
 __device__ __forceinline__ uint32_t* ranks_call_begin(const CallDesc& d, char* const* bufs, size_t off, int me,
                                                       int world, LocalState* state, uint64_t n) {
-  const int parity = int(n & 1);
-  if constexpr (kCheckCalls) {
-    release_fence_sys();
-    for (int p = 0; p < world; ++p)
-      if (p != me) store_call(ranks_call_slot(bufs[p], off, parity, me, world), d);
-  }
   state->call_seq = n;
   state->current_call = d;
+  const int parity = int(n & 1);
+  if constexpr (kCheckCalls)
+    for (int p = 0; p < world; ++p)
+      if (p != me) store_call(ranks_call_slot(bufs[p], off, parity, me, world), d);
   return ranks_call_slot(bufs[me], off, parity, 0, world);
 }
 

@@ -1,6 +1,7 @@
 // The launch of a YALI kernel and the one map from DType to the kernels' element type, shared by
 // the translation units that launch kernels (rank.cu, ep.cu).
 #pragma once
+#include <type_traits>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -48,6 +49,18 @@ inline cudaError_t with_element_type(DType dtype, F&& f) {
     case DType::BF16: return f(__nv_bfloat16{});
   }
   return cudaErrorInvalidValue;
+}
+
+// f(std::integral_constant<int, W>{}) with W the world size the N-rank kernels are built for (4,
+// 6, 8), or W = 0 (the kernels for any world size) for the others.
+template <typename F>
+inline cudaError_t with_world(int world, F&& f) {
+  switch (world) {
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+    default: return f(std::integral_constant<int, 0>{});
+  }
 }
 
 }  // namespace yali

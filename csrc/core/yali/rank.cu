@@ -211,9 +211,15 @@ cudaError_t Rank::all_reduce(const void* in, void* out, size_t nbytes, DType dty
         return launch(stream_kernel<T>, p.blocks, kStreamThreads, stream, pdl, sa);
       }
       case Kernel::PushOneShot:
-        return launch(push_oneshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, ranks_args(in, out, nbytes, desc));
+        return with_world(world_, [&](auto w) {
+          return launch(push_oneshot_kernel<T, decltype(w)::value>, p.blocks, kFlashThreads, stream, pdl,
+                        ranks_args(in, out, nbytes, desc));
+        });
       case Kernel::PushTwoShot:
-        return launch(push_twoshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, ranks_args(in, out, nbytes, desc));
+        return with_world(world_, [&](auto w) {
+          return launch(push_twoshot_kernel<T, decltype(w)::value>, p.blocks, kFlashThreads, stream, pdl,
+                        ranks_args(in, out, nbytes, desc));
+        });
 #ifdef YALI_LEGACY_KERNELS
       case Kernel::FlashLL:
         return launch(flash_ll_kernel<T>, p.blocks, kFlashThreads, stream, pdl, legacy_args(in, out, nbytes));
@@ -374,9 +380,13 @@ namespace {
 
 template <typename T, int kV>
 cudaError_t launch_fused_ranks_with(const FusedRanksArgs& a, const FusedLaunch& l, cudaStream_t stream) {
-  if (l.spread > 1) return launch(fused_ranks_spread_kernel<T, kV>, l.grid, kFlashThreads, stream, l.pdl, a, l.cluster);
-  return launch(l.row_loads_early ? fused_ranks_kernel<T, kV, true> : fused_ranks_kernel<T, kV, false>, l.grid,
-                kFlashThreads, stream, l.pdl, a, l.cluster);
+  return with_world(a.x.world, [&](auto w) {
+    constexpr int kW = decltype(w)::value;
+    if (l.spread > 1)
+      return launch(fused_ranks_spread_kernel<T, kV, kW>, l.grid, kFlashThreads, stream, l.pdl, a, l.cluster);
+    return launch(l.row_loads_early ? fused_ranks_kernel<T, kV, true, kW> : fused_ranks_kernel<T, kV, false, kW>,
+                  l.grid, kFlashThreads, stream, l.pdl, a, l.cluster);
+  });
 }
 
 template <typename T>

@@ -48,10 +48,18 @@ struct RanksArgs {
   CallDesc call;          // this call, checked against every other rank's (call_check.cuh)
 };
 
+// The kernels are built per world size (kW = 4, 6, 8) so that every loop over the ranks is unrolled
+// and every "% world" is a constant; kW = 0 is the build for any other world size (a.world).
+template <int kW>
+__device__ __forceinline__ int world_of(const RanksArgs& a) {
+  return kW > 0 ? kW : a.world;
+}
+
 // Rank `from`'s slot of phase `phase` (0: one-shot data, two-shot reduce-scatter; 1: two-shot
 // all-gather) and parity `parity` in rank `owner`'s push area.
-__device__ __forceinline__ Vec16* ranks_slot(const RanksArgs& a, int owner, int parity, int phase, int from) {
-  const size_t slot = size_t((parity * 2 + phase) * a.world + from);
+__device__ __forceinline__ Vec16* ranks_slot(const RanksArgs& a, int world, int owner, int parity, int phase,
+                                             int from) {
+  const size_t slot = size_t((parity * 2 + phase) * world + from);
   return reinterpret_cast<Vec16*>(a.bufs[owner] + a.push_off + slot * a.slot_bytes);
 }
 
@@ -71,9 +79,10 @@ struct RankSum {
 
 // The start of every N-rank kernel, by all threads: advances the epochs and returns the parity of
 // this call; the checker thread (CTA 0's last) sends this call's descriptor to every other rank.
-__device__ __forceinline__ int ranks_begin(const RanksArgs& a, bool checker, uint64_t call_n, uint32_t** call_slots) {
+__device__ __forceinline__ int ranks_begin(const RanksArgs& a, int world, bool checker, uint64_t call_n,
+                                           uint32_t** call_slots) {
   const uint64_t e = advance_epochs(a.state, a.total_ctas);
-  if (checker) *call_slots = ranks_call_begin(a.call, a.bufs, a.call_off, a.rank, a.world, a.state, call_n);
+  if (checker) *call_slots = ranks_call_begin(a.call, a.bufs, a.call_off, a.rank, world, a.state, call_n);
   return int(e & 1);
 }
 
@@ -81,16 +90,19 @@ __device__ __forceinline__ int ranks_begin(const RanksArgs& a, bool checker, uin
 // into my slot of phase 0 in every other rank's push area, kU at a time; v holds the first batch
 // already, `load` fetches the later ones. Ranks are visited from my right neighbour on, so that
 // the N - 1 links of a GPU start busy together.
-template <typename T, int kU, typename Load>
+template <typename T, int kW, int kU, typename Load>
 __device__ __forceinline__ void send_to_ranks(const RanksArgs& a, int parity, Vec16 (&v)[kU], Range r, Load load) {
+  const int world = world_of<kW>(a);
   const int t = threadIdx.x;
   for (size_t i = r.begin + t; i < r.end; i += size_t(kU) * kFlashThreads) {
     if (i != r.begin + t) load_batch(v, i, r.end, load);
 #pragma unroll
     for (int u = 0; u < kU; ++u) v[u] = canonical<T>(v[u]);
-    for (int d = 1; d < a.world; ++d) {
-      const int p = (a.rank + d) % a.world;
-      Vec16* to = ranks_slot(a, p, parity, 0, a.rank);
+#pragma unroll
+    for (int d = 1; d < (kW > 0 ? kW : kMaxRanks); ++d) {
+      if (d >= world) break;
+      const int p = (a.rank + d) % world;
+      Vec16* to = ranks_slot(a, world, p, parity, 0, a.rank);
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
         const size_t k = i + size_t(u) * kFlashThreads;
@@ -137,18 +149,19 @@ __device__ __forceinline__ void wait_ranks(Vec16 (&got)[kMaxRanks], int me, int 
 
 // The rank-order sum of vector j of phase-0 slots in my push area (every other rank's copy) and
 // `mine` (my own, canonical already); gives the slots' words back.
-template <typename T>
+template <typename T, int kW>
 __device__ __forceinline__ Vec16 sum_ranks(const RanksArgs& a, int parity, size_t j, const Vec16& mine, Kernel kernel) {
-  const auto at = [&](int p) { return ranks_slot(a, a.rank, parity, 0, p) + j; };
+  const int world = world_of<kW>(a);
+  const auto at = [&](int p) { return ranks_slot(a, world, a.rank, parity, 0, p) + j; };
   Vec16 got[kMaxRanks];
 #pragma unroll
   for (int p = 0; p < kMaxRanks; ++p)  // every load first: their latencies overlap
-    if (p < a.world && p != a.rank) got[p] = load_push(at(p));
-  wait_ranks(got, a.rank, a.world, at, a.timeout_ns, a.abort, kernel);
+    if (p < world && p != a.rank) got[p] = load_push(at(p));
+  wait_ranks(got, a.rank, world, at, a.timeout_ns, a.abort, kernel);
   RankSum<T> s;
 #pragma unroll
   for (int p = 0; p < kMaxRanks; ++p) {
-    if (p >= a.world) break;
+    if (p >= world) break;
     if (p == a.rank) {
       s.add(mine, p == 0);
       continue;
@@ -161,10 +174,11 @@ __device__ __forceinline__ Vec16 sum_ranks(const RanksArgs& a, int parity, size_
 
 // out = the sum over the ranks of in. CTA b owns vectors split_range(b) of the message on every
 // rank: it sends them to every other rank, then adds the N copies of the same vectors.
-template <typename T>
+template <typename T, int kW>
 __global__ void __launch_bounds__(kFlashThreads, 1) push_oneshot_kernel(RanksArgs a) {
   wait_prior_grids();
   constexpr int kU = 4;  // vectors in flight per thread
+  const int world = world_of<kW>(a);
   const int t = threadIdx.x;
   const Range r = split_range(0, (a.nbytes + 15) / 16, gridDim.x, blockIdx.x);
   const auto input = [&](size_t k) { return load_input_vector<T>(a.in, k, a.nbytes); };
@@ -173,13 +187,13 @@ __global__ void __launch_bounds__(kFlashThreads, 1) push_oneshot_kernel(RanksArg
   const bool checker = blockIdx.x == 0 && t == kFlashThreads - 1;
   const uint64_t call_n = checker ? a.state->call_seq + 1 : 0;
   uint32_t* call_slots = nullptr;
-  const int parity = ranks_begin(a, checker, call_n, &call_slots);
+  const int parity = ranks_begin(a, world, checker, call_n, &call_slots);
 
-  send_to_ranks<T>(a, parity, v, r, input);
-  if (checker) ranks_call_verify(a.call, call_slots, a.rank, a.world, a.timeout_ns, a.abort, Kernel::PushOneShot);
+  send_to_ranks<T, kW>(a, parity, v, r, input);
+  if (checker) ranks_call_verify(a.call, call_slots, a.rank, world, a.timeout_ns, a.abort, Kernel::PushOneShot);
   for (size_t k = r.begin + t; k < r.end; k += kFlashThreads) {
     const Vec16 mine = canonical<T>(load_input_vector<T>(a.in, k, a.nbytes));  // in L2: sent above
-    store_output_vector<T>(a.out, k, a.nbytes, sum_ranks<T>(a, parity, k, mine, Kernel::PushOneShot));
+    store_output_vector<T>(a.out, k, a.nbytes, sum_ranks<T, kW>(a, parity, k, mine, Kernel::PushOneShot));
   }
 }
 
@@ -188,23 +202,25 @@ __global__ void __launch_bounds__(kFlashThreads, 1) push_oneshot_kernel(RanksArg
 // positions split_range(b) of every segment, on every rank, and a thread the same positions in
 // every phase, so each element is read (phase A or B) by the thread that later writes it: in-place
 // is safe.
-template <typename T>
+template <typename T, int kW>
 __global__ void __launch_bounds__(kFlashThreads, 1) push_twoshot_kernel(RanksArgs a) {
   wait_prior_grids();
   constexpr int kU = 4;
+  constexpr int kDests = kW > 0 ? kW : kMaxRanks;  // the bound of the unrolled loops over the ranks
+  const int world = world_of<kW>(a);
   const int t = threadIdx.x;
   const size_t vecs = (a.nbytes + 15) / 16;
-  const size_t seg = (vecs + a.world - 1) / a.world;
+  const size_t seg = (vecs + world - 1) / world;
   const Range r = split_range(0, seg, gridDim.x, blockIdx.x);
   const bool checker = blockIdx.x == 0 && t == kFlashThreads - 1;
   const uint64_t call_n = checker ? a.state->call_seq + 1 : 0;
   uint32_t* call_slots = nullptr;
-  const int parity = ranks_begin(a, checker, call_n, &call_slots);
+  const int parity = ranks_begin(a, world, checker, call_n, &call_slots);
 
   // A. reduce-scatter: segment p of my input to rank p
-  for (int d = 1; d < a.world; ++d) {
-    const int p = (a.rank + d) % a.world;
-    Vec16* to = ranks_slot(a, p, parity, 0, a.rank);
+  for (int d = 1; d < world; ++d) {
+    const int p = (a.rank + d) % world;
+    Vec16* to = ranks_slot(a, world, p, parity, 0, a.rank);
     const size_t at = size_t(p) * seg;
     for (size_t i = r.begin + t; i < r.end; i += size_t(kU) * kFlashThreads) {
       Vec16 v[kU];
@@ -220,22 +236,24 @@ __global__ void __launch_bounds__(kFlashThreads, 1) push_twoshot_kernel(RanksArg
       }
     }
   }
-  if (checker) ranks_call_verify(a.call, call_slots, a.rank, a.world, a.timeout_ns, a.abort, Kernel::PushTwoShot);
+  if (checker) ranks_call_verify(a.call, call_slots, a.rank, world, a.timeout_ns, a.abort, Kernel::PushTwoShot);
   // B. my segment: add the N contributions, keep the sum, send it to every other rank
   const size_t mine_at = size_t(a.rank) * seg;
   for (size_t j = r.begin + t; j < r.end && mine_at + j < vecs; j += kFlashThreads) {
     const Vec16 mine = canonical<T>(load_input_vector<T>(a.in, mine_at + j, a.nbytes));
-    const Vec16 sum = canonical<T>(sum_ranks<T>(a, parity, j, mine, Kernel::PushTwoShot));  // sent: never empty
-    for (int d = 1; d < a.world; ++d) {
-      const int p = (a.rank + d) % a.world;
-      store_push(ranks_slot(a, p, parity, 1, a.rank) + j, sum);
+    const Vec16 sum = canonical<T>(sum_ranks<T, kW>(a, parity, j, mine, Kernel::PushTwoShot));  // sent: never empty
+#pragma unroll
+    for (int d = 1; d < kDests; ++d) {
+      if (d >= world) break;
+      const int p = (a.rank + d) % world;
+      store_push(ranks_slot(a, world, p, parity, 1, a.rank) + j, sum);
     }
     store_output_vector<T>(a.out, mine_at + j, a.nbytes, sum);
   }
   // C. all-gather: every other rank's summed segment
-  for (int d = 1; d < a.world; ++d) {
-    const int p = (a.rank + a.world - d) % a.world;  // the rank whose sends started with me
-    Vec16* from = ranks_slot(a, a.rank, parity, 1, p);
+  for (int d = 1; d < world; ++d) {
+    const int p = (a.rank + world - d) % world;  // the rank whose sends started with me
+    Vec16* from = ranks_slot(a, world, a.rank, parity, 1, p);
     const size_t at = size_t(p) * seg;
     for (size_t i = r.begin + t; i < r.end; i += size_t(kU) * kFlashThreads) {
       Vec16 v[kU];
@@ -260,17 +278,18 @@ __global__ void __launch_bounds__(kFlashThreads, 1) push_twoshot_kernel(RanksArg
 // The fused op's exchange, by all threads of every CTA: the epoch and the call check (CTA 0's last
 // thread), the fused call's count (CTA 0's first), and vectors `chunk` of my input (the first batch
 // in p already) to every other rank. Returns the call's parity.
-template <typename T, int kU, typename Load>
+template <typename T, int kW, int kU, typename Load>
 __device__ __forceinline__ int fused_ranks_exchange(const RanksArgs& x, Vec16 (&p)[kU], Range chunk, Load input) {
   const int t = threadIdx.x;
+  const int world = world_of<kW>(x);
   const bool checker = blockIdx.x == 0 && t == kFlashThreads - 1;
   const uint64_t call_n = checker ? x.state->call_seq + 1 : 0;
   uint32_t* call_slots = nullptr;
-  const int parity = ranks_begin(x, checker, call_n, &call_slots);
+  const int parity = ranks_begin(x, world, checker, call_n, &call_slots);
   if (blockIdx.x == 0 && t == 0) atomicAdd(reinterpret_cast<unsigned long long*>(&x.state->fused_calls), 1ull);
 
-  send_to_ranks<T>(x, parity, p, chunk, input);
-  if (checker) ranks_call_verify(x.call, call_slots, x.rank, x.world, x.timeout_ns, x.abort, Kernel::PushOneShot);
+  send_to_ranks<T, kW>(x, parity, p, chunk, input);
+  if (checker) ranks_call_verify(x.call, call_slots, x.rank, world, x.timeout_ns, x.abort, Kernel::PushOneShot);
   return parity;
 }
 
@@ -282,7 +301,7 @@ struct FusedRanksArgs {
 // The fused all-reduce + residual add + RMSNorm for N ranks, one launch: push one-shot's exchange
 // (the message cut into one chunk per CTA, sent to every other rank), then per row of mine the
 // rank-order sum (as push one-shot returns it) and fused.cuh's epilogue. kRowLoadsEarly as there.
-template <typename T, int kV, bool kRowLoadsEarly>
+template <typename T, int kV, bool kRowLoadsEarly, int kW>
 __global__ void __launch_bounds__(kFlashThreads, 1) fused_ranks_kernel(FusedRanksArgs a) {
   wait_prior_grids();
   constexpr int kU = 4;
@@ -299,7 +318,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_ranks_kernel(FusedRank
   };
   load_batch(p, chunk.begin + t, chunk.end, input);
   if constexpr (kRowLoadsEarly) load_first_row();
-  const int parity = fused_ranks_exchange<T>(a.x, p, chunk, input);
+  const int parity = fused_ranks_exchange<T, kW>(a.x, p, chunk, input);
   if constexpr (!kRowLoadsEarly) load_first_row();
   for (int row = first; row < a.n.rows; row += gridDim.x) {
     const size_t base = size_t(row) * a.n.row_vecs;
@@ -310,7 +329,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_ranks_kernel(FusedRank
 #pragma unroll
     for (int u = 0; u < kV; ++u) {
       const int j = t + u * kFlashThreads;
-      if (j < a.n.row_vecs) x[u] = sum_ranks<T>(a.x, parity, base + j, canonical<T>(x[u]), Kernel::PushOneShot);
+      if (j < a.n.row_vecs) x[u] = sum_ranks<T, kW>(a.x, parity, base + j, canonical<T>(x[u]), Kernel::PushOneShot);
     }
     rmsnorm_row<T, kV>(a.n, row, x, r, w);
   }
@@ -372,7 +391,7 @@ __device__ __forceinline__ void rmsnorm_slice(const RowNorm& a, size_t first, in
 // for its own slice, which the same CTA of every rank sends, and writes only the outputs of its
 // slice, which no CTA sends: an output over the input cannot be read by a peer, and no CTA waits for
 // one that is not scheduled.
-template <typename T, int kV>
+template <typename T, int kV, int kW>
 __global__ void __launch_bounds__(kFlashThreads, 1) fused_ranks_spread_kernel(FusedRanksArgs a) {
   namespace cg = cooperative_groups;
   wait_prior_grids();
@@ -392,11 +411,11 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_ranks_spread_kernel(Fu
   load_slice(w, a.n.weight, slice.begin, count);
   load_slice(x, a.x.in, chunk.begin, count);
   load_slice(r, a.n.residual, chunk.begin, count);
-  const int parity = fused_ranks_exchange<T>(a.x, p, chunk, input);
+  const int parity = fused_ranks_exchange<T, kW>(a.x, p, chunk, input);
 #pragma unroll
   for (int u = 0; u < kV; ++u) {
     const size_t j = slice.begin + t + size_t(u) * kFlashThreads;
-    if (j < slice.end) x[u] = sum_ranks<T>(a.x, parity, base + j, canonical<T>(x[u]), Kernel::PushOneShot);
+    if (j < slice.end) x[u] = sum_ranks<T, kW>(a.x, parity, base + j, canonical<T>(x[u]), Kernel::PushOneShot);
   }
   rmsnorm_slice<T, kV>(a.n, chunk.begin, count, x, r, w, [&](float sq) {
     if (t == 0) cta_sq = sq;
