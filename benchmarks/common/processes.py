@@ -9,6 +9,7 @@ import queue
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -66,6 +67,11 @@ def launch_ranks(target: Callable[..., Any], args: tuple, timeout: float, lost: 
             if p.is_alive():
                 p.kill()
                 p.join()
+    for r, p in enumerate(procs):  # a rank that died without a word: say how it ended
+        if r not in results and r not in lost and p.exitcode not in (None, 0):
+            how = f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit code {p.exitcode}"
+            print(f"launch_ranks: rank {r} of {world_size} ended ({how}) before it reported a result",
+                  file=sys.stderr, flush=True)
     return results, len(results) < wanted and time.monotonic() >= deadline
 
 

@@ -263,7 +263,7 @@ def ranks_keys(world_size: int, shared: bool = False, ids: Sequence[dict[str, st
 
 
 _WORLD_ARG = re.compile(r"--(?:world-size|tensor-parallel-size)[ =](\d+)")
-_RANKS_TEST = re.compile(r"\[(\d+)-ranks\]")
+_RANKS_TEST = re.compile(r"\[(\d+)-ranks(?=[\]-])")  # [4-ranks], [4-ranks-random-pdl1]
 
 
 def with_schema_keys(obj: dict[str, Any]) -> dict[str, Any]:

@@ -6,11 +6,12 @@
 # that holds all but one SM (tests/gpu/test_progress.py), at 2, 4 and 8 ranks as the GPUs allow.
 # One gpu-test-run result per file.
 . scripts/gpu_host/env.sh
-# PARTS (default "reliability delays progress") picks the parts; their bounds (s, 570 in all on two or
-# four GPUs) are RELIABILITY_S, DELAYS_S, PROGRESS_S. On eight GPUs run one part per call, e.g.
-# PARTS=delays DELAYS_S=560.
+# PARTS (default "reliability delays progress") picks the parts; their bounds (s, 560 in all on two or
+# four GPUs) are RELIABILITY_S, DELAYS_S, PROGRESS_S. test_reliability takes about 160 s (three
+# 30 s watchdog waits), test_delays about 160 s on four GPUs, test_progress about 30 s. On eight
+# GPUs run one part per call, e.g. PARTS=delays DELAYS_S=560.
 for t in ${PARTS:-reliability delays progress}; do
-  case "$t" in reliability) b=${RELIABILITY_S:-140} ;; delays) b=${DELAYS_S:-290} ;; progress) b=${PROGRESS_S:-140} ;;
+  case "$t" in reliability) b=${RELIABILITY_S:-210} ;; delays) b=${DELAYS_S:-250} ;; progress) b=${PROGRESS_S:-100} ;;
     *) echo "reliability.sh: unknown part '$t' (reliability, delays, progress)" >&2; exit 2 ;; esac
   set -- "$t" "$b"
   timeout -k 10 "$2" python3 scripts/record_test_run.py --out "$OUT/gpu-tests-$t.json" -- \

@@ -25,6 +25,7 @@ ROW_KEYS = {
     "moe-dispatch-combine": ["backend", "dtype", "hidden", "topk", "tokens", "dispatch_us_p50", "combine_us_p50",
                              "total_us_p50", "exact"],
     "layer-overlap-bench": ["model", "layer", "tokens", "us_p50"],  # the layer benchmark of the removed prefill overlap
+    "serving-step-times": ["config", "tokens", "steps", "elapsed_ms_mean", "elapsed_ms_p90"],  # serving_bench --step-times
 }
 # Every run's JSON: current/ (the quoted runs) and archive/ (the rest), each <kind>/<date>-<topic>/.
 FILES = sorted(glob.glob(os.path.join(RESULTS, "current", "**", "*.json"), recursive=True)
@@ -73,6 +74,10 @@ def test_schema_keys_are_derived_from_the_run():
                                           {"test": "tests/gpu/test_ranks.py::t[8-ranks]", "outcome": "skipped"},
                                           {"test": "tests/gpu/test_fused.py::t", "outcome": "passed"}]})
     assert tests["world_sizes"] == [2, 4] and tests["shared_gpu"] is True
+    more = with_schema_keys({"kind": "gpu-test-run", "command": "x", "records": [
+        {"test": "tests/gpu/test_delays.py::t[4-ranks-random-pdl1]", "outcome": "passed"},
+        {"test": "tests/gpu/test_delays.py::t[8-ranks-last-rank-pdl0]", "outcome": "passed"}]})
+    assert more["world_sizes"] == [4, 8]  # ids that go on after the ranks
     kept = {"kind": "serving-benchmark", "world_size": 8, "shared_gpu": True, "command": "--world-size 4", "records": []}
     assert with_schema_keys(kept) == kept
 

@@ -27,6 +27,7 @@ MAX_SLEEP_CYCLES = 20_000  # about 10 us at the H100's clock: longer than most c
 LATE_RANK_CYCLES = 20_000  # "last-rank": the last rank sleeps this long before every call
 FUSED_HIDDEN = 8192
 SHIFTS = 11  # the period of the per-call shift of the inputs
+_TRAPPED: list = []  # what a trapped rank keeps until its process ends (delayed_calls_rank_killed)
 SERVE_TOP = 8 << 20  # N ranks serve up to here (YALI_DEV_RANKS_MAX); two ranks switch to stream here
 
 
@@ -153,4 +154,9 @@ def delayed_calls_rank_killed(rank, group, replays_before_kill: int, wait_s: flo
             graph.replay()
     except Exception as e:  # noqa: BLE001 - a launch after the trap fails: the record says why
         launch_error = f"{type(e).__name__}: {e}"
-    return {"victim": victim, "launch_error": launch_error, **_record_then_error(comm, t0, wait_s)}
+    result = {"victim": victim, "launch_error": launch_error, **_record_then_error(comm, t0, wait_s)}
+    # The context trapped: this process ends without tearing the communicator or the graph down
+    # (YaliError: the process must restart), so nothing frees their memory while the synchronize
+    # of _record_then_error may still be waiting in its thread.
+    _TRAPPED.extend((comm, graph))
+    return result

@@ -47,6 +47,7 @@ def missing_gpus(world_size: int) -> str | None:
 
 def _entry(rank, port, fn, args, env, world_size, q):
     os.environ.update(env)
+    sent = False
     try:
         import torch
         import torch.distributed as dist
@@ -54,12 +55,23 @@ def _entry(rank, port, fn, args, env, world_size, q):
         torch.cuda.set_device(rank_device(rank))
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         try:
-            q.put((rank, ("ok", fn(rank, dist.group.WORLD, *args))))
+            _send(q, (rank, ("ok", fn(rank, dist.group.WORLD, *args))))
+            sent = True
         finally:
             dist.destroy_process_group()
     except BaseException:
-        q.put((rank, ("error", traceback.format_exc())))
+        if not sent:  # a teardown that fails after the result left changes nothing
+            _send(q, (rank, ("error", traceback.format_exc())))
         sys.exit(1)  # the launcher stops waiting for the other ranks
+
+
+def _send(q, item) -> None:
+    """Puts `item` on the launcher's queue and waits until it has left this process: what follows
+    (the group's teardown beside a dead rank, the exit of a process whose CUDA context trapped) may
+    end the process, and a result still in the queue's feeder thread would be lost with it."""
+    q.put(item)
+    q.close()
+    q.join_thread()
 
 
 def run_ranks(fn, *args, world_size: int = 2, timeout: float = 300.0, env: dict | None = None, lost: tuple = ()):
