@@ -88,6 +88,27 @@ def test_yali_manager_is_a_subclass_whose_overrides_keep_vllms_signatures():
         assert list(mine.parameters) == list(inspect.signature(base).parameters), name
 
 
+def test_first_calls_log_one_line_per_process_group_and_path(caplog):
+    """A line the first time a group's dispatch or combine is served by YALI and the first time it
+    goes to vLLM's manager; never again in the process, also from a rebuilt manager."""
+    from yali_vllm import vllm_log
+
+    vllm_log._first_calls.clear()
+    cls = ep_manager.manager_class(AgRsAll2AllManager)
+    first, rebuilt = cls.__new__(cls), cls.__new__(cls)
+    first.yali_group = rebuilt.yali_group = "ep:0"
+    with caplog.at_level("INFO", logger=vllm_log.LOGGER):
+        for m in (first, first, rebuilt):
+            m._yali_log_first("dispatch", True, [1, 1])
+            m._yali_log_first("combine", True, [1, 1])
+            m._yali_log_first("dispatch", False, None)
+    lines = [r.getMessage() for r in caplog.records if r.name == vllm_log.LOGGER]
+    assert lines == ["YALI EP: first dispatch on group 'ep:0' served by YALI (tokens per rank [1, 1])",
+                     "YALI EP: first combine on group 'ep:0' served by YALI (tokens per rank [1, 1])",
+                     "YALI EP: first dispatch on group 'ep:0' that YALI does not serve (sequence-parallel, "
+                     "another group, or above YALI_EP_SLOT_BYTES): vLLM's AgRsAll2AllManager"], lines
+
+
 def test_ep_slot_bytes_setting():
     assert config.ep_slot_bytes({}) == config.EP_SLOT_DEFAULT == 2 << 20
     assert config.ep_slot_bytes({"YALI_EP_SLOT_BYTES": "65536"}) == 65536

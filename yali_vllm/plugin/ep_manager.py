@@ -24,7 +24,7 @@ import os
 import socket
 from typing import Any
 
-from yali_vllm.vllm_log import LOGGER
+from yali_vllm.vllm_log import LOGGER, log_first_call
 
 from .gate import ep_gate
 
@@ -47,23 +47,20 @@ def manager_class(base: type) -> type:
         yali_comm: Any = None
         yali_ranks: list[int] = []
         yali_group = ""
-        _yali_logged: set = set()
 
         def _yali_log_first(self, what: str, served: bool, tokens: list[int] | None) -> None:
-            """One line the first time `what` ("dispatch", "combine") is served by YALI and the first
-            time it goes to vLLM's manager (CUDA graph replays run no Python: these are captures and
-            eager calls)."""
-            key = (what, served)
-            if key in self._yali_logged:
-                return
-            self._yali_logged = self._yali_logged | {key}
+            """One line per process and group the first time `what` ("dispatch", "combine") is served
+            by YALI and the first time it goes to vLLM's manager (CUDA graph replays run no Python:
+            these are captures and eager calls)."""
             if served:
-                logger.info("YALI EP: first %s on group '%s' served by YALI (tokens per rank %s)", what,
-                            self.yali_group, tokens)
+                log_first_call(f"ep {what}", (self.yali_group, True),
+                               "YALI EP: first %s on group '%s' served by YALI (tokens per rank %s)", what,
+                               self.yali_group, tokens)
             else:
-                logger.info("YALI EP: first %s on group '%s' that YALI does not serve (sequence-parallel, another "
-                            "group, or above YALI_EP_SLOT_BYTES): vLLM's %s", what, self.yali_group,
-                            type(self).__mro__[1].__name__)
+                log_first_call(f"ep {what}", (self.yali_group, False),
+                               "YALI EP: first %s on group '%s' that YALI does not serve (sequence-parallel, "
+                               "another group, or above YALI_EP_SLOT_BYTES): vLLM's %s", what, self.yali_group,
+                               type(self).__mro__[1].__name__)
 
         def _yali_counts(self, local_tokens: int, is_sequence_parallel: bool) -> list[int] | None:
             """Every rank's token count when YALI's group is the one vLLM would use, else None."""
