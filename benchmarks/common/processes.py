@@ -50,6 +50,7 @@ def launch_ranks(target: Callable[..., Any], args: tuple, timeout: float, lost: 
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
+    stopped: set[int] = set()  # ranks the launcher killed itself (bound reached, or another rank failed)
     wanted = world_size - len(lost)
     deadline = time.monotonic() + timeout
     try:
@@ -62,13 +63,14 @@ def launch_ranks(target: Callable[..., Any], args: tuple, timeout: float, lost: 
                 continue
             results[rank] = value
     finally:
-        for p in procs:
+        for r, p in enumerate(procs):
             p.join(timeout=10 if len(results) == wanted else 2)
             if p.is_alive():
                 p.kill()
                 p.join()
-    for r, p in enumerate(procs):  # a rank that died without a word: say how it ended
-        if r not in results and r not in lost and p.exitcode not in (None, 0):
+                stopped.add(r)
+    for r, p in enumerate(procs):  # a rank that died by itself without a word: say how it ended
+        if r not in results and r not in lost and r not in stopped and p.exitcode not in (None, 0):
             how = f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit code {p.exitcode}"
             print(f"launch_ranks: rank {r} of {world_size} ended ({how}) before it reported a result",
                   file=sys.stderr, flush=True)

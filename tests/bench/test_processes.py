@@ -30,3 +30,4 @@ def test_a_rank_that_dies_without_a_result_is_named(capsys):
     assert 1 not in results and not timed_out
     err = capsys.readouterr().err
     assert "rank 1 of 2 ended (exit code 5) before it reported a result" in err, err
+    assert "rank 0" not in err, err  # it reported, or the launcher stopped it: neither is a silent death

@@ -141,7 +141,7 @@ def delayed_calls_rank_killed(rank, group, replays_before_kill: int, wait_s: flo
     end in YALI's abort record and a YaliError within YALI_TIMEOUT_S plus a margin, naming a rank
     it waited for."""
     comm = YaliCommunicator(group, _device())
-    graph, _, _, _ = _graph(comm, rank, "random", seed)
+    graph, wrong, bufs, _ = _graph(comm, rank, "random", seed)
     victim = comm.world_size - 1
     t0 = time.time()
     if rank == victim:
@@ -155,8 +155,8 @@ def delayed_calls_rank_killed(rank, group, replays_before_kill: int, wait_s: flo
     except Exception as e:  # noqa: BLE001 - a launch after the trap fails: the record says why
         launch_error = f"{type(e).__name__}: {e}"
     result = {"victim": victim, "launch_error": launch_error, **_record_then_error(comm, t0, wait_s)}
-    # The context trapped: this process ends without tearing the communicator or the graph down
-    # (YaliError: the process must restart), so nothing frees their memory while the synchronize
-    # of _record_then_error may still be waiting in its thread.
-    _TRAPPED.extend((comm, graph))
+    # The context trapped: this process ends without tearing the communicator, the graph or its
+    # tensors down (YaliError: the process must restart), so nothing frees their memory while the
+    # synchronize of _record_then_error may still be waiting in its thread.
+    _TRAPPED.extend((comm, graph, wrong, bufs))
     return result

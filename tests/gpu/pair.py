@@ -5,6 +5,7 @@ With YALI_ALLOW_SHARED_GPU=1 all N processes use GPU 0 (a machine with one GPU):
 exchange and kernels, with local memory where NVLink would be, the processes taking turns."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
@@ -61,7 +62,8 @@ def _entry(rank, port, fn, args, env, world_size, q):
             dist.destroy_process_group()
     except BaseException:
         if not sent:  # a teardown that fails after the result left changes nothing
-            _send(q, (rank, ("error", traceback.format_exc())))
+            with contextlib.suppress(Exception):  # a queue that broke: the launcher names the exit
+                _send(q, (rank, ("error", traceback.format_exc())))
         sys.exit(1)  # the launcher stops waiting for the other ranks
 
 
