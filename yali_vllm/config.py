@@ -11,8 +11,9 @@ import logging
 import os
 
 from . import _ext
+from .vllm_log import LOGGER
 
-logger = logging.getLogger("vllm.yali")
+logger = logging.getLogger(LOGGER)
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}

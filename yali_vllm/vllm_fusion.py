@@ -35,9 +35,9 @@ from torch._inductor.pattern_matcher import PatternMatcherPass
 from vllm.compilation.passes.inductor_pass import enable_fake_mode
 from vllm.compilation.passes.vllm_inductor_pass import VllmInductorPass, VllmPatternMatcherPass
 
-from yali_vllm.vllm_log import log_first_call
+from yali_vllm.vllm_log import LOGGER, log_first_call
 
-logger = logging.getLogger("vllm.yali")
+logger = logging.getLogger(LOGGER)
 
 FUSION_VAR = "YALI_FUSION"
 OP_NAME = "yali_fused_allreduce_rmsnorm"
