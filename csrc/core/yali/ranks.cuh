@@ -349,7 +349,7 @@ __device__ __forceinline__ void load_slice(Vec16 (&v)[kV], const void* base, siz
 
 // The epilogue on a slice (fused.cuh's rmsnorm_row): z = sum [+ residual] to residual_out, then
 // z * rsqrt(row's mean square + eps), rounded, times the weight, to norm_out; `row_sq` turns this
-// CTA's sum of squares into the row's.
+// CTA's sum of squares into the row's. Both outputs are stored after row_sq.
 template <typename T, int kV, typename RowSq>
 __device__ __forceinline__ void rmsnorm_slice(const RowNorm& a, size_t first, int count, const Vec16 (&s)[kV],
                                               const Vec16 (&r)[kV], const Vec16 (&w)[kV], RowSq row_sq) {
@@ -368,13 +368,14 @@ __device__ __forceinline__ void rmsnorm_slice(const RowNorm& a, size_t first, in
       if (a.residual) z[u][i] += rr[i];
       sq = fmaf(z[u][i], z[u][i], sq);
     }
-    store_vec(static_cast<Vec16*>(a.residual_out) + first + j, pack<T>(z[u]));
   }
+  // Every store after the cluster's sum: the release fence of its barrier then waits for none.
   const float inv_rms = rsqrtf(row_sq(block_sum(sq)) / float(a.hidden) + a.eps);
 #pragma unroll
   for (int u = 0; u < kV; ++u) {
     const int j = threadIdx.x + u * kFlashThreads;
     if (j >= count) continue;
+    store_vec(static_cast<Vec16*>(a.residual_out) + first + j, pack<T>(z[u]));
     float ww[kN], o[kN];
     unpack<T>(w[u], ww);
 #pragma unroll
@@ -396,10 +397,13 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_ranks_spread_kernel(Fu
   namespace cg = cooperative_groups;
   wait_prior_grids();
   constexpr int kU = 4;
-  __shared__ float cta_sq;  // this CTA's sum of squares, read by the cluster
+  __shared__ float cta_sqs[8];  // [c]: CTA c's sum of squares, stored here by CTA c (spread <= 8)
   const cg::cluster_group cluster = cg::this_cluster();
   const int spread = int(cluster.num_blocks()), s = int(cluster.block_rank());
   const int t = threadIdx.x, row = blockIdx.x / spread;
+  // "This CTA runs": a CTA stores into another's shared memory below only after every CTA of the
+  // cluster has arrived here (the wait before the stores is long satisfied by then).
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
   const Range slice = split_range(0, a.n.row_vecs, spread, s);
   const size_t base = size_t(row) * a.n.row_vecs;
   const Range chunk{base + slice.begin, base + slice.end};  // what this CTA sends and adds
@@ -418,11 +422,14 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_ranks_spread_kernel(Fu
     if (j < slice.end) x[u] = sum_ranks<T, kW>(a.x, parity, base + j, canonical<T>(x[u]), Kernel::PushOneShot);
   }
   rmsnorm_slice<T, kV>(a.n, chunk.begin, count, x, r, w, [&](float sq) {
-    if (t == 0) cta_sq = sq;
-    cluster.sync();  // every CTA's sum is written
+    // Every CTA stores its sum into slot s of every CTA's shared memory, then one cluster barrier
+    // (release / acquire): after it each CTA reads only its own copies, so none waits for another
+    // to finish reading before it leaves.
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");  // every CTA of the cluster runs
+    if (t < spread) *cluster.map_shared_rank(&cta_sqs[s], t) = sq;
+    cluster.sync();
     float total = 0.f;
-    for (int c = 0; c < spread; ++c) total += *cluster.map_shared_rank(&cta_sq, c);  // in cluster rank order
-    cluster.sync();  // no CTA leaves while another still reads its sum
+    for (int c = 0; c < spread; ++c) total += cta_sqs[c];  // in cluster rank order: the same bits everywhere
     return total;
   });
 }
