@@ -30,20 +30,20 @@ WORLD_SIZES = (2, 4, 6, 8)
 DEFAULT_WORLD_SIZES = (2,)  # 70B TP=2: benchmarks/results/current/serving/20261122-70b-comparison
 # Why each other world size the kernels serve is off by default (its result file, where one exists).
 OFF_BY_DEFAULT = {
-    4: "the four-rank kernels built per world size have no serving run yet (the kernels before them "
-       "served a 70B TP=4 model at parity with vLLM's defaults: "
-       "benchmarks/results/current/serving/20261126-70b-tp4-c32-steps)",
+    4: "a 70B TP=4 server decodes faster with YALI (TPOT 0.993x at concurrency 1) but its concurrency-1 "
+       "TTFT p50 was 1.055x vLLM's defaults in its one start, not yet explained "
+       "(benchmarks/results/current/serving/20261127-70b-tp4-fusion)",
     6: "no serving run at TP=6 yet",
     8: "no serving run at TP=8 yet",
 }
 # World sizes whose fused all-reduce + RMSNorm pairs YALI leaves to vLLM's FlashInfer fusion in the
-# compile ranges FlashInfer serves, unless YALI_FUSION=1 asks for YALI's pass everywhere: there
-# FlashInfer's fused kernel measured at least as fast as YALI's at every token count it serves.
-# YALI's pass keeps the ranges above them that YALI serves (vllm_fusion.FlashInferThenYaliPass).
-FUSION_BY_FLASHINFER = {
-    4: "FlashInfer's fused kernel is as fast as YALI's at 1-16 tokens and 1.13-1.17x faster at 32-64 "
-       "(benchmarks/results/current/fused/20261126-tp4-flashinfer)",
-}
+# compile ranges FlashInfer serves, unless YALI_FUSION=1 asks for YALI's pass everywhere: those where
+# FlashInfer's fused kernel measures at least as fast as YALI's at every token count it serves, with
+# the result file. YALI's pass keeps the ranges above them that YALI serves
+# (vllm_fusion.FlashInferThenYaliPass). None today: at 2 and 4 ranks YALI's op is the faster
+# (benchmarks/results/current/fused/20261126-tp2-h100, .../20261127-tp4-h100-flashinfer); 6 and 8
+# ranks are not measured against FlashInfer yet.
+FUSION_BY_FLASHINFER: dict[int, str] = {}
 WORLD_SIZES_VAR = "YALI_WORLD_SIZES"
 # The end of build_info() of a library built with the legacy flash kernels (YALI_BUILD_LEGACY=1;
 # csrc/bindings/torch_ops.cpp: YALI_BUILD_KERNELS).

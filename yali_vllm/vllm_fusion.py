@@ -398,13 +398,12 @@ class YaliAllReduceFusionPass(VllmPatternMatcherPass):
 
 class FlashInferThenYaliPass(VllmInductorPass):
     """vLLM's FlashInfer fusion pass for the compile ranges it serves, YALI's pass for the ranges
-    above them that YALI serves: what the plugin builds at a FUSION_BY_FLASHINFER world size, where
-    FlashInfer's fused kernel measured at least as fast as YALI's over its whole range and YALI's
-    op faster than vLLM's unfused pair above it (four ranks: 0.72-0.78x at 256-512 tokens).
-    vLLM compiles one range above FlashInfer's (129-8192 tokens at four ranks), which YALI's op does
-    not cover; with a compile range endpoint at YALI's limit
-    (``--compilation-config '{"compile_ranges_endpoints": [512]}'``) the range 129-512 gets YALI's op. Each range is
-    rewritten by exactly one of the two passes."""
+    above them that YALI serves: what the plugin builds at a world size of FUSION_BY_FLASHINFER
+    (none today), one where FlashInfer's fused kernel measures at least as fast as YALI's over its
+    whole range. vLLM compiles one range above FlashInfer's (129-8192 tokens at four ranks), which
+    YALI's op (up to 8 MiB) does not cover; with a compile range endpoint at YALI's limit
+    (``--compilation-config '{"compile_ranges_endpoints": [512]}'``) the range 129-512 gets YALI's
+    op. Each range is rewritten by exactly one of the two passes."""
 
     def __init__(self, flashinfer, yali, config) -> None:
         super().__init__(config)

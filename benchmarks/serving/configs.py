@@ -28,7 +28,7 @@ SERVER_CONFIGS: dict[str, ServerConfig] = {
         YALI_ON,
         (),
         "yali plugin on (YALI_ENABLE=1, YALI_WORLD_SIZES=all); vLLM defaults otherwise (the fused "
-        "pairs in YALI's fused op, at four ranks only above FlashInfer's compile ranges)",
+        "pairs in YALI's fused op, except below FlashInfer's limit at a world size of FUSION_BY_FLASHINFER)",
     ),
     # YALI's fused op for every fused pair at every world size, also where the plugin leaves them to
     # FlashInfer by default (yali_vllm.config.FUSION_BY_FLASHINFER): the configuration that measures it.

@@ -111,15 +111,16 @@ SERVING_COLUMNS = {
     "c=32 output tok/s": (32, "output_tok_s"), "c=32 TPOT p50": (32, "tpot_ms_p50"),
     "c=32 ITL p99": (32, "itl_ms_p99"), "c=32 TTFT p50": (32, "ttft_ms_p50"),
 }
-SERVING_ROWS = {"YALI (`YALI_WORLD_SIZES=all`)": "yali", "YALI": "yali", "vLLM's defaults": "vllm-default"}
+SERVING_ROWS = {"YALI (`YALI_WORLD_SIZES=all`)": "yali", "YALI": "yali", "YALI (`yali-fusion`)": "yali-fusion",
+                "vLLM's defaults": "vllm-default"}
 
 
 @pytest.mark.parametrize("first, last, world_size, tables", [
-    ("### Two GPUs", "### Serving at TP=4", 2, 1), ("### Serving at TP=4", "## Limits", 4, 2)])
+    ("### Two GPUs", "### Serving at TP=4", 2, 1), ("### Serving at TP=4", "## Limits", 4, 1)])
 def test_serving_tables_match_their_result_files(first, last, world_size, tables):
     """Each cell is the mean ± half the spread of the starts in the merged serving result linked
-    last before its table; the bold cell of a column is the better configuration (lower, or more
-    tokens/s)."""
+    last before its table (a configuration of one start: its value, no ±); the bold cell of a column
+    is the better configuration (lower, or more tokens/s)."""
     section = README[README.index(first):README.index(last)]
     starts = [m.start() for m in re.finditer(r"^\| \| c=", section, re.M)]
     assert len(starts) >= tables
@@ -130,18 +131,20 @@ def test_serving_tables_match_their_result_files(first, last, world_size, tables
         lines = section[start:].split("\n\n", 1)[0].splitlines()
         cells = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in lines]
         header, rows = cells[0][1:], cells[2:]
-        assert sorted(SERVING_ROWS[r[0]] for r in rows) == ["vllm-default", "yali"]
+        configs = sorted(SERVING_ROWS[r[0]] for r in rows)
+        assert len(configs) == 2 and configs[0] == "vllm-default" and configs[1].startswith("yali"), configs
         shown: dict = {}
         for row in rows:
             cfg = SERVING_ROWS[row[0]]
             for name, cell in zip(header, row[1:]):
                 conc, field = SERVING_COLUMNS[name]
                 values = [r[field] for r in data["records"] if r["config"] == cfg and r["concurrency"] == conc]
-                assert len(values) == 2, (link, cfg, name, values)
-                mean, half = sum(values) / 2, (max(values) - min(values)) / 2
+                assert values, (link, cfg, name)
+                mean, half = sum(values) / len(values), (max(values) - min(values)) / 2
                 text = cell.replace("*", "").replace(" ms", "")
                 digits = len(text.split("±")[0].strip().partition(".")[2])
-                got_mean, got_half = (float(v) for v in text.split("±"))
+                assert ("±" in text) == (len(values) > 1), (cfg, name, cell, values)
+                got_mean, got_half = (float(v) for v in text.split("±")) if len(values) > 1 else (float(text), 0.0)
                 assert got_mean == pytest.approx(round(mean, digits), abs=0.6 * 10 ** -digits), (cfg, name, cell, mean)
                 assert got_half == pytest.approx(round(half, digits), abs=0.6 * 10 ** -digits), (cfg, name, cell, half)
                 shown.setdefault(name, []).append((cell.startswith("**"), mean))

@@ -6,6 +6,7 @@ exchange and kernels, with local memory where NVLink would be, the processes tak
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import sys
 import traceback
@@ -47,6 +48,8 @@ def missing_gpus(world_size: int) -> str | None:
 
 
 def _entry(rank, port, fn, args, env, world_size, q):
+    # A rank that dies by a signal (a fault after a kernel trapped) prints every thread's stack.
+    faulthandler.enable(all_threads=True)
     os.environ.update(env)
     sent = False
     try:

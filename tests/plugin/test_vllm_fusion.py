@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -138,20 +139,36 @@ def test_fusion_forced_only_when_set_on(raw, forced):
     assert vllm_fusion.fusion_forced(env) is forced
 
 
-def test_flashinfer_keeps_the_fused_pairs_where_it_measured_faster():
+def test_no_world_size_leaves_its_fused_pairs_to_flashinfer():
+    """YALI's fused op measured faster than FlashInfer's at 2 and 4 ranks: no world size is in
+    FUSION_BY_FLASHINFER, whose entries each cite a result file."""
+    assert config.FUSION_BY_FLASHINFER == {}
+    assert all(vllm_fusion.flashinfer_fusion_reason(n, {}) is None for n in config.WORLD_SIZES)
+
+
+def test_every_listed_reason_names_a_committed_result():
+    """The reasons of OFF_BY_DEFAULT and FUSION_BY_FLASHINFER that name a result directory name one
+    that is committed (with its README)."""
+    repo = Path(__file__).resolve().parents[2]
+    named = [path for reason in [*config.OFF_BY_DEFAULT.values(), *config.FUSION_BY_FLASHINFER.values()]
+             for path in re.findall(r"benchmarks/results/[\w./-]+[\w-]", reason)]
+    assert named  # TP=4's reason names its serving run
+    for path in named:
+        assert (repo / path / "README.md").is_file(), path
+
+
+def test_flashinfer_keeps_the_fused_pairs_of_a_listed_world_size(monkeypatch):
     """At a FUSION_BY_FLASHINFER world size an unset YALI_FUSION leaves the fused pairs to vLLM's
-    FlashInfer fusion, with the measured reason and its result file; YALI_FUSION=1 overrides.
-    Two ranks keep YALI's pass."""
-    assert 4 in config.FUSION_BY_FLASHINFER and 2 not in config.FUSION_BY_FLASHINFER
-    reason = vllm_fusion.flashinfer_fusion_reason(4, {})
-    assert reason.startswith("at 4 ranks FlashInfer's fused kernel") and reason.endswith(
-        "YALI_FUSION=1 builds YALI's pass instead")
-    path = reason.split("(")[1].split(")")[0]
-    assert (Path(__file__).resolve().parents[2] / path / "README.md").is_file(), path
-    assert vllm_fusion.flashinfer_fusion_reason(4, {"YALI_FUSION": "1"}) is None
-    assert vllm_fusion.flashinfer_fusion_reason(2, {}) is None
+    FlashInfer fusion, with the listed reason; YALI_FUSION=1 overrides; other world sizes keep
+    YALI's pass; a bad YALI_FUSION is named."""
+    monkeypatch.setitem(config.FUSION_BY_FLASHINFER, 8, "FlashInfer's fused kernel is faster (results/x)")
+    reason = vllm_fusion.flashinfer_fusion_reason(8, {})
+    assert reason == ("at 8 ranks FlashInfer's fused kernel is faster (results/x); "
+                      "YALI_FUSION=1 builds YALI's pass instead")
+    assert vllm_fusion.flashinfer_fusion_reason(8, {"YALI_FUSION": "1"}) is None
+    assert vllm_fusion.flashinfer_fusion_reason(4, {}) is None
     with pytest.raises(ValueError, match="invalid YALI_FUSION='x'"):
-        vllm_fusion.flashinfer_fusion_reason(4, {"YALI_FUSION": "x"})
+        vllm_fusion.flashinfer_fusion_reason(8, {"YALI_FUSION": "x"})
 
 
 def test_factory_raises_naming_bad_yali_fusion(monkeypatch):
@@ -352,6 +369,21 @@ def test_install_hooks_follow_vllm_config(pass_manager_module, monkeypatch):
 # The TP world sizes of the multi-rank tests: YALI's two-rank path and its N-rank one; and one
 # it does not serve.
 CPU_WORLD_SIZES = (2, 4)
+# The rank workers list four ranks in FUSION_BY_FLASHINFER (empty in the product today), so the
+# real-TP-group tests cover both of the factory's choices: YALI's pass at two ranks, vLLM's pass
+# below FlashInfer's limit and YALI's above it at four.
+STAND_IN_FLASHINFER = {4: "FlashInfer's fused kernel measured faster (a stand-in entry of the tests)"}
+
+
+def _listed(fn, *args):
+    """fn(*args) with FUSION_BY_FLASHINFER as the rank workers see it (STAND_IN_FLASHINFER added)."""
+    saved = dict(config.FUSION_BY_FLASHINFER)
+    config.FUSION_BY_FLASHINFER.update(STAND_IN_FLASHINFER)
+    try:
+        return fn(*args)
+    finally:
+        config.FUSION_BY_FLASHINFER.clear()
+        config.FUSION_BY_FLASHINFER.update(saved)
 UNSERVED_WORLD_SIZE = 3
 
 
@@ -593,6 +625,7 @@ def _rank_worker(rank: int, port: int, world_size: int, model_dir: str, outdir: 
     and what YALI's pass does to traced graphs."""
 
     def body() -> dict:
+        config.FUSION_BY_FLASHINFER.update(STAND_IN_FLASHINFER)
         cfg, tp = _tp_setup(rank, port, world_size, model_dir)
         return {**_factory_choices(cfg, tp), **_rewrite_results(cfg, tp, rank), "ranges": _range_results(cfg, tp)}
 
@@ -617,7 +650,8 @@ def test_ranks_factory_follows_yali_and_yali_fusion(tp_ranks):
     n = len(tp_ranks)
     served = f"YALI serves TP group 'tp:0' ({n} ranks)"
     on_line = f"YALI fusion pass ON (replaces vLLM's FlashInfer all-reduce+RMSNorm fusion): {served}"
-    leave = vllm_fusion.flashinfer_fusion_reason(n, {})
+    leave = _listed(vllm_fusion.flashinfer_fusion_reason, n, {})
+    assert (leave is None) == (n not in STAND_IN_FLASHINFER)
     for res in tp_ranks:
         assert res["off_decision"] == [False, "YALI all-reduce is OFF for group 'tp:0'"]
         assert res["off_pass"] == "StandInPass" and res["off_factor"] == "vllm"
@@ -719,7 +753,7 @@ def test_ranks_flashinfer_then_yali_gives_each_range_to_one_pass(tp_ranks):
 def test_ranks_vllm_pass_manager_builds_one_fusion_pass(tp_ranks):
     """vLLM's pass manager builds YALI's pass, or at a FUSION_BY_FLASHINFER world size (unset
     YALI_FUSION) the composite of vLLM's and YALI's; never two fusion passes side by side."""
-    want = ("YaliAllReduceFusionPass" if vllm_fusion.flashinfer_fusion_reason(len(tp_ranks), {}) is None
+    want = ("YaliAllReduceFusionPass" if _listed(vllm_fusion.flashinfer_fusion_reason, len(tp_ranks), {}) is None
             else "FlashInferThenYaliPass")
     for res in tp_ranks:
         fusion = [p for p in res["configured"] if p in ("YaliAllReduceFusionPass", "FlashInferThenYaliPass",

@@ -192,6 +192,7 @@ void Config::validate() const {
   check_range("YALI_DEV_RANKS_MAX", ranks_max, 4096, size_t(64) << 20, 4096);
   // The one-shot limit, like the other buffer sizes, is a multiple of 4 KiB (0: by world size).
   if (ranks_oneshot_max != 0) check_range("YALI_DEV_RANKS_ONESHOT_MAX", ranks_oneshot_max, 4096, ranks_max, 4096);
+  static_assert(kMaxFusedSpread == 8, "the spreads checked here are 2, 4 and 8");
   if (ranks_fused_spread != 0 && ranks_fused_spread != 2 && ranks_fused_spread != 4 && ranks_fused_spread != 8)
     bad("YALI_DEV_RANKS_FUSED_SPREAD", std::to_string(ranks_fused_spread), "0 (off), 2, 4 or 8 (CTAs of a cluster)");
   if (ep_slot_bytes != 0) check_range("YALI_EP_SLOT_BYTES", ep_slot_bytes, 4096, size_t(256) << 20, 4096);

@@ -32,6 +32,9 @@ constexpr int kEpMaxParts = 8;
 constexpr int kMaxLanes = 128;
 constexpr int kMaxSlots = 16;
 constexpr int kFlashThreads = 512;
+// The most CTAs a fused row spreads over (YALI_DEV_RANKS_FUSED_SPREAD): the cluster's slots for
+// their sums of squares in fused_ranks_spread_kernel.
+constexpr int kMaxFusedSpread = 8;
 constexpr int kStreamThreads = 512;  // half senders, half receivers
 // The fused all-reduce + RMSNorm kernel keeps one row in registers: at most
 // kFlashThreads threads x 8 vectors x 16 bytes (hidden 32768 in 16-bit types).

@@ -369,7 +369,8 @@ __device__ __forceinline__ void rmsnorm_slice(const RowNorm& a, size_t first, in
       sq = fmaf(z[u][i], z[u][i], sq);
     }
   }
-  // Every store after the cluster's sum: the release fence of its barrier then waits for none.
+  // Both outputs stored after the cluster's sum: the release fence of its barrier waits for no
+  // output store.
   const float inv_rms = rsqrtf(row_sq(block_sum(sq)) / float(a.hidden) + a.eps);
 #pragma unroll
   for (int u = 0; u < kV; ++u) {
@@ -397,7 +398,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_ranks_spread_kernel(Fu
   namespace cg = cooperative_groups;
   wait_prior_grids();
   constexpr int kU = 4;
-  __shared__ float cta_sqs[8];  // [c]: CTA c's sum of squares, stored here by CTA c (spread <= 8)
+  __shared__ float cta_sqs[kMaxFusedSpread];  // [c]: CTA c's sum of squares, stored here by CTA c
   const cg::cluster_group cluster = cg::this_cluster();
   const int spread = int(cluster.num_blocks()), s = int(cluster.block_rank());
   const int t = threadIdx.x, row = blockIdx.x / spread;
