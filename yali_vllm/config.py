@@ -31,8 +31,8 @@ DEFAULT_WORLD_SIZES = (2,)  # 70B TP=2: benchmarks/results/current/serving/20261
 # Why each other world size the kernels serve is off by default (its result file, where one exists).
 OFF_BY_DEFAULT = {
     4: "a 70B TP=4 server decodes faster with YALI (TPOT 0.993x at concurrency 1) but its concurrency-1 "
-       "TTFT p50 was 1.055x vLLM's defaults in its one start, not yet explained "
-       "(benchmarks/results/current/serving/20261127-70b-tp4-fusion)",
+       "TTFT p50 was 1.055x vLLM's defaults in its one start of 8 prompts (its mean between vLLM's two "
+       "starts); alternated starts decide (benchmarks/results/current/serving/20261127-70b-tp4-fusion)",
     6: "no serving run at TP=6 yet",
     8: "no serving run at TP=8 yet",
 }

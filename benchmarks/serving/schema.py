@@ -41,9 +41,10 @@ VLLM_RESULT_KEYS: dict[str, tuple[str, ...]] = {
     "output_tok_s": ("output_throughput",),
     "req_s": ("request_throughput",),
 }
-# Beyond the schema's row: the mean TPOT over a point's requests. Under mixed prefill/decode
-# (concurrency 32) the per-request TPOTs spread and their median can move more than their mean.
-EXTRA_RESULT_KEYS: dict[str, tuple[str, ...]] = {"tpot_ms_mean": ("mean_tpot_ms",)}
+# Beyond the schema's row: the mean TPOT and TTFT over a point's requests. Under mixed
+# prefill/decode (concurrency 32) the per-request TPOTs spread and their median can move more than
+# their mean; a concurrency-1 point's few TTFTs follow their prefill steps, whose time spreads.
+EXTRA_RESULT_KEYS: dict[str, tuple[str, ...]] = {"tpot_ms_mean": ("mean_tpot_ms",), "ttft_ms_mean": ("mean_ttft_ms",)}
 
 
 def _num(v: Any) -> float | None:

@@ -24,6 +24,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("itl_ms_p50", "ITL p50 (ms)", True, "{:.3f}"),
     Metric("itl_ms_p99", "ITL p99 (ms)", True, "{:.3f}"),
     Metric("ttft_ms_p50", "TTFT p50 (ms)", True, "{:.1f}"),
+    Metric("ttft_ms_mean", "TTFT mean (ms)", True, "{:.1f}"),
     Metric("ttft_ms_p99", "TTFT p99 (ms)", True, "{:.1f}"),
     Metric("output_tok_s", "output tok/s", False, "{:.1f}"),
 )

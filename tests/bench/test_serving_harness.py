@@ -1229,17 +1229,17 @@ def test_report_only_merges_runs(tmp_path):
     assert "| 2 |" in nccl_row and "(better)" in nccl_row
 
 
-def test_merge_backfills_the_mean_tpot_from_kept_result_files(tmp_path):
-    """Records written before tpot_ms_mean existed get it in a merge from their kept raw file;
-    a record whose raw file is gone keeps None, and the markdown shows the column."""
+def test_merge_backfills_the_mean_tpot_and_ttft_from_kept_result_files(tmp_path):
+    """Records written before tpot_ms_mean / ttft_ms_mean existed get them in a merge from their kept
+    raw file; a record whose raw file is gone keeps None, and the markdown shows the columns."""
     paths = []
     for i, (mean_y, mean_n) in enumerate(((5.40, 6.40), (5.44, 6.42))):
         recs = make_records({("yali", 32): [5.0 + i / 100], ("nccl", 32): [6.0 + i / 100]})
         for r, mean in zip(recs, (mean_y, mean_n)):
-            del r["tpot_ms_mean"]  # as written before the key existed
+            del r["tpot_ms_mean"], r["ttft_ms_mean"]  # as written before the keys existed
             r["result_file"] = f"raw/{r['config']}-r1-c32.json"
             res = vllm_bench_result(concurrency=32)
-            res["mean_tpot_ms"] = mean
+            res["mean_tpot_ms"], res["mean_ttft_ms"] = mean, 20 * mean
             if not (i == 1 and r["config"] == "nccl"):  # this one's raw file was not kept
                 (tmp_path / f"run{i}" / "raw").mkdir(parents=True, exist_ok=True)
                 (tmp_path / f"run{i}" / r["result_file"]).write_text(json.dumps(res))
@@ -1251,14 +1251,18 @@ def test_merge_backfills_the_mean_tpot_from_kept_result_files(tmp_path):
     merged = json.loads((out / "serving-benchmark.json").read_text())
     means = {(r["config"], r["repeat"]): r.get("tpot_ms_mean") for r in merged["records"]}
     assert means == {("yali", 1): 5.40, ("nccl", 1): 6.40, ("yali", 2): 5.44, ("nccl", 2): None}
+    ttfts = {(r["config"], r["repeat"]): r.get("ttft_ms_mean") for r in merged["records"]}
+    assert ttfts.pop(("nccl", 2)) is None  # its raw file was not kept
+    assert ttfts == pytest.approx({("yali", 1): 108.0, ("nccl", 1): 128.0, ("yali", 2): 108.8})
     md = (out / "serving-benchmark.md").read_text()
-    assert "TPOT mean (ms)" in md
+    assert "TPOT mean (ms)" in md and "TTFT mean (ms)" in md
     yali_row = next(line for line in md.splitlines() if line.startswith("| yali | 2 |"))
     assert "5.420 ± 0.020" in yali_row
     # a fresh parse carries it too
     res = vllm_bench_result()
-    res["mean_tpot_ms"] = 5.33
-    assert schema.make_record("yali", 8, 1, schema.parse_bench_result(res))["tpot_ms_mean"] == 5.33
+    res["mean_tpot_ms"], res["mean_ttft_ms"] = 5.33, 101.5
+    rec = schema.make_record("yali", 8, 1, schema.parse_bench_result(res))
+    assert rec["tpot_ms_mean"] == 5.33 and rec["ttft_ms_mean"] == 101.5
 
 
 def test_locust_and_soak_on_the_benchmark_servers(tmp_path, fake_vllm, monkeypatch):
