@@ -25,6 +25,7 @@ import logging
 import os
 import re
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -369,6 +370,7 @@ def test_install_hooks_follow_vllm_config(pass_manager_module, monkeypatch):
 # The TP world sizes of the multi-rank tests: YALI's two-rank path and its N-rank one; and one
 # it does not serve.
 CPU_WORLD_SIZES = (2, 4)
+UNSERVED_WORLD_SIZE = 3
 # The rank workers list four ranks in FUSION_BY_FLASHINFER (empty in the product today), so the
 # real-TP-group tests cover both of the factory's choices: YALI's pass at two ranks, vLLM's pass
 # below FlashInfer's limit and YALI's above it at four.
@@ -377,14 +379,8 @@ STAND_IN_FLASHINFER = {4: "FlashInfer's fused kernel measured faster (a stand-in
 
 def _listed(fn, *args):
     """fn(*args) with FUSION_BY_FLASHINFER as the rank workers see it (STAND_IN_FLASHINFER added)."""
-    saved = dict(config.FUSION_BY_FLASHINFER)
-    config.FUSION_BY_FLASHINFER.update(STAND_IN_FLASHINFER)
-    try:
+    with mock.patch.dict(config.FUSION_BY_FLASHINFER, STAND_IN_FLASHINFER):
         return fn(*args)
-    finally:
-        config.FUSION_BY_FLASHINFER.clear()
-        config.FUSION_BY_FLASHINFER.update(saved)
-UNSERVED_WORLD_SIZE = 3
 
 
 def _write_model_config(path: Path) -> str:

@@ -54,6 +54,9 @@ template <int kW>
 __device__ __forceinline__ int world_of(const RanksArgs& a) {
   return kW > 0 ? kW : a.world;
 }
+// The bound of an unrolled loop over the ranks (which breaks at world_of): kW, or kMaxRanks.
+template <int kW>
+constexpr int kRankLoop = kW > 0 ? kW : kMaxRanks;
 
 // Rank `from`'s slot of phase `phase` (0: one-shot data, two-shot reduce-scatter; 1: two-shot
 // all-gather) and parity `parity` in rank `owner`'s push area.
@@ -99,7 +102,7 @@ __device__ __forceinline__ void send_to_ranks(const RanksArgs& a, int parity, Ve
 #pragma unroll
     for (int u = 0; u < kU; ++u) v[u] = canonical<T>(v[u]);
 #pragma unroll
-    for (int d = 1; d < (kW > 0 ? kW : kMaxRanks); ++d) {
+    for (int d = 1; d < kRankLoop<kW>; ++d) {
       if (d >= world) break;
       const int p = (a.rank + d) % world;
       Vec16* to = ranks_slot(a, world, p, parity, 0, a.rank);
@@ -206,7 +209,6 @@ template <typename T, int kW>
 __global__ void __launch_bounds__(kFlashThreads, 1) push_twoshot_kernel(RanksArgs a) {
   wait_prior_grids();
   constexpr int kU = 4;
-  constexpr int kDests = kW > 0 ? kW : kMaxRanks;  // the bound of the unrolled loops over the ranks
   const int world = world_of<kW>(a);
   const int t = threadIdx.x;
   const size_t vecs = (a.nbytes + 15) / 16;
@@ -243,7 +245,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) push_twoshot_kernel(RanksArg
     const Vec16 mine = canonical<T>(load_input_vector<T>(a.in, mine_at + j, a.nbytes));
     const Vec16 sum = canonical<T>(sum_ranks<T, kW>(a, parity, j, mine, Kernel::PushTwoShot));  // sent: never empty
 #pragma unroll
-    for (int d = 1; d < kDests; ++d) {
+    for (int d = 1; d < kRankLoop<kW>; ++d) {
       if (d >= world) break;
       const int p = (a.rank + d) % world;
       store_push(ranks_slot(a, world, p, parity, 1, a.rank) + j, sum);
