@@ -8,9 +8,11 @@ With ``--enable-logging-iteration-details`` (vLLM 0.33) the engine core logs one
 (the elapsed time is the engine core's wall time around the step). serving_bench's ``--step-times``
 turns it on for every server; this module reads the servers' logs (``server-logs/<config>-r<N>.log``)
 and tables the step times per configuration in token buckets, so a difference in ITL p99 between two
-servers can be put on the steps that carry a prefill chunk or on the pure-decode ones.
+servers can be put on the steps that carry a prefill chunk or on the pure-decode ones. A second table
+gives, per server start, the steps that prefill one prompt and carry nothing else: at concurrency 1
+such a step is most of a request's TTFT, so a TTFT difference between servers shows there or not.
 
-  python -m benchmarks.serving.step_times DIR     # DIR: a serving_bench output (its server-logs/)
+  python -m benchmarks.serving.step_times DIR [DIR ...]   # serving_bench outputs (their server-logs/)
 """
 
 from __future__ import annotations
@@ -84,17 +86,43 @@ def summarize(steps_by_config: dict[str, list[dict[str, Any]]]) -> list[dict[str
     return rows
 
 
-def read_server_logs(out: Path) -> dict[str, list[dict[str, Any]]]:
-    """Every server log's steps, by configuration (the repeats of a configuration together)."""
-    by_config: dict[str, list[dict[str, Any]]] = {}
+def lone_prefills(starts: dict[tuple[str, str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per (server start, token bucket) of the steps that prefill exactly one prompt and
+    carry no decode: steps, p50, mean, min and max elapsed ms. `starts`: {(start, config): steps}."""
+    rows = []
+    for (start, config), steps in starts.items():
+        groups: dict[str, list[float]] = {}
+        for s in steps:
+            if s["context_requests"] == 1 and s["generation_requests"] == 0 and s["context_tokens"] > 0:
+                groups.setdefault(bucket_of(s["tokens"]), []).append(s["elapsed_ms"])
+        for bucket in sorted(groups, key=BUCKET_ORDER.__getitem__):
+            ms = groups[bucket]
+            rows.append({"start": start, "config": config, "tokens": bucket, "steps": len(ms),
+                         "elapsed_ms_p50": round(statistics.median(ms), 3),
+                         "elapsed_ms_mean": round(statistics.fmean(ms), 3),
+                         "elapsed_ms_min": round(min(ms), 3), "elapsed_ms_max": round(max(ms), 3)})
+    return rows
+
+
+def read_starts(out: Path, prefix: str = "") -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """Every server log's steps, by server start: {(prefix + log name without .log, config): steps}."""
+    starts: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for log in sorted((out / "server-logs").glob("*.log")):
         m = LOG_NAME_RE.match(log.name)
         if not m:
             continue
         steps = parse_steps(log.read_text(errors="replace").splitlines())
         if steps:
-            by_config.setdefault(m.group("config"), []).extend(steps)
-    return by_config
+            starts[(prefix + log.stem, m.group("config"))] = steps
+    return starts
+
+
+def by_config(starts: dict[tuple[str, str], list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """The starts' steps by configuration (the repeats of a configuration together)."""
+    merged: dict[str, list[dict[str, Any]]] = {}
+    for (_, config), steps in starts.items():
+        merged.setdefault(config, []).extend(steps)
+    return merged
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -115,33 +143,54 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def lone_markdown(rows: list[dict[str, Any]]) -> str:
+    out = ["## Steps that prefill one prompt and carry nothing else, per server start", "",
+           "At concurrency 1 such a step is most of a request's TTFT. Elapsed ms of the engine core's step.", "",
+           "| server start | tokens a step | steps | p50 | mean | min | max |", "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['start']} | {r['tokens']} | {r['steps']} | {r['elapsed_ms_p50']:.2f} | "
+                   f"{r['elapsed_ms_mean']:.2f} | {r['elapsed_ms_min']:.2f} | {r['elapsed_ms_max']:.2f} |")
+    return "\n".join(out) + "\n"
+
+
+def report(starts: dict[tuple[str, str], list[dict[str, Any]]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
+    """(bucket rows, lone-prefill rows, markdown of both) of the starts' steps."""
+    rows, lone = summarize(by_config(starts)), lone_prefills(starts)
+    return rows, lone, markdown(rows) + ("\n" + lone_markdown(lone) if lone else "")
+
+
 def write_step_times(out: Path, header: dict[str, Any]) -> Path | None:
     """step-times.json / .md in `out` from its server logs; None when no log has iteration details.
     `header`: the run's result header (command, date, host, versions, world size)."""
     from benchmarks.common.results import write_results
 
-    rows = summarize(read_server_logs(out))
+    rows, lone, text = report(read_starts(out))
     if not rows:
         return None
     doc = {k: v for k, v in header.items() if k != "records"}
     doc["kind"] = "serving-step-times"
     doc["records"] = rows
+    doc["lone_prefill_steps"] = lone
     write_results(out / "step-times.json", doc)
     md = out / "step-times.md"
-    md.write_text(markdown(rows))
+    md.write_text(text)
     return md
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out", type=Path, help="a serving_bench output directory (with server-logs/)")
+    ap.add_argument("out", type=Path, nargs="+", help="serving_bench output directories (with server-logs/); "
+                    "with several, each start is named DIR/<config>-r<N>")
     args = ap.parse_args(argv)
-    rows = summarize(read_server_logs(args.out))
+    starts: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for out in args.out:
+        starts.update(read_starts(out, f"{out.name}/" if len(args.out) > 1 else ""))
+    rows, _, text = report(starts)
     if not rows:
-        print(f"no iteration details in {args.out / 'server-logs'} (was the run made with --step-times?)",
-              file=sys.stderr)
+        print(f"no iteration details in {', '.join(str(o / 'server-logs') for o in args.out)} "
+              "(was the run made with --step-times?)", file=sys.stderr)
         return 1
-    print(markdown(rows))
+    print(text, end="")
     return 0
 
 

@@ -47,7 +47,7 @@ def test_summary_and_table_per_config_and_bucket(tmp_path):
     (logs / "yali-r2.log").write_text(line(1, 1024, 31, 72.0))
     (logs / "vllm-default-r1.log").write_text("\n".join([line(1, 0, 32, 19.0, cr=0), line(2, 1024, 31, 48.0)]))
     (logs / "notes.txt").write_text(line(1, 1024, 31, 999.0))  # not a server log
-    rows = st.summarize(st.read_server_logs(tmp_path))
+    rows = st.summarize(st.by_config(st.read_starts(tmp_path)))
     get = {(r["config"], r["tokens"]): r for r in rows}
     assert set(get) == {("vllm-default", "9-32"), ("vllm-default", "513-1152"), ("yali", "9-32"), ("yali", "513-1152")}
     y = get[("yali", "513-1152")]  # both repeats' prefill steps
@@ -59,7 +59,7 @@ def test_summary_and_table_per_config_and_bucket(tmp_path):
     assert "| 513-1152 | 1 | 48.00 (48.00) | 2 | 71.00 (72.00) |" in md
     # buckets in token order whichever config has them first
     (logs / "zz-r1.log").write_text("\n".join([line(1, 9000, 0, 500.0, gr=0), line(2, 0, 4, 9.0, cr=0)]))
-    order = [ln.split("|")[1].strip() for ln in st.markdown(st.summarize(st.read_server_logs(tmp_path))).splitlines()
+    order = [ln.split("|")[1].strip() for ln in st.markdown(st.summarize(st.by_config(st.read_starts(tmp_path)))).splitlines()
              if ln.startswith("| ") and not ln.startswith("| tokens")]
     assert order == ["1-8", "9-32", "513-1152", ">8192"]
     (logs / "zz-r1.log").unlink()
@@ -106,3 +106,26 @@ def test_serving_bench_passes_the_flag_only_when_asked(tmp_path):
     flagged = subprocess.run(base + ["--step-times"], capture_output=True, text=True, check=True).stdout
     assert st.SERVER_FLAG not in plain
     assert sum(ln.count(st.SERVER_FLAG) for ln in flagged.splitlines() if " serve " in ln) >= 2
+
+
+def test_lone_prefill_steps_per_server_start(tmp_path):
+    """The steps that prefill one prompt and carry no decode, per start (the concurrency-1 TTFT's step):
+    steps with a decode or two prompts are left out; several output directories name each start."""
+    for run, ms in (("run-a", (80.0, 90.0, 130.0)), ("run-b", (76.0,))):
+        logs = tmp_path / run / "server-logs"
+        logs.mkdir(parents=True)
+        (logs / "yali-r1.log").write_text("\n".join(
+            [line(i, 1024, 0, m, gr=0) for i, m in enumerate(ms)]
+            + [line(9, 1024, 3, 99.0), line(10, 2048, 0, 200.0, cr=2, gr=0), line(11, 0, 1, 15.0, cr=0)]))
+    lone = st.lone_prefills(st.read_starts(tmp_path / "run-a"))
+    assert lone == [{"start": "yali-r1", "config": "yali", "tokens": "513-1152", "steps": 3, "elapsed_ms_p50": 90.0,
+                     "elapsed_ms_mean": 100.0, "elapsed_ms_min": 80.0, "elapsed_ms_max": 130.0}]
+    assert "| yali-r1 | 513-1152 | 3 | 90.00 | 100.00 | 80.00 | 130.00 |" in st.lone_markdown(lone)
+    header = {"kind": "serving-benchmark", "command": "x", "world_size": 4, "shared_gpu": False, "records": [1]}
+    md = st.write_step_times(tmp_path / "run-a", header).read_text()
+    doc = json.loads((tmp_path / "run-a" / "step-times.json").read_text())
+    assert doc["lone_prefill_steps"] == lone and "one prompt and carry nothing else" in md
+    cp = subprocess.run([sys.executable, "-m", "benchmarks.serving.step_times", str(tmp_path / "run-a"),
+                         str(tmp_path / "run-b")], capture_output=True, text=True)
+    assert cp.returncode == 0, cp.stderr
+    assert "| run-a/yali-r1 | 513-1152 | 3 |" in cp.stdout and "| run-b/yali-r1 | 513-1152 | 1 | 76.00 |" in cp.stdout
