@@ -30,9 +30,9 @@ WORLD_SIZES = (2, 4, 6, 8)
 DEFAULT_WORLD_SIZES = (2,)  # 70B TP=2: benchmarks/results/current/serving/20261122-70b-comparison
 # Why each other world size the kernels serve is off by default (its result file, where one exists).
 OFF_BY_DEFAULT = {
-    4: "a 70B TP=4 server decodes faster with YALI (TPOT 0.993x at concurrency 1) but its concurrency-1 "
-       "TTFT p50 was 1.055x vLLM's defaults in its one start of 8 prompts (its mean between vLLM's two "
-       "starts); alternated starts decide (benchmarks/results/current/serving/20261127-70b-tp4-fusion)",
+    4: "a 70B TP=4 server decodes faster with YALI (TPOT 0.989x at concurrency 1, alternated starts) but "
+       "its concurrency-1 TTFT p50 is 1.062x vLLM's defaults: its 1024-token prefill steps, which run no YALI "
+       "kernel, are slower for a reason not yet known (benchmarks/results/current/serving/20261127-70b-tp4-alternated)",
     6: "no serving run at TP=6 yet",
     8: "no serving run at TP=8 yet",
 }
