@@ -93,7 +93,7 @@ def lone_prefills(starts: dict[tuple[str, str], list[dict[str, Any]]]) -> list[d
     for (start, config), steps in starts.items():
         groups: dict[str, list[float]] = {}
         for s in steps:
-            if s["context_requests"] == 1 and s["generation_requests"] == 0 and s["context_tokens"] > 0:
+            if s["context_requests"] == 1 and s["generation_requests"] == 0:
                 groups.setdefault(bucket_of(s["tokens"]), []).append(s["elapsed_ms"])
         for bucket in sorted(groups, key=BUCKET_ORDER.__getitem__):
             ms = groups[bucket]
@@ -182,9 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path, nargs="+", help="serving_bench output directories (with server-logs/); "
                     "with several, each start is named DIR/<config>-r<N>")
     args = ap.parse_args(argv)
+    names = [out.name for out in args.out]
+    if len(set(names)) < len(names):  # runs of the same name: each start named by its run's path
+        names = [str(out) for out in args.out]
     starts: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for out in args.out:
-        starts.update(read_starts(out, f"{out.name}/" if len(args.out) > 1 else ""))
+    for out, name in zip(args.out, names):
+        starts.update(read_starts(out, f"{name}/" if len(args.out) > 1 else ""))
     rows, _, text = report(starts)
     if not rows:
         print(f"no iteration details in {', '.join(str(o / 'server-logs') for o in args.out)} "

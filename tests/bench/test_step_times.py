@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -111,7 +112,7 @@ def test_serving_bench_passes_the_flag_only_when_asked(tmp_path):
 def test_lone_prefill_steps_per_server_start(tmp_path):
     """The steps that prefill one prompt and carry no decode, per start (the concurrency-1 TTFT's step):
     steps with a decode or two prompts are left out; several output directories name each start."""
-    for run, ms in (("run-a", (80.0, 90.0, 130.0)), ("run-b", (76.0,))):
+    for run, ms in (("run-a", (80.0, 90.0, 130.0)), ("run-b", (76.0, 80.0))):
         logs = tmp_path / run / "server-logs"
         logs.mkdir(parents=True)
         (logs / "yali-r1.log").write_text("\n".join(
@@ -128,4 +129,13 @@ def test_lone_prefill_steps_per_server_start(tmp_path):
     cp = subprocess.run([sys.executable, "-m", "benchmarks.serving.step_times", str(tmp_path / "run-a"),
                          str(tmp_path / "run-b")], capture_output=True, text=True)
     assert cp.returncode == 0, cp.stderr
-    assert "| run-a/yali-r1 | 513-1152 | 3 |" in cp.stdout and "| run-b/yali-r1 | 513-1152 | 1 | 76.00 |" in cp.stdout
+    assert "| run-a/yali-r1 | 513-1152 | 3 |" in cp.stdout
+    assert "| run-b/yali-r1 | 513-1152 | 2 | 78.00 | 78.00 | 76.00 | 80.00 |" in cp.stdout  # the median of two
+    # two runs of one name (x/run, y/run): each start named by its run's path, none lost
+    for parent in ("x", "y"):
+        shutil.copytree(tmp_path / "run-a", tmp_path / parent / "run")
+    cp = subprocess.run([sys.executable, "-m", "benchmarks.serving.step_times", str(tmp_path / "x" / "run"),
+                         str(tmp_path / "y" / "run")], capture_output=True, text=True)
+    assert cp.returncode == 0, cp.stderr
+    assert f"| {tmp_path / 'x' / 'run'}/yali-r1 | 513-1152 | 3 |" in cp.stdout
+    assert f"| {tmp_path / 'y' / 'run'}/yali-r1 | 513-1152 | 3 |" in cp.stdout
