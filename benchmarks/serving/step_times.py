@@ -12,7 +12,7 @@ servers can be put on the steps that carry a prefill chunk or on the pure-decode
 gives, per server start, the steps that prefill one prompt and carry nothing else: at concurrency 1
 such a step is most of a request's TTFT, so a TTFT difference between servers shows there or not.
 
-  python -m benchmarks.serving.step_times DIR [DIR ...]   # serving_bench outputs (their server-logs/)
+  python -m benchmarks.serving.step_times DIR [DIR ...] [--plot PNG]   # serving_bench outputs (their server-logs/)
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ LOG_NAME_RE = re.compile(r"^(?P<config>.+)-r(?P<repeat>\d+)\.log$")
 # one 1024-token prompt with its decodes, and the larger chunks up to max_num_batched_tokens.
 BUCKETS = (8, 32, 64, 128, 512, 1152, 2048, 4096, 8192, 1 << 30)
 SERVER_FLAG = "--enable-logging-iteration-details"
+LONE_PLOT = "lone-prefill.png"  # beside step-times.md: the lone prefill steps per server start
 
 
 def parse_steps(lines: Iterable[str]) -> list[dict[str, Any]]:
@@ -153,6 +154,49 @@ def lone_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def plot_lone_prefills(starts: dict[tuple[str, str], list[dict[str, Any]]], path: Path) -> Path | None:
+    """`path` (PNG): the lone prefill steps' times of the token bucket with the most of them, one box
+    with its steps per server start, coloured by configuration; None without such steps or matplotlib."""
+    rows = [(start, config, s) for (start, config), steps in starts.items() for s in steps
+            if s["context_requests"] == 1 and s["generation_requests"] == 0]
+    if not rows:
+        return None
+    counts: dict[str, int] = {}
+    for _, _, s in rows:
+        counts[bucket_of(s["tokens"])] = counts.get(bucket_of(s["tokens"]), 0) + 1
+    bucket = max(counts, key=counts.__getitem__)
+    ms: dict[tuple[str, str], list[float]] = {}
+    for start, config, s in rows:
+        if bucket_of(s["tokens"]) == bucket:
+            ms.setdefault((start, config), []).append(s["elapsed_ms"])
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return None
+    keys = list(ms)
+    colours = {c: f"C{i}" for i, c in enumerate(dict.fromkeys(c for _, c in keys))}
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(keys) + 2), 4.4))
+    ax.boxplot([ms[k] for k in keys], showfliers=False)
+    for i, k in enumerate(keys, start=1):
+        ax.plot([i] * len(ms[k]), ms[k], "o", alpha=0.6, color=colours[k[1]])
+    ax.set_xticks(range(1, len(keys) + 1))
+    ax.set_xticklabels([start for start, _ in keys], rotation=30, ha="right", fontsize=8)
+    for label, (_, config) in zip(ax.get_xticklabels(), keys):
+        label.set_color(colours[config])
+    ax.set_ylabel("engine step, ms")
+    ax.set_title(f"Steps that prefill one prompt alone ({bucket} tokens), per server start", fontsize=9)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def report(starts: dict[tuple[str, str], list[dict[str, Any]]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
     """(bucket rows, lone-prefill rows, markdown of both) of the starts' steps."""
     rows, lone = summarize(by_config(starts)), lone_prefills(starts)
@@ -164,9 +208,11 @@ def write_step_times(out: Path, header: dict[str, Any]) -> Path | None:
     `header`: the run's result header (command, date, host, versions, world size)."""
     from benchmarks.common.results import write_results
 
-    rows, lone, text = report(read_starts(out))
+    starts = read_starts(out)
+    rows, lone, text = report(starts)
     if not rows:
         return None
+    plot_lone_prefills(starts, out / LONE_PLOT)
     doc = {k: v for k, v in header.items() if k != "records"}
     doc["kind"] = "serving-step-times"
     doc["records"] = rows
@@ -181,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path, nargs="+", help="serving_bench output directories (with server-logs/); "
                     "with several, each start is named DIR/<config>-r<N>")
+    ap.add_argument("--plot", type=Path, help="also draw the lone prefill steps per server start into this PNG")
     args = ap.parse_args(argv)
     names = [out.name for out in args.out]
     if len(set(names)) < len(names):  # runs of the same name: each start named by its run's path
@@ -194,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
               "(was the run made with --step-times?)", file=sys.stderr)
         return 1
     print(text, end="")
+    if args.plot and plot_lone_prefills(starts, args.plot):
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 

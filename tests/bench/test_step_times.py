@@ -126,9 +126,13 @@ def test_lone_prefill_steps_per_server_start(tmp_path):
     md = st.write_step_times(tmp_path / "run-a", header).read_text()
     doc = json.loads((tmp_path / "run-a" / "step-times.json").read_text())
     assert doc["lone_prefill_steps"] == lone and "one prompt and carry nothing else" in md
+    assert (tmp_path / "run-a" / st.LONE_PLOT).stat().st_size > 1000  # the plot beside the table
+    assert st.plot_lone_prefills({("s", "yali"): [st.parse_steps([line(1, 0, 4, 9.0, cr=0)])[0]]},
+                                 tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
     cp = subprocess.run([sys.executable, "-m", "benchmarks.serving.step_times", str(tmp_path / "run-a"),
-                         str(tmp_path / "run-b")], capture_output=True, text=True)
+                         str(tmp_path / "run-b"), "--plot", str(tmp_path / "both.png")], capture_output=True, text=True)
     assert cp.returncode == 0, cp.stderr
+    assert (tmp_path / "both.png").stat().st_size > 1000
     assert "| run-a/yali-r1 | 513-1152 | 3 |" in cp.stdout
     assert "| run-b/yali-r1 | 513-1152 | 2 | 78.00 | 78.00 | 76.00 | 80.00 |" in cp.stdout  # the median of two
     # two runs of one name (x/run, y/run): each start named by its run's path, none lost
