@@ -87,22 +87,27 @@ def summarize(steps_by_config: dict[str, list[dict[str, Any]]]) -> list[dict[str
     return rows
 
 
-def lone_prefills(starts: dict[tuple[str, str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One row per (server start, token bucket) of the steps that prefill exactly one prompt and
-    carry no decode: steps, p50, mean, min and max elapsed ms. `starts`: {(start, config): steps}."""
-    rows = []
-    for (start, config), steps in starts.items():
+def lone_groups(starts: dict[tuple[str, str], list[dict[str, Any]]]) -> dict[tuple[str, str], dict[str, list[float]]]:
+    """Per server start with any, the elapsed ms of its steps that prefill exactly one prompt and
+    carry no decode, by token bucket (in bucket order)."""
+    out: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for key, steps in starts.items():
         groups: dict[str, list[float]] = {}
         for s in steps:
             if s["context_requests"] == 1 and s["generation_requests"] == 0:
                 groups.setdefault(bucket_of(s["tokens"]), []).append(s["elapsed_ms"])
-        for bucket in sorted(groups, key=BUCKET_ORDER.__getitem__):
-            ms = groups[bucket]
-            rows.append({"start": start, "config": config, "tokens": bucket, "steps": len(ms),
-                         "elapsed_ms_p50": round(statistics.median(ms), 3),
-                         "elapsed_ms_mean": round(statistics.fmean(ms), 3),
-                         "elapsed_ms_min": round(min(ms), 3), "elapsed_ms_max": round(max(ms), 3)})
-    return rows
+        if groups:
+            out[key] = {b: groups[b] for b in sorted(groups, key=BUCKET_ORDER.__getitem__)}
+    return out
+
+
+def lone_prefills(starts: dict[tuple[str, str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per (server start, token bucket) of the steps that prefill exactly one prompt and
+    carry no decode: steps, p50, mean, min and max elapsed ms. `starts`: {(start, config): steps}."""
+    return [{"start": start, "config": config, "tokens": bucket, "steps": len(ms),
+             "elapsed_ms_p50": round(statistics.median(ms), 3), "elapsed_ms_mean": round(statistics.fmean(ms), 3),
+             "elapsed_ms_min": round(min(ms), 3), "elapsed_ms_max": round(max(ms), 3)}
+            for (start, config), groups in lone_groups(starts).items() for bucket, ms in groups.items()]
 
 
 def read_starts(out: Path, prefix: str = "") -> dict[tuple[str, str], list[dict[str, Any]]]:
@@ -157,18 +162,15 @@ def lone_markdown(rows: list[dict[str, Any]]) -> str:
 def plot_lone_prefills(starts: dict[tuple[str, str], list[dict[str, Any]]], path: Path) -> Path | None:
     """`path` (PNG): the lone prefill steps' times of the token bucket with the most of them, one box
     with its steps per server start, coloured by configuration; None without such steps or matplotlib."""
-    rows = [(start, config, s) for (start, config), steps in starts.items() for s in steps
-            if s["context_requests"] == 1 and s["generation_requests"] == 0]
-    if not rows:
+    groups = lone_groups(starts)
+    if not groups:
         return None
     counts: dict[str, int] = {}
-    for _, _, s in rows:
-        counts[bucket_of(s["tokens"])] = counts.get(bucket_of(s["tokens"]), 0) + 1
+    for by_bucket in groups.values():
+        for b, times in by_bucket.items():
+            counts[b] = counts.get(b, 0) + len(times)
     bucket = max(counts, key=counts.__getitem__)
-    ms: dict[tuple[str, str], list[float]] = {}
-    for start, config, s in rows:
-        if bucket_of(s["tokens"]) == bucket:
-            ms.setdefault((start, config), []).append(s["elapsed_ms"])
+    ms = {key: by_bucket[bucket] for key, by_bucket in groups.items() if bucket in by_bucket}
     try:
         import matplotlib
 
