@@ -158,9 +158,10 @@ def _size(n: int) -> str:
 
 def _serve_limit(cfg: dict, max_bytes: int, world_size: int) -> int:
     """The largest message the communicator serves: above two ranks the N-rank kernels' limit
-    (YALI_DEV_RANKS_MAX); with two in flash-only mode the flash buffer; else max_bytes."""
+    (YALI_DEV_RANKS_MAX, or the world size's default); with two in flash-only mode the flash
+    buffer; else max_bytes."""
     if world_size > 2:
-        return min(max_bytes, int(cfg["ranks_max"]))
+        return min(max_bytes, int(_ext.ops().ranks_table(world_size)[1]))
     if cfg["mode"] == "flash":
         return min(max_bytes, int(cfg["flash_bytes"]))
     return max_bytes

@@ -228,8 +228,9 @@ void attach_peer(int64_t handle, int64_t peer_handle) {
 std::string serve_limit(const yali::Rank& r, bool flash_mode) {
   const yali::Config& c = r.config();
   if (r.world() > 2) {
-    if (c.ranks_max < c.max_bytes)
-      return "YALI_DEV_RANKS_MAX=" + std::to_string(c.ranks_max) + " at " + std::to_string(r.world()) + " ranks";
+    const size_t top = yali::ranks_max_for(c, r.world());
+    if (top < c.max_bytes)
+      return "YALI_DEV_RANKS_MAX=" + std::to_string(top) + " at " + std::to_string(r.world()) + " ranks";
     return "YALI_MAX_BYTES=" + std::to_string(c.max_bytes);
   }
   if (flash_mode) return "flash limit " + std::to_string(c.flash_bytes) + ", YALI_DEV_FLASH_BYTES";
@@ -420,7 +421,7 @@ std::string config_string() { return config_from_env().to_string(); }
 std::vector<int64_t> ranks_table(int64_t world) {
   check_world(world, 3);
   const yali::Config c = config_from_env();
-  return {int64_t(yali::ranks_oneshot_max(c, int(world))), int64_t(std::min(c.ranks_max, c.max_bytes)),
+  return {int64_t(yali::ranks_oneshot_max(c, int(world))), int64_t(std::min(yali::ranks_max_for(c, int(world)), c.max_bytes)),
           int64_t(yali::ranks_slot_bytes(c, int(world)))};
 }
 int64_t shared_bytes_for_env(int64_t world) {

@@ -21,14 +21,16 @@ def clean_env(monkeypatch):
             monkeypatch.delenv(k)
 
 
-@pytest.mark.parametrize("world, oneshot_max", [(4, 512 * KiB), (6, 256 * KiB), (8, 256 * KiB)])
-def test_table_one_shot_then_two_shot_then_the_chain(world, oneshot_max):
+@pytest.mark.parametrize("world, oneshot_max, top", [(4, 512 * KiB, 16 * MiB), (6, 256 * KiB, 8 * MiB),
+                                                    (8, 256 * KiB, 8 * MiB)])
+def test_table_one_shot_then_two_shot_then_the_chain(world, oneshot_max, top):
     assert config.plan(16, world_size=world)[0] == "push-oneshot"
     assert config.plan(oneshot_max, world_size=world) == ("push-oneshot", 128, 0)  # 1 KiB per CTA, at most 128
     assert config.plan(2 * KiB, world_size=world) == ("push-oneshot", 2, 0)
     assert config.plan(oneshot_max + 16, world_size=world)[0] == "push-twoshot"
-    assert config.plan(8 * MiB, world_size=world)[0] == "push-twoshot"
-    assert config.plan(8 * MiB + 16, world_size=world)[0] is None  # vLLM's chain
+    assert config.plan(top, world_size=world)[0] == "push-twoshot"
+    assert config.plan(top + 16, world_size=world)[0] is None  # vLLM's chain
+    assert torch.ops.yali.ranks_table(world)[1] == top
     # two-shot CTAs: 1 KiB of each rank's segment per CTA
     assert config.plan(oneshot_max + 16 * KiB, world_size=world)[1] == min(128, -(-(oneshot_max + 16 * KiB) // world // KiB))
 
@@ -36,7 +38,8 @@ def test_table_one_shot_then_two_shot_then_the_chain(world, oneshot_max):
 def test_table_is_monotone_per_world():
     order = {"push-oneshot": 0, "push-twoshot": 1, None: 2}
     for world in (3, 4, 5, 6, 7, 8):
-        kernels = [config.plan(n, world_size=world)[0] for n in (16, 4 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 8 * MiB, 9 * MiB)]
+        sizes = (16, 4 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 8 * MiB, 9 * MiB, 16 * MiB, 17 * MiB)
+        kernels = [config.plan(n, world_size=world)[0] for n in sizes]
         assert [order[k] for k in kernels] == sorted(order[k] for k in kernels), (world, kernels)
 
 
@@ -88,8 +91,8 @@ def test_fused_rows_spread_over_clusters_while_the_grid_is_at_most_64_ctas(monke
     ("YALI_DEV_RANKS_FUSED_SPREAD", "3", "0 (off), 2, 4 or 8"),
     ("YALI_DEV_RANKS_FUSED_SPREAD", "16", "YALI_DEV_RANKS_FUSED_SPREAD"),
     ("YALI_DEV_RANKS_MAX", "1000", "YALI_DEV_RANKS_MAX=1000 is invalid"),
-    ("YALI_DEV_RANKS_MAX", "128M", "[4096, 67108864]"),
-    ("YALI_DEV_RANKS_ONESHOT_MAX", "16M", "YALI_DEV_RANKS_ONESHOT_MAX"),
+    ("YALI_DEV_RANKS_MAX", "128M", "67108864]"),
+    ("YALI_DEV_RANKS_ONESHOT_MAX", "128M", "YALI_DEV_RANKS_ONESHOT_MAX"),
     ("YALI_DEV_RANKS_ONESHOT_MAX", "100", "multiple of 4096"),
 ])
 def test_bad_knobs_name_the_variable(monkeypatch, var, value, fragment):
@@ -99,14 +102,26 @@ def test_bad_knobs_name_the_variable(monkeypatch, var, value, fragment):
     assert fragment in str(e.value)
 
 
-@pytest.mark.parametrize("world", [4, 6, 8])
-def test_buffer_is_the_push_area_and_call_slots(world):
-    # 2 parities x 2 phases x N slots of max(one-shot limit, 8 MiB / N) (256-byte multiples), and
-    # the call slots (2 x N x 16 B in one 256-byte area): about 32 MiB whatever N is, no two-rank area.
+@pytest.mark.parametrize("world, top", [(4, 16 * MiB), (6, 8 * MiB), (8, 8 * MiB)])
+def test_buffer_is_the_push_area_and_call_slots(world, top):
+    # 2 parities x 2 phases x N slots of max(one-shot limit, top / N) (256-byte multiples), and the
+    # call slots (2 x N x 16 B in one 256-byte area): about 4 x top, no two-rank area.
     slot = torch.ops.yali.ranks_table(world)[2]
-    assert slot == -(-max(torch.ops.yali.ranks_table(world)[0], -(-8 * MiB // 16 // world) * 16) // 256) * 256
+    assert slot == -(-max(torch.ops.yali.ranks_table(world)[0], -(-top // 16 // world) * 16) // 256) * 256
     assert torch.ops.yali.shared_bytes_for_env(world) == 256 + 4 * world * slot
-    assert 32 * MiB <= torch.ops.yali.shared_bytes_for_env(world) <= 32 * MiB + 8 * KiB
+    assert 4 * top <= torch.ops.yali.shared_bytes_for_env(world) <= 4 * top + 8 * KiB
+
+
+@pytest.mark.parametrize("world, rows", [(4, 128), (8, 64)])
+def test_fused_one_launch_stops_at_the_slot_of_an_8_mib_two_shot(world, rows, monkeypatch):
+    # 2 MiB at 4 ranks, 1 MiB at 8 (hidden 8192, bf16), whatever YALI_DEV_RANKS_MAX makes the slot
+    for limit in (None, "64M"):
+        if limit:
+            monkeypatch.setenv("YALI_DEV_RANKS_MAX", limit)
+        assert config.fused_plan(rows, 8192, torch.bfloat16, world_size=world)["one_launch"]
+        assert not config.fused_plan(rows + 1, 8192, torch.bfloat16, world_size=world)["one_launch"]
+    monkeypatch.setenv("YALI_DEV_RANKS_MAX", "1M")  # a smaller slot bounds it
+    assert not config.fused_plan(rows, 8192, torch.bfloat16, world_size=world)["one_launch"]
 
 
 @pytest.mark.parametrize("world", [0, 1, 9, 16])

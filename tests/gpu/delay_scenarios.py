@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from yali_vllm import _ext
 from yali_vllm.communicator import YaliCommunicator
 
 from .ranks_scenarios import differing, first_two_launch_rows, kernel_spans, small_ints, table_of
@@ -28,25 +29,32 @@ LATE_RANK_CYCLES = 20_000  # "last-rank": the last rank sleeps this long before 
 FUSED_HIDDEN = 8192
 SHIFTS = 11  # the period of the per-call shift of the inputs
 _TRAPPED: list = []  # what a trapped rank keeps until its process ends (delayed_calls_rank_killed)
-SERVE_TOP = 8 << 20  # N ranks serve up to here (YALI_DEV_RANKS_MAX); two ranks switch to stream here
+IN_FLIGHT = 2  # replays a survivor of delayed_calls_rank_killed has queued at most
+TWO_RANK_SWITCH = 8 << 20  # two ranks switch from flash-push to stream here
+
+
+def serve_top(world_size: int) -> int:
+    """The flash-push / stream switch at two ranks; above, the largest message the N-rank kernels
+    serve (YALI_DEV_RANKS_MAX, or the world size's default)."""
+    return TWO_RANK_SWITCH if world_size == 2 else int(_ext.ops().ranks_table(world_size)[1])
 
 
 def probe_top(world_size: int) -> int:
     """The largest message the size table is probed to: past the flash-push / stream switch at two
     ranks, the N-rank limit above."""
-    return SERVE_TOP + 4096 if world_size == 2 else SERVE_TOP
+    return serve_top(world_size) + (4096 if world_size == 2 else 0)
 
 
 def boundary_counts(world_size: int) -> list[int]:
     """bf16 element counts: 1 KiB, 16 bytes below and above every switch between two kernels of
-    the size table (flash-push / stream at two ranks, one-shot / two-shot at N), and 8 MiB - 2
+    the size table (flash-push / stream at two ranks, one-shot / two-shot at N), and serve_top - 2
     bytes (an odd tail)."""
     counts = [512]
     spans = kernel_spans(table_of(world_size), top=probe_top(world_size))
     for (_, _, hi), (_, lo_next, _) in zip(spans, spans[1:]):
         if lo_next == hi + 1:  # two served kernels meet here
             counts += [hi // 2 - 8, hi // 2 + 8]
-    counts.append(SERVE_TOP // 2 - 1)
+    counts.append(serve_top(world_size) // 2 - 1)
     return counts
 
 
@@ -135,11 +143,23 @@ def delayed_calls(rank, group, mode: str, replays: int, seed: int) -> dict:
     return out
 
 
+def _wait_host_only(event, deadline: float) -> None:
+    """Polls `event` until its work is done (query() raises once the context trapped), without
+    blocking in the driver; TimeoutError at `deadline` (time.time())."""
+    while not event.query():
+        if time.time() > deadline:
+            raise TimeoutError("replays still queued at the deadline")
+        time.sleep(0.001)
+
+
 def delayed_calls_rank_killed(rank, group, replays_before_kill: int, wait_s: float, seed: int) -> dict:
     """The random-delay graph on every rank; the last rank kills itself (SIGKILL) after
-    `replays_before_kill` replays, with its GPU work in flight. Every other rank replays on and must
-    end in YALI's abort record and a YaliError within YALI_TIMEOUT_S plus a margin, naming a rank
-    it waited for."""
+    `replays_before_kill` replays, with its GPU work in flight. Every other rank replays on, at most
+    IN_FLIGHT replays ahead of its GPU as a server's host runs a step or two ahead, and must end in
+    YALI's abort record and a YaliError within YALI_TIMEOUT_S plus a margin, naming a rank it
+    waited for. (A host that keeps launching until the launch queue is full is blocked inside
+    cuGraphLaunch when the context traps, and driver 580.159.04 was seen to end such a process by
+    SIGSEGV inside libcuda, at 2 and 4 ranks: current/gpu-tests/20261128-tp4-killed-native-stack.)"""
     comm = YaliCommunicator(group, _device())
     graph, wrong, bufs, _ = _graph(comm, rank, "random", seed)
     victim = comm.world_size - 1
@@ -149,10 +169,15 @@ def delayed_calls_rank_killed(rank, group, replays_before_kill: int, wait_s: flo
             graph.replay()
         os.kill(os.getpid(), signal.SIGKILL)
     launch_error = None
+    in_flight: list = []
     try:
         for _ in range(2 * replays_before_kill):
+            if len(in_flight) == IN_FLIGHT:
+                _wait_host_only(in_flight.pop(0), t0 + wait_s)
             graph.replay()
-    except Exception as e:  # noqa: BLE001 - a launch after the trap fails: the record says why
+            in_flight.append(torch.cuda.Event())
+            in_flight[-1].record()
+    except Exception as e:  # noqa: BLE001 - the trap ends the replays: the record says why
         launch_error = f"{type(e).__name__}: {e}"
     result = {"victim": victim, "launch_error": launch_error, **_record_then_error(comm, t0, wait_s)}
     # The context trapped: this process ends without tearing the communicator, the graph or its

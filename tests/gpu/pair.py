@@ -90,13 +90,16 @@ def run_ranks(fn, *args, world_size: int = 2, timeout: float = 300.0, env: dict 
     reason = missing_gpus(world_size)
     if reason:
         pytest.skip(reason)
-    got, _ = launch_ranks(_entry, (fn, args, dict(env or {}), world_size), timeout, lost=lost, world_size=world_size)
+    got, timed_out = launch_ranks(_entry, (fn, args, dict(env or {}), world_size), timeout, lost=lost,
+                                  world_size=world_size)
     errors = [f"rank {rank}:\n{value}" for rank, (status, value) in sorted(got.items()) if status == "error"]
     if errors:
         raise AssertionError("\n".join(errors))
     if len(got) < world_size - len(lost):
         missing = sorted(set(range(world_size)) - set(got) - set(lost))
-        raise AssertionError(f"{fn.__name__}: no result from rank(s) {missing} of {world_size} within {timeout}s (hang?)")
+        how = (f"not done within {timeout}s (a hang)" if timed_out
+               else "ended before reporting (the launcher's line on stderr gives each one's exit)")
+        raise AssertionError(f"{fn.__name__}: no result from rank(s) {missing} of {world_size}: {how}")
     return [got[r][1] if r in got else None for r in range(world_size)]
 
 

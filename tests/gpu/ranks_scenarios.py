@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from yali_vllm import config
+from yali_vllm import _ext, config
 from yali_vllm.communicator import YaliCommunicator
 
 from . import reliability
@@ -421,9 +421,11 @@ def small_ints(shape: tuple[int, ...], device) -> torch.Tensor:
 
 def stress_counts(world_size: int) -> list[int]:
     """bf16 element counts of the interleaved stress: 1000, and per kernel of the table the odd
-    count nearest the middle of its span (up to 8 MiB + 4 KiB: one stream call at two ranks)."""
+    count nearest the middle of its span (up to the N-rank limit, or 8 MiB + 4 KiB at two ranks:
+    one stream call)."""
     counts = [1000]
-    for _, lo, hi in kernel_spans(table_of(world_size), top=(8 << 20) + 4096):
+    top = (8 << 20) + 4096 if world_size == 2 else int(_ext.ops().ranks_table(world_size)[1])
+    for _, lo, hi in kernel_spans(table_of(world_size), top=top):
         n = ((lo + hi) // 4) | 1
         counts.append(n if lo <= 2 * n <= hi else -(-lo // 2))
     return counts

@@ -64,9 +64,10 @@ def test_a_rank_killed_among_delayed_calls_ends_in_named_errors(world_size):
 @pytest.mark.cpu
 @pytest.mark.skipif(_ext.library_error() is not None, reason=f"extension not built: {_ext.library_error()}")
 def test_boundary_counts_straddle_every_kernel_switch():
+    assert [ds.serve_top(n) for n in WORLD_SIZES] == [8 << 20, 16 << 20, 8 << 20]
     for n in WORLD_SIZES:
         counts = ds.boundary_counts(n)
-        assert counts[0] == 512 and counts[-1] == (8 << 20) // 2 - 1
+        assert counts[0] == 512 and counts[-1] == ds.serve_top(n) // 2 - 1
         # flash-push / stream at two ranks, one-shot / two-shot at N: 16 bytes either side
         assert len(counts) >= 4 and counts[2] - counts[1] == 16, (n, counts)
     assert ds.boundary_counts(2)[1:3] == [(8 << 20) // 2 - 8, (8 << 20) // 2 + 8]

@@ -86,7 +86,8 @@ struct Config {
   int fused_cluster = -1;
   // N ranks (world size above 2, ranks.cuh; plan.cpp gives the table):
   // YALI_DEV_RANKS_MAX: the largest message the N-rank kernels take; above it vLLM's chain serves.
-  size_t ranks_max = 8u << 20;
+  // 0 = by world size (plan.cpp ranks_max_for: 16 MiB up to 4 ranks, 8 MiB above).
+  size_t ranks_max = 0;
   // YALI_DEV_RANKS_ONESHOT_MAX: push one-shot up to here, push two-shot above; 0 = by world size.
   size_t ranks_oneshot_max = 0;
   // YALI_DEV_RANKS_FUSED_SPREAD: the one-launch fused op at N ranks spreads every row over a

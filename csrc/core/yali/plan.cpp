@@ -35,11 +35,15 @@ int push_ctas(const Config& c, size_t bytes) {
 //    above (current/tune/20261122-pdl).
 namespace {
 
-// N ranks, every rank pushing into every other rank's push area (ranks.cuh). No table here is
-// measured on 4 or 8 GPUs yet: the boundaries start where vLLM's custom all-reduce switches from
-// its one-stage to its two-stage kernel (csrc/custom_all_reduce.cuh: below 512 KiB up to 4 ranks,
-// below 256 KiB up to 8), and the N-rank kernels stop at 8 MiB, where vLLM's custom all-reduce
-// stops too (its default buffer); the YALI_DEV_RANKS_* knobs move both for the 4/8-GPU tuning run.
+// N ranks, every rank pushing into every other rank's push area (ranks.cuh). The one-shot /
+// two-shot boundary starts where vLLM's custom all-reduce switches from its one-stage to its
+// two-stage kernel (csrc/custom_all_reduce.cuh: below 512 KiB up to 4 ranks, below 256 KiB up to 8).
+// The N-rank kernels stop (YALI_DEV_RANKS_MAX, 0 = ranks_max_for below):
+//  * at 16 MiB up to 4 ranks: push two-shot against NCCL on 4xH100 NV18, graph p50, bf16:
+//    83.2 against 96.9 us at 16 MiB (a 1024-token prefill all-reduce of hidden 8192), 135.2 against
+//    134.2 at 24 MiB, slower from 32 MiB (current/allreduce/20261128-tp4-big);
+//  * at 8 MiB above 4 ranks, where vLLM's custom all-reduce stops too (its default buffer): not
+//    measured on 6 or 8 GPUs. The YALI_DEV_RANKS_* knobs move both boundaries.
 //  * push one-shot: each rank sends its whole input to every other rank, which adds the N inputs
 //    in rank order: one NVLink trip, N - 1 times the message out of every GPU.
 //  * push two-shot: reduce-scatter then all-gather, both by pushes: two trips, about twice the
@@ -48,7 +52,7 @@ namespace {
 //    YALI_DEV_FLASH_CTAS.
 Plan ranks_plan(const Config& c, size_t nbytes, int world) {
   Plan p;
-  if (nbytes > c.ranks_max || c.mode == KernelMode::Stream) return p;  // no N-rank bandwidth kernel
+  if (nbytes > ranks_max_for(c, world) || c.mode == KernelMode::Stream) return p;  // no N-rank bandwidth kernel
   const size_t vecs = ceil_div(nbytes, 16);
   if (nbytes <= ranks_oneshot_max(c, world)) {
     p.kernel = Kernel::PushOneShot;
@@ -63,14 +67,32 @@ Plan ranks_plan(const Config& c, size_t nbytes, int world) {
 
 }  // namespace
 
-size_t ranks_oneshot_max(const Config& c, int world) {
-  if (c.ranks_oneshot_max != 0) return std::min(c.ranks_oneshot_max, c.ranks_max);
-  return std::min<size_t>(world <= 4 ? 512u << 10 : 256u << 10, c.ranks_max);
+size_t ranks_max_for(const Config& c, int world) {
+  if (c.ranks_max != 0) return c.ranks_max;
+  return world <= 4 ? size_t(16) << 20 : size_t(8) << 20;
 }
 
-size_t ranks_slot_bytes(const Config& c, int world) {
-  const size_t segment = ceil_div(ceil_div(c.ranks_max, 16), size_t(world)) * 16;
+size_t ranks_oneshot_max(const Config& c, int world) {
+  const size_t top = ranks_max_for(c, world);
+  if (c.ranks_oneshot_max != 0) return std::min(c.ranks_oneshot_max, top);
+  return std::min<size_t>(world <= 4 ? 512u << 10 : 256u << 10, top);
+}
+
+namespace {
+
+// One rank's slot of the push area when the largest two-shot message is `top` bytes: a whole
+// one-shot message or one rank's segment of `top`, in 256-byte multiples.
+size_t slot_for(const Config& c, int world, size_t top) {
+  const size_t segment = ceil_div(ceil_div(top, 16), size_t(world)) * 16;
   return (std::max(ranks_oneshot_max(c, world), segment) + 255) / 256 * 256;
+}
+
+}  // namespace
+
+size_t ranks_slot_bytes(const Config& c, int world) { return slot_for(c, world, ranks_max_for(c, world)); }
+
+size_t ranks_fused_one_launch_max(const Config& c, int world) {
+  return std::min(ranks_slot_bytes(c, world), slot_for(c, world, size_t(8) << 20));
 }
 
 Plan plan_for(const Config& c, size_t nbytes, int world) {
@@ -127,10 +149,11 @@ FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType 
   l.pdl = c.pdl != 0;
   // One launch while the message fits the push area; above it the all-reduce table's kernel
   // (stream) and then the epilogue alone, one CTA per row, up to 1024 CTAs.
-  // N ranks: one launch while the message fits one rank's slot of the push area (1 MiB at 8 ranks,
-  // 2 MiB at 4: 64 and 128 tokens of hidden 8192 in bf16), exchanged as push one-shot exchanges;
-  // not measured on 4 or 8 GPUs yet (the decode sizes the fused op is for are far below it).
-  l.one_launch = world > 2 ? nbytes <= ranks_slot_bytes(c, world) : nbytes <= c.flash_bytes;
+  // N ranks: one launch while the message fits one rank's slot of an 8 MiB two-shot (1 MiB at 8
+  // ranks, 2 MiB at 4: 64 and 128 tokens of hidden 8192 in bf16), exchanged as push one-shot
+  // exchanges, whatever YALI_DEV_RANKS_MAX makes the slot; not measured against the two-launch
+  // path on 4 or 8 GPUs (the decode sizes the fused op is for are far below it).
+  l.one_launch = world > 2 ? nbytes <= ranks_fused_one_launch_max(c, world) : nbytes <= c.flash_bytes;
   if (!l.one_launch) {
     l.grid = int(std::min<size_t>(rows, 1024));
     return l;

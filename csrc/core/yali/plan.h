@@ -17,18 +17,23 @@ struct Plan {
 
 // The size -> kernel table of a `world`-rank communicator. `nbytes` is the message size in bytes.
 // Two ranks: flash-push and stream. More: push one-shot and push two-shot up to
-// Config::ranks_max, nothing above (vLLM's chain serves those messages).
+// ranks_max_for(), nothing above (vLLM's chain serves those messages).
 Plan plan_for(const Config& c, size_t nbytes, int world = 2);
 
 // CTAs of a push launch whose largest per-rank share is `bytes`: Config::push_cta_bytes each, at most
 // Config::flash_ctas (flash-push, push one-shot / two-shot, the EP kernels).
 int push_ctas(const Config& c, size_t bytes);
 
+// N ranks: the largest message the N-rank kernels serve (Config::ranks_max, or the world size's default).
+size_t ranks_max_for(const Config& c, int world);
 // N ranks: the largest push one-shot message (Config::ranks_oneshot_max, or the world size's default).
 size_t ranks_oneshot_max(const Config& c, int world);
 // N ranks: the bytes of one rank's slot in each phase of the push area (layout.h): a whole one-shot
 // message, or one rank's segment of the largest two-shot message.
 size_t ranks_slot_bytes(const Config& c, int world);
+// N ranks: the largest message of the one-launch fused op: one rank's slot of an 8 MiB two-shot
+// (never above ranks_slot_bytes), whatever the all-reduce's limit.
+size_t ranks_fused_one_launch_max(const Config& c, int world);
 
 // Whether the table can pick a legacy flash kernel for some message and mode:
 // flash messages above push_max exist. A default build refuses such a Config.
