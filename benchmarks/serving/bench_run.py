@@ -26,6 +26,7 @@ from benchmarks.serving import profile_analysis
 from benchmarks.serving.commands import ServerError, pick_port, resolve_command, split_command, tail_lines
 from benchmarks.serving.configs import SERVER_CONFIGS
 from benchmarks.serving.locust import LoadTests
+from benchmarks.serving.logs import yali_off_line
 from benchmarks.serving.model import default_model_dir, model_summary, prepare_model, tensor_parallel_refusal
 from benchmarks.serving.profiler import move_traces, profile_prefill, profile_request, profiler_config
 from benchmarks.serving.report import write_report
@@ -289,6 +290,9 @@ def _run_all(
                                              args.warmup_requests)
                 est_startup = max(est_startup or 0.0, waited)
                 say(f"{tag}: healthy after {waited:.1f}s" + (f", warm-up {ok} ok, {bad} failed" if args.warmup_requests else ""))
+                off = yali_off_line(cfg, log_path)
+                if off:  # its points would measure vLLM's own all-reduce under YALI's name
+                    raise ServerError(f"the {cfg} server logged 'YALI all-reduce OFF', so it is not measured: {off}")
                 points = [(c, f"c{c}", False) for c in concs]
                 if args.long_prompt_len:
                     points.append((1, "long", True))

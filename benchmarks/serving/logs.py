@@ -66,6 +66,17 @@ def yali_log_warnings(config: str, key_lines: Sequence[str]) -> list[str]:
     return warnings
 
 
+def yali_off_line(config: str, path: Path) -> str | None:
+    """The 'YALI all-reduce OFF' line of a tensor-parallel configuration that asks for YALI
+    (YALI_ENABLE=1), or None: such a server serves with vLLM's own all-reduce, so its points
+    would not measure YALI (e.g. an extension missing from the tree the server imports)."""
+    cfg = SERVER_CONFIGS.get(config)
+    if cfg is None or cfg.parallel != "tp" or cfg.env.get("YALI_ENABLE") != "1":
+        return None
+    off = [ln for ln in scan_server_log(path)["key_lines"] if YALI_OFF_RE.search(ln)]
+    return off[0] if off else None
+
+
 def _flashinfer_fuses(key_lines: Sequence[str]) -> bool:
     """Whether the plugin leaves the fused pairs of the server's TP group to FlashInfer by default:
     its world size (from the 'YALI all-reduce ON' line) is in yali_vllm.config.FUSION_BY_FLASHINFER."""

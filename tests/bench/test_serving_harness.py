@@ -419,6 +419,8 @@ def test_scan_ignores_own_header_lines_and_checks_yali_state(tmp_path, monkeypat
                             "'tp:0' runs the group's all-reduce, then vLLM's RMSNorm"]
     assert "no 'YALI fusion pass ON'" in logs.yali_log_warnings("yali", unfused_first)[0]
     assert logs.yali_log_warnings("nccl", scan["key_lines"]) == []
+    assert "kernels not built" in logs.yali_off_line("yali", log)
+    assert logs.yali_off_line("vllm-default", log) is None and logs.yali_off_line("yali-ep", log) is None
     assert "did not keep it off" in logs.yali_log_warnings("vllm-default", on)[0]
     # the control: YALI on, its fusion pass off (FlashInfer's fusion serves the fused pairs)
     control = [on[0], "INFO [vllm_plugin.py:420] YALI fusion pass OFF: disabled by YALI_FUSION; using vLLM's x"]
@@ -533,7 +535,10 @@ elif argv[:1] == ["serve"]:
     print(f"INFO fake worker pid={worker.pid}", flush=True)
     print("INFO 05-09 12:00:01 [cuda_communicator.py:265] Using ['CUSTOM', 'PYNCCL'] all-reduce backends "
           "(in dispatch order) for group 'tp:0'", flush=True)
-    if tag == "yali":
+    if tag == "yali" and os.environ.get("FAKE_VLLM_YALI_OFF"):  # e.g. the extension missing from the tree
+        print("INFO 05-09 12:00:01 [vllm_plugin.py:327] YALI all-reduce OFF for group 'tp:0': rank 0: the "
+              "compiled extension yali_vllm/_C*.so is missing", flush=True)
+    elif tag == "yali":
         print("INFO 05-09 12:00:01 [vllm_plugin.py:329] YALI all-reduce ON for group 'tp:0' (rank 0 of 2, "
               "cuda:0): flash+stream; tried first, other tensors use vLLM's all-reduce chain", flush=True)
         print("INFO 05-09 12:00:01 [vllm_plugin.py:420] YALI fusion pass ON (replaces vLLM's FlashInfer "
@@ -754,6 +759,31 @@ def test_full_run_with_fake_vllm(tmp_path, fake_vllm, monkeypatch):
     assert "(better)" in nccl_row  # fake nccl is 30% slower than fake yali
     if importlib.util.find_spec("matplotlib"):
         assert (out / "tpot_p50.png").stat().st_size > 1000 and (out / "itl_p99.png").exists()
+
+
+def test_a_yali_server_that_logs_off_is_stopped_not_measured(tmp_path, fake_vllm, monkeypatch):
+    """A yali configuration whose server says 'YALI all-reduce OFF' would measure vLLM's own
+    all-reduce under YALI's name: its server is stopped, its points are not run, and the error names
+    the OFF line; the other configurations are measured as usual."""
+    monkeypatch.setattr(bench_run, "prepare_model", _tiny_model)
+    monkeypatch.setattr(bench_run, "install_signal_handlers", lambda: None)
+    monkeypatch.setenv("FAKE_VLLM_YALI_OFF", "1")
+    out = tmp_path / "out"
+    monkeypatch.setenv("PYTHONPATH", str(fake_vllm.parent))
+    rc = sb.main([
+        "--vllm-bin", f"{sys.executable} {fake_vllm}", "--bench-runner", "worker", "--bench-module", "fake_vllm",
+        "--model-size", "8b", "--model-dir", str(tmp_path / "model"), "--repeats", "2", "--concurrency", "1",
+        "--configs", "yali,vllm-default", "--budget-s", "300", "--stop-grace-s", "4", "--startup-timeout-s", "30",
+        "--bench-timeout-s", "30", "--port", str(free_port()), "--out", str(out),
+    ])
+    doc = json.loads((out / "serving-benchmark.json").read_text())
+    assert rc != 0 or doc["errors"]
+    assert {r["config"] for r in doc["records"]} == {"vllm-default"} and len(doc["records"]) == 2
+    errors = [e for e in doc["errors"] if e["config"] == "yali"]
+    assert len(errors) == 1 and "YALI all-reduce OFF" in errors[0]["error"] and "_C*.so is missing" in errors[0]["error"]
+    assert any(s["config"] == "yali" and s["reason"] == "server failed earlier in this run" for s in doc["skipped"])
+    for s in doc["server_logs"]:
+        assert not _pid_alive(_worker_pid(out / s["log_file"]))
 
 
 def test_long_prompt_point_has_its_own_records_table_and_merge(tmp_path, fake_vllm, monkeypatch):
