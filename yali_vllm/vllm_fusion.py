@@ -337,7 +337,7 @@ class YaliAllReduceFusionPass(VllmPatternMatcherPass):
     the TP group (never both).  Like vLLM's pass, it applies only to the compile
     ranges whose token counts it serves (``max_token_num``: the largest message
     YALI's communicator serves, in rows of the model's hidden size; unbounded at
-    two ranks, 512 rows of hidden 8192 bf16 at four).  Larger ranges keep
+    two ranks, 1024 rows of hidden 8192 bf16 at four).  Larger ranges keep
     vLLM's compiled all-reduce + RMSNorm, exactly as vLLM's defaults run them.
     """
 

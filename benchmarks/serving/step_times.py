@@ -31,7 +31,7 @@ ITERATION_RE = re.compile(
 )
 LOG_NAME_RE = re.compile(r"^(?P<config>.+)-r(?P<repeat>\d+)\.log$")
 # Token buckets (total tokens of a step, inclusive upper ends): decode batches, vLLM's CUDA-graph
-# limit (128 at the default capture sizes), YALI's 4-rank message limit at hidden 8192 (512 rows),
+# limit (128 at the default capture sizes), YALI's earlier 4-rank message limit at hidden 8192 (512 rows),
 # one 1024-token prompt with its decodes, and the larger chunks up to max_num_batched_tokens.
 BUCKETS = (8, 32, 64, 128, 512, 1152, 2048, 4096, 8192, 1 << 30)
 SERVER_FLAG = "--enable-logging-iteration-details"

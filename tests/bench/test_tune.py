@@ -32,4 +32,4 @@ def test_n_rank_variants_move_only_the_n_rank_knobs():
     for name in tune.RANKS:
         env, mode, sizes = tune.VARIANTS[name]
         assert set(env) <= {"YALI_DEV_RANKS_ONESHOT_MAX", "YALI_DEV_PUSH_CTA_BYTES"} and mode == "auto"
-        assert sizes.split(",")[-1] == "8M"  # up to YALI_DEV_RANKS_MAX, where vLLM's chain takes over
+        assert sizes.split(",")[-1] == "8M"  # the N-rank limit at every world size (16 MiB at 4 ranks)

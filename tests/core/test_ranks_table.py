@@ -92,7 +92,7 @@ def test_fused_rows_spread_over_clusters_while_the_grid_is_at_most_64_ctas(monke
     ("YALI_DEV_RANKS_FUSED_SPREAD", "16", "YALI_DEV_RANKS_FUSED_SPREAD"),
     ("YALI_DEV_RANKS_MAX", "1000", "YALI_DEV_RANKS_MAX=1000 is invalid"),
     ("YALI_DEV_RANKS_MAX", "128M", "67108864]"),
-    ("YALI_DEV_RANKS_ONESHOT_MAX", "128M", "YALI_DEV_RANKS_ONESHOT_MAX"),
+    ("YALI_DEV_RANKS_ONESHOT_MAX", "32M", "YALI_DEV_RANKS_ONESHOT_MAX"),
     ("YALI_DEV_RANKS_ONESHOT_MAX", "100", "multiple of 4096"),
 ])
 def test_bad_knobs_name_the_variable(monkeypatch, var, value, fragment):

@@ -98,7 +98,7 @@ def run_ranks(fn, *args, world_size: int = 2, timeout: float = 300.0, env: dict 
     if len(got) < world_size - len(lost):
         missing = sorted(set(range(world_size)) - set(got) - set(lost))
         how = (f"not done within {timeout}s (a hang)" if timed_out
-               else "ended before reporting (the launcher's line on stderr gives each one's exit)")
+               else "ended or was stopped before reporting (a rank that died by itself is named on stderr with its exit)")
         raise AssertionError(f"{fn.__name__}: no result from rank(s) {missing} of {world_size}: {how}")
     return [got[r][1] if r in got else None for r in range(world_size)]
 

@@ -562,7 +562,7 @@ RANGES = ((1, 256), (257, 1024), (257, 8192), (1025, 8192))
 
 def _range_results(cfg, tp) -> dict:
     """Which compile ranges YALI's pass applies to, for communicators serving up to 8 MiB (the
-    N-rank limit: 1024 rows of the 8B model's hidden 4096 bf16) and 2 GiB (two ranks), and for
+    N-rank limit above 4 ranks: 1024 rows of the 8B model's hidden 4096 bf16) and 2 GiB (two ranks), and for
     a stand-in that states no limit."""
     from vllm.config.utils import Range
 

@@ -189,10 +189,12 @@ void Config::validate() const {
   if (fused_cta_bytes != 0) check_range("YALI_DEV_FUSED_CTA_BYTES", fused_cta_bytes, 256, size_t(16) << 20, 16);
   check_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", fused_row_loads_early, -1, 1);
   check_int("YALI_DEV_FUSED_CLUSTER", fused_cluster, -1, 8);
-  // Both N-rank limits, like the other buffer sizes, are multiples of 4 KiB (0: by world size).
+  // Both N-rank limits, like the other buffer sizes, are multiples of 4 KiB (0: by world size). With
+  // the N-rank limit by world size the one-shot limit is at most its largest (16 MiB) and is cut to
+  // the limit of a world size whose limit is lower (plan.cpp ranks_oneshot_max).
   if (ranks_max != 0) check_range("YALI_DEV_RANKS_MAX", ranks_max, 4096, size_t(64) << 20, 4096);
   if (ranks_oneshot_max != 0)
-    check_range("YALI_DEV_RANKS_ONESHOT_MAX", ranks_oneshot_max, 4096, ranks_max != 0 ? ranks_max : size_t(64) << 20, 4096);
+    check_range("YALI_DEV_RANKS_ONESHOT_MAX", ranks_oneshot_max, 4096, ranks_max != 0 ? ranks_max : size_t(16) << 20, 4096);
   static_assert(kMaxFusedSpread == 8, "the spreads checked here are 2, 4 and 8");
   if (ranks_fused_spread != 0 && ranks_fused_spread != 2 && ranks_fused_spread != 4 && ranks_fused_spread != 8)
     bad("YALI_DEV_RANKS_FUSED_SPREAD", std::to_string(ranks_fused_spread), "0 (off), 2, 4 or 8 (CTAs of a cluster)");

@@ -41,7 +41,7 @@ namespace {
 // The N-rank kernels stop (YALI_DEV_RANKS_MAX, 0 = ranks_max_for below):
 //  * at 16 MiB up to 4 ranks: push two-shot against NCCL on 4xH100 NV18, graph p50, bf16:
 //    83.2 against 96.9 us at 16 MiB (a 1024-token prefill all-reduce of hidden 8192), 135.2 against
-//    134.2 at 24 MiB, slower from 32 MiB (current/allreduce/20261128-tp4-big);
+//    134.2 at 24 MiB, slower from 32 MiB (current/allreduce/20261128-tp4-h100-big);
 //  * at 8 MiB above 4 ranks, where vLLM's custom all-reduce stops too (its default buffer): not
 //    measured on 6 or 8 GPUs. The YALI_DEV_RANKS_* knobs move both boundaries.
 //  * push one-shot: each rank sends its whole input to every other rank, which adds the N inputs

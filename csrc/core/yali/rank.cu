@@ -402,7 +402,7 @@ cudaError_t launch_fused_ranks(const FusedRanksArgs& a, const FusedLaunch& l, cu
 
 }  // namespace
 
-// N ranks: one launch of fused_ranks_kernel while the message fits one rank's slot, else the
+// N ranks: one launch of fused_ranks_kernel up to ranks_fused_one_launch_max (within one rank's slot), else the
 // N-rank all-reduce into norm_out and the epilogue alone (add_rmsnorm_kernel), as with two ranks.
 cudaError_t Rank::ranks_fused(const void* in, const void* residual, const void* weight, float eps, void* norm_out,
                               void* residual_out, size_t rows, size_t hidden, DType dtype, cudaStream_t stream) const {

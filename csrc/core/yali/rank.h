@@ -75,7 +75,7 @@ class Rank {
   // (see fused.cuh for the exact arithmetic). `residual` may be nullptr and may
   // alias `residual_out`; neither output may overlap `in` (the other ranks read
   // `in` while the outputs are written). One launch while fused_one_launch (two
-  // ranks: up to Config::flash_bytes; more: one rank's push slot), else a YALI
+  // ranks: up to Config::flash_bytes; more: ranks_fused_one_launch_max), else a YALI
   // all-reduce into norm_out followed by the add + norm kernel. Rows must be
   // 16-byte multiples of at most kFusedMaxRowBytes and pointers 16-byte aligned;
   // otherwise (or above what the rank serves) returns cudaErrorInvalidValue.
