@@ -17,3 +17,6 @@ for t in ${PARTS:-reliability delays progress}; do
   timeout -k 10 "$2" python3 scripts/record_test_run.py --out "$OUT/gpu-tests-$t.json" -- \
     -q -p no:cacheprovider -rf --durations=10 "tests/gpu/test_$t.py" 2>&1 | tee "$OUT/gpu-tests-$t.log" | tail -20
 done
+# $OUT keeps one JSON per part and one archive of the logs (a host returns only a few files)
+logs=$(cd "$OUT" && ls gpu-tests-reliability.log gpu-tests-delays.log gpu-tests-progress.log 2>/dev/null)
+if [ -n "$logs" ]; then tar czf "$OUT/gpu-tests-logs.tgz" -C "$OUT" $logs && (cd "$OUT" && rm -f $logs); fi
