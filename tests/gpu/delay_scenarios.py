@@ -16,10 +16,9 @@ import time
 
 import torch
 
-from yali_vllm import _ext
 from yali_vllm.communicator import YaliCommunicator
 
-from .ranks_scenarios import differing, first_two_launch_rows, kernel_spans, small_ints, table_of
+from .ranks_scenarios import differing, first_two_launch_rows, kernel_spans, probe_top, serve_top, small_ints, table_of
 from .reliability import _record_then_error
 from .scenarios import _device, capture_after_warmup, digest
 
@@ -30,19 +29,6 @@ FUSED_HIDDEN = 8192
 SHIFTS = 11  # the period of the per-call shift of the inputs
 _TRAPPED: list = []  # what a trapped rank keeps until its process ends (delayed_calls_rank_killed)
 IN_FLIGHT = 2  # replays a survivor of delayed_calls_rank_killed has queued at most
-TWO_RANK_SWITCH = 8 << 20  # two ranks switch from flash-push to stream here
-
-
-def serve_top(world_size: int) -> int:
-    """The flash-push / stream switch at two ranks; above, the largest message the N-rank kernels
-    serve (YALI_DEV_RANKS_MAX, or the world size's default)."""
-    return TWO_RANK_SWITCH if world_size == 2 else int(_ext.ops().ranks_table(world_size)[1])
-
-
-def probe_top(world_size: int) -> int:
-    """The largest message the size table is probed to: past the flash-push / stream switch at two
-    ranks, the N-rank limit above."""
-    return serve_top(world_size) + (4096 if world_size == 2 else 0)
 
 
 def boundary_counts(world_size: int) -> list[int]:

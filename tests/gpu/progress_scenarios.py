@@ -13,8 +13,7 @@ import torch
 from yali_vllm import _ext
 from yali_vllm.communicator import YaliCommunicator
 
-from .delay_scenarios import probe_top
-from .ranks_scenarios import kernel_spans, small_ints, table_of
+from .ranks_scenarios import kernel_spans, probe_top, small_ints, table_of
 from .scenarios import _device
 
 OCCUPY_NS = 2_000_000  # the busy SMs come back after 2 ms

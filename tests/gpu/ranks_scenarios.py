@@ -180,6 +180,21 @@ def table_of(world_size: int):
     return lambda nbytes: config.plan(nbytes, world_size=world_size)[0]
 
 
+TWO_RANK_SWITCH = 8 << 20  # two ranks switch from flash-push to stream here
+
+
+def serve_top(world_size: int) -> int:
+    """The flash-push / stream switch at two ranks; above, the largest message the N-rank kernels
+    serve (YALI_DEV_RANKS_MAX, or the world size's default)."""
+    return TWO_RANK_SWITCH if world_size == 2 else int(_ext.ops().ranks_table(world_size)[1])
+
+
+def probe_top(world_size: int) -> int:
+    """The largest message the size table is probed to: past the flash-push / stream switch at two
+    ranks, the N-rank limit above."""
+    return serve_top(world_size) + (4096 if world_size == 2 else 0)
+
+
 # ---------------------------------------------------------------------- cross-rank check
 def differing(group, digests: dict[str, str]) -> list[str]:
     """The checks (keys of `digests`, one output digest per check) whose output bits differ
@@ -424,8 +439,7 @@ def stress_counts(world_size: int) -> list[int]:
     count nearest the middle of its span (up to the N-rank limit, or 8 MiB + 4 KiB at two ranks:
     one stream call)."""
     counts = [1000]
-    top = (8 << 20) + 4096 if world_size == 2 else int(_ext.ops().ranks_table(world_size)[1])
-    for _, lo, hi in kernel_spans(table_of(world_size), top=top):
+    for _, lo, hi in kernel_spans(table_of(world_size), top=probe_top(world_size)):
         n = ((lo + hi) // 4) | 1
         counts.append(n if lo <= 2 * n <= hi else -(-lo // 2))
     return counts
