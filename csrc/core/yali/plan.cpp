@@ -92,7 +92,9 @@ size_t slot_for(const Config& c, int world, size_t top) {
 size_t ranks_slot_bytes(const Config& c, int world) { return slot_for(c, world, ranks_max_for(c, world)); }
 
 size_t ranks_fused_one_launch_max(const Config& c, int world) {
-  return std::min(ranks_slot_bytes(c, world), slot_for(c, world, size_t(8) << 20));
+  const size_t slot = ranks_slot_bytes(c, world);
+  if (c.ranks_fused_one_launch_max != 0) return std::min(slot, c.ranks_fused_one_launch_max);
+  return std::min(slot, slot_for(c, world, size_t(8) << 20));
 }
 
 Plan plan_for(const Config& c, size_t nbytes, int world) {
@@ -151,8 +153,10 @@ FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType 
   // (stream) and then the epilogue alone, one CTA per row, up to 1024 CTAs.
   // N ranks: one launch while the message fits one rank's slot of an 8 MiB two-shot (1 MiB at 8
   // ranks, 2 MiB at 4: 64 and 128 tokens of hidden 8192 in bf16), exchanged as push one-shot
-  // exchanges, whatever YALI_DEV_RANKS_MAX makes the slot; not measured against the two-launch
-  // path on 4 or 8 GPUs (the decode sizes the fused op is for are far below it).
+  // exchanges, whatever YALI_DEV_RANKS_MAX makes the slot (YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX
+  // lowers it). Not measured against the two-launch path on 4 or 8 GPUs. At 4 ranks the one-launch
+  // op costs 23.7 us at 128 tokens of hidden 8192 (2 MiB) where the two-launch path takes 256
+  // tokens in 26.5 us (current/fused/20261128-tp4-h100-h5120): the crossover is likely lower.
   l.one_launch = world > 2 ? nbytes <= ranks_fused_one_launch_max(c, world) : nbytes <= c.flash_bytes;
   if (!l.one_launch) {
     l.grid = int(std::min<size_t>(rows, 1024));
