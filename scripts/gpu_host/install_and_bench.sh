@@ -7,6 +7,8 @@
 bash .gpu-stack/install.sh .gpu-stack > /tmp/install.log 2>&1 || { tail -20 /tmp/install.log; exit 1; }
 tail -2 /tmp/install.log
 . scripts/gpu_host/env.sh
+# FlashInfer's module built ahead of time (flashinfer_aot.sh build), when it travels with the parts
+if [ -f .gpu-stack/flashinfer-aot/trtllm_comm.so ]; then bash scripts/gpu_host/flashinfer_aot.sh install .gpu-stack/flashinfer-aot || true; fi
 bash scripts/gpu_host/fused.sh prebuild   # FlashInfer's JIT build overlaps the all-reduce benchmark
 TP="$TP" bash scripts/gpu_host/allreduce.sh
 TP="$TP" bash scripts/gpu_host/fused.sh bench

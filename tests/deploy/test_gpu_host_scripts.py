@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,28 @@ def test_shared_gpu_refuses_an_unknown_part_with_its_usage(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert "usage:" in r.stderr and "|ranks|ep|delays]" in r.stderr, r.stderr
     assert not list((tmp_path / "out").glob("gpu-tests-shared-*")), "an unknown part wrote a result"
+
+
+FLASHINFER_AOT = REPO / "scripts" / "gpu_host" / "flashinfer_aot.sh"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_flashinfer_aot_needs_a_verb_and_a_dir(tmp_path):
+    for args in ([], ["install"], ["copy", str(tmp_path)]):
+        r = subprocess.run(["bash", str(FLASHINFER_AOT), *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "usage:" in r.stderr, (args, r.stderr)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_flashinfer_aot_refuses_a_build_for_another_flashinfer(tmp_path):
+    flashinfer = pytest.importorskip("flashinfer")
+    (tmp_path / "VERSION").write_text("flashinfer 0.0.1\n")
+    (tmp_path / "trtllm_comm.so").write_bytes(b"not a library")
+    # this interpreter's python3 (the one with flashinfer) first on PATH, as the host's stack is
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OUT": str(tmp_path / "out"),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+    r = subprocess.run(["bash", str(FLASHINFER_AOT), "install", str(tmp_path)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "flashinfer 0.0.1" in r.stderr and f"flashinfer {flashinfer.__version__}" in r.stderr, r.stderr
+    assert "not installed" in r.stderr
