@@ -21,6 +21,7 @@ from benchmarks.serving.budget import (
     install_signal_handlers,
     interleaved_schedule,
     num_prompts_for,
+    startup_estimate,
 )
 from benchmarks.serving import profile_analysis
 from benchmarks.serving.commands import ServerError, pick_port, resolve_command, split_command, tail_lines
@@ -257,7 +258,7 @@ def _run_all(
     say(f"host: {doc['host']}; versions: {doc['versions']}")
     write_results(json_path, doc)
 
-    est_startup: float | None = None
+    est_startup: dict[str, float] = {}  # each configuration's last start-up time in this run
     est_bench: dict[str, float] = {}
     dead_configs: set[str] = set()
     port = args.port
@@ -275,7 +276,7 @@ def _run_all(
                 say(f"{tag}: skipped (server failed earlier)")
                 continue
             first_bench = min(est_bench.values()) if est_bench else args.bench_estimate_s
-            need = (est_startup or args.startup_estimate_s) + first_bench + stop_reserve
+            need = startup_estimate(cfg, est_startup, args.startup_estimate_s) + first_bench + stop_reserve
             if deadline.remaining() < need:
                 skip(rep, cfg, None, f"budget: {deadline.remaining():.0f}s left < ~{need:.0f}s needed")
                 say(f"{tag}: skipped, not enough budget left (~{need:.0f}s needed)")
@@ -288,7 +289,7 @@ def _run_all(
             try:
                 waited, ok, bad = wait_ready(server, deadline, args.startup_timeout_s, stop_reserve, str(model_dir),
                                              args.warmup_requests)
-                est_startup = max(est_startup or 0.0, waited)
+                est_startup[cfg] = waited
                 say(f"{tag}: healthy after {waited:.1f}s" + (f", warm-up {ok} ok, {bad} failed" if args.warmup_requests else ""))
                 off = yali_off_line(cfg, log_path)
                 if off:  # its points would measure vLLM's own all-reduce under YALI's name

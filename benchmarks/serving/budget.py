@@ -20,6 +20,15 @@ def interleaved_schedule(configs: Sequence[str], repeats: int) -> list[tuple[int
     return [(r, c) for r in range(1, repeats + 1) for c in configs]
 
 
+def startup_estimate(config: str, observed: dict[str, float], default_s: float) -> float:
+    """The start-up time to plan for before a server of ``config`` starts: its own last start in
+    this run (a configuration's first start compiles, its later ones come from vLLM's compile
+    cache), else the slowest start seen of any configuration, else ``default_s``."""
+    if config in observed:
+        return observed[config]
+    return max(observed.values()) if observed else float(default_s)
+
+
 class Deadline:
     """A global time budget; every wait is clipped to what is left of it."""
 

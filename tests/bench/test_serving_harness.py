@@ -360,6 +360,16 @@ def test_schedule_is_interleaved_and_prompts_scale():
     assert [budget.num_prompts_for(c, 4, 8) for c in (1, 8, 32)] == [8, 32, 128]
 
 
+def test_startup_estimate_is_the_configs_own_last_start_else_the_slowest_seen():
+    from benchmarks.serving.budget import startup_estimate
+    assert startup_estimate("yali", {}, 60.0) == 60.0
+    # a first (compiling) start of vllm-default after a warm yali start: plan for the slowest seen
+    assert startup_estimate("vllm-default", {"yali": 130.0}, 60.0) == 130.0
+    observed = {"yali": 130.0, "vllm-default": 240.0}
+    assert startup_estimate("yali", observed, 60.0) == 130.0  # not the other's compiling start
+    assert startup_estimate("nccl", observed, 60.0) == 240.0
+
+
 def test_deadline_clips_timeouts():
     t = [100.0]
     d = budget.Deadline(60, clock=lambda: t[0])
