@@ -20,7 +20,10 @@ SETTINGS=(
   "FUSED_ROW_LOADS_EARLY=0 FUSED_CTA_BYTES=4K"
   ""
 )
-# EXPERIMENT_SETTINGS="A=1 B=2;C=3;" replaces the list (settings split at ';', an empty one = default).
+# EXPERIMENT_SETTINGS="A=1 B=2;C=3;" replaces the list (settings split at ';', an empty one = default);
+# EXPERIMENT_TOKENS and EXPERIMENT_HIDDEN replace the benchmark's token counts and hidden sizes, e.g.
+# the N-rank one-launch limit: EXPERIMENT_SETTINGS=";RANKS_FUSED_ONE_LAUNCH_MAX=1M;RANKS_FUSED_ONE_LAUNCH_MAX=512K;"
+# EXPERIMENT_TOKENS=16,32,48,64,96,128,192,256 EXPERIMENT_HIDDEN=5120,8192 TP=4.
 if [ -n "${EXPERIMENT_SETTINGS:-}" ]; then IFS=';' read -r -a SETTINGS <<< "$EXPERIMENT_SETTINGS"; fi
 case "${1:-all}" in tests|bench|all) ;; *) echo "usage: $0 [tests|bench|all]" >&2; exit 2 ;; esac
 case "${1:-all}" in
@@ -39,7 +42,7 @@ case "${1:-all}" in
       n=$((n + 1))
       name="fused-$day$TP_TAG-launch-$n-$(echo "${v:-default}" | tr -c 'A-Za-z0-9\n' '-' | tr 'A-Z' 'a-z')"
       env $(for kv in $v; do printf 'YALI_DEV_%s ' "$kv"; done) timeout 100 python3 -m benchmarks.fused_bench \
-        --world-size "$TP" --backends yali-fused --tokens 1,2,4,8,16,32,64,128 --out "$OUT/exp" --name "$name" --budget-s 60 2>&1 \
+        --world-size "$TP" --backends yali-fused --tokens "${EXPERIMENT_TOKENS:-1,2,4,8,16,32,64,128}" --hidden "${EXPERIMENT_HIDDEN:-8192}" --out "$OUT/exp" --name "$name" --budget-s 60 2>&1 \
         | grep -E "^\| [0-9]" | cut -d'|' -f2,4 | tr '\n' ' '; echo " <- ${v:-default}"
     done
     tar czf "$OUT/fused-launch-$day.tgz" -C "$OUT" exp && rm -rf "$OUT/exp" ;;
