@@ -9,6 +9,7 @@
 #                                   FlashInfer loads instead of building; prints whether it loads
 set -euo pipefail
 verb="${1:-}"; dir="${2:-}"
+VERSION_PY='import flashinfer; print(f"flashinfer {flashinfer.__version__}")'  # DIR/VERSION, checked at install
 [ -n "$verb" ] && [ -n "$dir" ] || { echo "usage: $0 build|install DIR" >&2; exit 2; }
 case "$verb" in
   build)
@@ -24,12 +25,12 @@ case "$verb" in
     so="$(find "$ws/.cache" -name trtllm_comm.so | head -1)"
     [ -n "$so" ] || { echo "flashinfer_aot.sh: no trtllm_comm.so under $ws" >&2; exit 1; }
     cp "$so" "$dir/trtllm_comm.so"
-    "$PY" -c 'import flashinfer; print(f"flashinfer {flashinfer.__version__}")' > "$dir/VERSION"
+    "$PY" -c "$VERSION_PY" > "$dir/VERSION"
     rm -rf "$ws"; ls -la "$dir"
     ;;
   install)
     . scripts/gpu_host/env.sh
-    want="$(python3 -c 'import flashinfer; print(f"flashinfer {flashinfer.__version__}")')"
+    want="$(python3 -c "$VERSION_PY")"
     have="$(cat "$dir/VERSION" 2>/dev/null || echo none)"
     [ "$want" = "$have" ] || { echo "flashinfer_aot.sh: $dir holds a build for '$have', the host has '$want': not installed" >&2; exit 1; }
     aot="$(python3 -c 'from flashinfer.jit import env; print(env.FLASHINFER_AOT_DIR)')/trtllm_comm"

@@ -87,20 +87,6 @@ def test_fused_rows_spread_over_clusters_while_the_grid_is_at_most_64_ctas(monke
     assert launch(1)["spread"] == 1
 
 
-def test_fused_one_launch_limit_is_a_slot_by_default_and_a_knob_lowers_it(monkeypatch):
-    def one_launch(rows, world=4):
-        return config.fused_plan(rows, 8192, torch.bfloat16, world_size=world)["one_launch"]
-
-    # one rank's slot of an 8 MiB two-shot: 2 MiB (128 rows of 16 KiB) at 4 ranks, 1 MiB at 8
-    assert (one_launch(128), one_launch(129)) == (1, 0)
-    assert (one_launch(64, world=8), one_launch(65, world=8)) == (1, 0)
-    monkeypatch.setenv("YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX", "512K")
-    assert config.kernel_config()["ranks_fused_one_launch_max"] == 512 * KiB
-    assert (one_launch(32), one_launch(33), one_launch(32, world=8)) == (1, 0, 1)
-    monkeypatch.setenv("YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX", "16M")  # never above one rank's slot: 4 MiB at 4 ranks
-    assert (one_launch(256), one_launch(257)) == (1, 0)
-
-
 @pytest.mark.parametrize("var, value, fragment", [
     ("YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX", "100", "multiple of 4096"),
     ("YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX", "32M", "YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX"),
@@ -138,6 +124,18 @@ def test_fused_one_launch_stops_at_the_slot_of_an_8_mib_two_shot(world, rows, mo
         assert not config.fused_plan(rows + 1, 8192, torch.bfloat16, world_size=world)["one_launch"]
     monkeypatch.setenv("YALI_DEV_RANKS_MAX", "1M")  # a smaller slot bounds it
     assert not config.fused_plan(rows, 8192, torch.bfloat16, world_size=world)["one_launch"]
+
+
+def test_fused_one_launch_knob_lowers_the_limit_within_the_slot(monkeypatch):
+    # the default: test_fused_one_launch_stops_at_the_slot_of_an_8_mib_two_shot
+    def one_launch(rows, world=4):
+        return config.fused_plan(rows, 8192, torch.bfloat16, world_size=world)["one_launch"]
+
+    monkeypatch.setenv("YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX", "512K")
+    assert config.kernel_config()["ranks_fused_one_launch_max"] == 512 * KiB
+    assert (one_launch(32), one_launch(33), one_launch(32, world=8)) == (1, 0, 1)
+    monkeypatch.setenv("YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX", "16M")  # never above one rank's slot: 4 MiB at 4 ranks
+    assert (one_launch(256), one_launch(257)) == (1, 0)
 
 
 @pytest.mark.parametrize("world", [0, 1, 9, 16])

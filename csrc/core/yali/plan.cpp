@@ -154,7 +154,7 @@ FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType 
   // N ranks: one launch while the message fits one rank's slot of an 8 MiB two-shot (1 MiB at 8
   // ranks, 2 MiB at 4: 64 and 128 tokens of hidden 8192 in bf16), exchanged as push one-shot
   // exchanges, whatever YALI_DEV_RANKS_MAX makes the slot (YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX
-  // lowers it). Not measured against the two-launch path on 4 or 8 GPUs. At 4 ranks the one-launch
+  // lowers it). Not timed against the two-launch path at the same size. At 4 ranks the one-launch
   // op costs 23.7 us at 128 tokens of hidden 8192 (2 MiB) where the two-launch path takes 256
   // tokens in 26.5 us (current/fused/20261128-tp4-h100-h5120): the crossover is likely lower.
   l.one_launch = world > 2 ? nbytes <= ranks_fused_one_launch_max(c, world) : nbytes <= c.flash_bytes;
