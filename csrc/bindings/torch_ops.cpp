@@ -222,15 +222,17 @@ void attach_peer(int64_t handle, int64_t peer_handle) {
   core([&] { r->attach_peer(*p); });
 }
 
-// The setting that bounds the messages `r` serves (for a refusal): at N ranks YALI_DEV_RANKS_MAX
-// or YALI_MAX_BYTES, whichever is lower; at two, YALI_MAX_BYTES and, for the plain all-reduce in
+// The setting that bounds the messages `r` serves (for a refusal): at N ranks the N-rank limit
+// (YALI_DEV_RANKS_MAX, or the world size's default when it is unset) or YALI_MAX_BYTES, whichever
+// is lower; at two, YALI_MAX_BYTES and, for the plain all-reduce in
 // flash mode, the flash limit.
 std::string serve_limit(const yali::Rank& r, bool flash_mode) {
   const yali::Config& c = r.config();
   if (r.world() > 2) {
     const size_t top = yali::ranks_max_for(c, r.world());
-    if (top < c.max_bytes)
-      return "YALI_DEV_RANKS_MAX=" + std::to_string(top) + " at " + std::to_string(r.world()) + " ranks";
+    const std::string at = " at " + std::to_string(r.world()) + " ranks";
+    if (top < c.max_bytes && c.ranks_max != 0) return "YALI_DEV_RANKS_MAX=" + std::to_string(top) + at;
+    if (top < c.max_bytes) return "the N-rank limit " + std::to_string(top) + at + " (YALI_DEV_RANKS_MAX unset)";
     return "YALI_MAX_BYTES=" + std::to_string(c.max_bytes);
   }
   if (flash_mode) return "flash limit " + std::to_string(c.flash_bytes) + ", YALI_DEV_FLASH_BYTES";

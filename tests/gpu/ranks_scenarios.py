@@ -254,8 +254,21 @@ def all_reduce_sweep(rank, group, comm, dtypes, seed):
                 failures += [f"{tag}: {p}" for p in problems]
                 order_mismatches += order_bad
     return {"failures": failures, "checks": checks, "kernels": {d: sorted(k) for d, k in kernels.items()},
-            "table": spans, "table_kernels": sorted({k for k, _, _ in spans}),
+            "refusal": refusal_above_top(comm, dev), "table": spans, "table_kernels": sorted({k for k, _, _ in spans}),
             "order_mismatches": order_mismatches, "differing": differing(group, digests)}
+
+
+def refusal_above_top(comm, device) -> str | None:
+    """The error of an all-reduce 16 bytes above the N-rank limit (None at two ranks, whose limit
+    depends on the mode; "no error" when it is served)."""
+    if comm.world_size == 2:
+        return None
+    x = torch.zeros(serve_top(comm.world_size) // 2 + 8, dtype=torch.bfloat16, device=device)
+    try:
+        comm.all_reduce(x)
+    except ValueError as e:
+        return str(e)
+    return "no error"
 
 
 def first_two_launch_rows(comm, hidden: int, dtype: torch.dtype) -> int | None:

@@ -10,6 +10,8 @@ own group, since its kernels trap. On one shared GPU (an H100) the suite of N ra
 (N = 2, 4) to 32 s (N = 8) and the mismatched call 16-18 s: under 3 minutes in all.
 
 The tests marked cpu check the references, seeds and size selection on CPU torch."""
+import os
+
 import pytest
 import torch
 
@@ -70,6 +72,11 @@ def test_all_reduce_sweep_every_kernel_and_dtype(suite):
         # the N inputs added in fp32 in rank order 0, 1, ..., N - 1, rounded once (ranks.cuh)
         assert r["order_mismatches"] == 0, f"rank {rank}: {r['order_mismatches']} elements differ from that sum"
     assert_ranks_agree(parts)
+    if n > 2:  # a message above the N-rank limit is refused, naming that limit and where it comes from
+        top = rs.serve_top(n)
+        want = (f"YALI_DEV_RANKS_MAX={top} at {n} ranks" if os.environ.get("YALI_DEV_RANKS_MAX")
+                else f"the N-rank limit {top} at {n} ranks (YALI_DEV_RANKS_MAX unset)")
+        assert all(want in r["refusal"] for r in parts), [r["refusal"] for r in parts]
     p = parts[0]
     print(f"\n{n} ranks: {p['checks']} all-reduce checks in {p['wall_s']:.1f}s over {p['table']}")
 
