@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=non_negative_int, default=0, help="dataset seed; concurrency point i uses seed+i (no prefix-cache reuse between points)")
     p.add_argument("--bench-timeout-s", type=positive_float, default=300.0, help="max time for one vllm bench serve run (clipped to the budget)")
     p.add_argument("--bench-estimate-s", type=positive_float, default=25.0, help="assumed bench time until one is observed (budget planning)")
+    p.add_argument("--estimates-file", type=Path, default=None,
+                   help="JSON of the start-up and point times observed per workload: read to plan the budget before this "
+                        "run observes its own, updated after each observation (scripts/gpu_host/serving.sh keeps one in "
+                        "~/.cache beside vLLM's compile cache); default none")
     p.add_argument(
         "--bench-runner",
         choices=("worker", "cli"),

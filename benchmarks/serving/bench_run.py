@@ -16,12 +16,12 @@ from benchmarks.common.gpu_env import MULTICAST_OFF_ENV, child_env
 from benchmarks.common.results import default_out, results_header, write_results
 from benchmarks.serving.budget import (
     Deadline,
+    Estimates,
     Progress,
     Terminated,
     install_signal_handlers,
     interleaved_schedule,
     num_prompts_for,
-    startup_estimate,
 )
 from benchmarks.serving import profile_analysis
 from benchmarks.serving.commands import ServerError, pick_port, resolve_command, split_command, tail_lines
@@ -39,6 +39,13 @@ from benchmarks.serving.step_times import SERVER_FLAG as STEP_TIMES_SERVER_FLAG,
 
 def _g(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.4g}"
+
+
+def estimates_key(args: argparse.Namespace) -> str:
+    """The workload whose start-up and point times an estimates file keeps together."""
+    return (f"{args.model_size} tp{args.world_size} len{args.max_model_len} seqs{args.max_num_seqs} "
+            f"{args.random_input_len}x{args.random_output_len} prompts{args.min_prompts}/{args.prompts_per_concurrency} "
+            f"long{args.long_prompt_len}x{args.long_prompt_count}")
 
 
 def validate_args(args: argparse.Namespace) -> list[str]:
@@ -258,8 +265,10 @@ def _run_all(
     say(f"host: {doc['host']}; versions: {doc['versions']}")
     write_results(json_path, doc)
 
-    est_startup: dict[str, float] = {}  # each configuration's last start-up time in this run
-    est_bench: dict[str, float] = {}
+    est = Estimates(args.estimates_file, estimates_key(args), args.startup_estimate_s, args.bench_estimate_s)
+    if est.startup_saved or est.bench_saved:
+        say(f"budget plan: start-up {est.startup_saved} s and points {est.bench_saved} s saved by an earlier "
+            f"run ({args.estimates_file})")
     dead_configs: set[str] = set()
     port = args.port
     stop_reserve = args.stop_grace_s + 15.0
@@ -275,8 +284,7 @@ def _run_all(
                 skip(rep, cfg, None, "server failed earlier in this run")
                 say(f"{tag}: skipped (server failed earlier)")
                 continue
-            first_bench = min(est_bench.values()) if est_bench else args.bench_estimate_s
-            need = startup_estimate(cfg, est_startup, args.startup_estimate_s) + first_bench + stop_reserve
+            need = est.startup(cfg) + est.first_bench() + stop_reserve
             if deadline.remaining() < need:
                 skip(rep, cfg, None, f"budget: {deadline.remaining():.0f}s left < ~{need:.0f}s needed")
                 say(f"{tag}: skipped, not enough budget left (~{need:.0f}s needed)")
@@ -289,7 +297,7 @@ def _run_all(
             try:
                 waited, ok, bad = wait_ready(server, deadline, args.startup_timeout_s, stop_reserve, str(model_dir),
                                              args.warmup_requests)
-                est_startup[cfg] = waited
+                est.saw_startup(cfg, waited)
                 say(f"{tag}: healthy after {waited:.1f}s" + (f", warm-up {ok} ok, {bad} failed" if args.warmup_requests else ""))
                 off = yali_off_line(cfg, log_path)
                 if off:  # its points would measure vLLM's own all-reduce under YALI's name
@@ -299,9 +307,9 @@ def _run_all(
                     points.append((1, "long", True))
                 for j, (c, label, long_prompt) in enumerate(points):
                     mark = {"point": "long"} if long_prompt else {}  # on its skipped / error entries
-                    est = est_bench.get(label, args.bench_estimate_s)
-                    if deadline.remaining() < est + stop_reserve:
-                        skip(rep, cfg, c, f"budget: {deadline.remaining():.0f}s left < ~{est + stop_reserve:.0f}s needed",
+                    point_s = est.bench(label)
+                    if deadline.remaining() < point_s + stop_reserve:
+                        skip(rep, cfg, c, f"budget: {deadline.remaining():.0f}s left < ~{point_s + stop_reserve:.0f}s needed",
                              mark)
                         say(f"{tag} {label}: skipped, not enough budget left")
                         continue
@@ -324,7 +332,7 @@ def _run_all(
                         if long_prompt:
                             rec["input_len"] = input_len
                         doc[LONG_PROMPT_RECORDS if long_prompt else "records"].append(rec)
-                        est_bench[label] = max(est_bench.get(label, 0.0), dur)
+                        est.saw_bench(label, dur)
                         say(
                             f"{tag} {label}: done in {dur:.1f}s: TPOT p50 {_g(rec['tpot_ms_p50'])} ms, "
                             f"ITL p99 {_g(rec['itl_ms_p99'])} ms, TTFT p50 {_g(rec['ttft_ms_p50'])} ms, "

@@ -4,9 +4,12 @@ signals that stop it through every ``finally``, and the order of its benchmark p
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import signal
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -27,6 +30,64 @@ def startup_estimate(config: str, observed: dict[str, float], default_s: float) 
     if config in observed:
         return observed[config]
     return max(observed.values()) if observed else float(default_s)
+
+
+class Estimates:
+    """The times the budget plans with: a configuration's server start-up and a point's benchmark.
+    This run's own observations come first, then those an earlier run saved in ``path`` under the
+    same workload ``key`` (on the machine whose vLLM compile cache that run filled), then the
+    defaults. Every observation is saved at once, so the next run of the key plans with it.
+    ``path`` None keeps everything in memory."""
+
+    def __init__(self, path: Path | None, key: str, startup_default_s: float, bench_default_s: float):
+        self.path, self.key = path, key
+        self.startup_default_s, self.bench_default_s = float(startup_default_s), float(bench_default_s)
+        saved = self._load().get(key, {})
+        self.startup_saved: dict[str, float] = dict(saved.get("startup", {}))
+        self.bench_saved: dict[str, float] = dict(saved.get("bench", {}))
+        self.startup_seen: dict[str, float] = {}
+        self.bench_seen: dict[str, float] = {}
+
+    def _load(self) -> dict[str, Any]:
+        if self.path is None:
+            return {}
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):  # none yet, or unreadable: plan with the defaults
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def startup(self, config: str) -> float:
+        """``config``'s last start (this run's, else the saved one), else the slowest known start."""
+        return startup_estimate(config, {**self.startup_saved, **self.startup_seen}, self.startup_default_s)
+
+    def bench(self, label: str) -> float:
+        """The longest run of point ``label`` (``c1``, ``c32``, ``long``) known, else the default."""
+        return self.bench_seen.get(label, self.bench_saved.get(label, self.bench_default_s))
+
+    def first_bench(self) -> float:
+        """The shortest point known: what a server start must leave room for at least."""
+        known = {**self.bench_saved, **self.bench_seen}
+        return min(known.values()) if known else self.bench_default_s
+
+    def saw_startup(self, config: str, seconds: float) -> None:
+        self.startup_seen[config] = float(seconds)
+        self._save()
+
+    def saw_bench(self, label: str, seconds: float) -> None:
+        self.bench_seen[label] = max(self.bench_seen.get(label, 0.0), float(seconds))
+        self._save()
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        data = self._load()
+        data[self.key] = {"startup": {**self.startup_saved, **self.startup_seen},
+                          "bench": {**self.bench_saved, **self.bench_seen}}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(self.path)
 
 
 class Deadline:

@@ -21,6 +21,9 @@
 # STEP_TIMES=1: every server logs its engine steps, and step-times.md tables their times per config by
 # the tokens a step carries (which steps an ITL p99 difference sits in).
 # STOP_GRACE_S (default 30) is the SIGTERM grace of a server stop, which the budget keeps in reserve.
+# The budget plans each server start and point with the times an earlier run of the same workload
+# observed on this machine (~/.cache/yali-serving-bench/estimates.json, beside vLLM's compile cache),
+# so a run does not start a server whose points then do not fit.
 # CONCURRENCY (default 1,8,32) narrows the points, e.g. to add one config's missing c=32 to an
 # earlier run. $OUT is kept to a few files, also when two runs share it: each run leaves
 # its log, its JSON and one archive (the markdown, load-test/soak JSON, per-point raw files, server
@@ -37,6 +40,7 @@ timeout -k 20 "$(( ${SERVING_BUDGET_S:-555} + 20 ))" python3 -m benchmarks.servi
   --locust-users "${LOCUST_USERS:-0}" --locust-duration-s "${LOCUST_S:-60}" --soak-s "${SOAK_S:-0}" \
   --random-input-len 1024 --random-output-len "${OUTPUT_LEN:-256}" --min-prompts "${MIN_PROMPTS:-8}" --long-prompt-len "$LONG" \
   --max-model-len "$MAX_LEN" --max-num-seqs 64 --stop-grace-s "${STOP_GRACE_S:-30}" --budget-s "${SERVING_BUDGET_S:-555}" --out "$work" \
+  --estimates-file "$HOME/.cache/yali-serving-bench/estimates.json" \
   ${STEP_TIMES:+--step-times} 2>&1 \
   | tee "$OUT/$name.log" | grep -v -i warn | tail -45
 cp "$work"/serving-benchmark.json "$OUT/$name.json" 2>/dev/null

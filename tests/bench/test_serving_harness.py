@@ -370,6 +370,32 @@ def test_startup_estimate_is_the_configs_own_last_start_else_the_slowest_seen():
     assert startup_estimate("nccl", observed, 60.0) == 240.0
 
 
+def test_estimates_plan_with_an_earlier_runs_times_of_the_same_workload(tmp_path):
+    path = tmp_path / "cache" / "estimates.json"
+    first = budget.Estimates(path, "8b tp2", 60.0, 25.0)
+    assert (first.startup("yali"), first.bench("c1"), first.first_bench()) == (60.0, 25.0, 25.0)  # nothing saved
+    first.saw_startup("yali", 171.0)
+    first.saw_startup("vllm-default", 145.0)
+    first.saw_bench("c1", 18.0)
+    first.saw_bench("c1", 17.0)  # a point keeps its longest run
+    first.saw_bench("c32", 6.5)
+    nxt = budget.Estimates(path, "8b tp2", 60.0, 25.0)  # the next run on the same machine
+    assert (nxt.startup("yali"), nxt.startup("vllm-default"), nxt.startup("nccl")) == (171.0, 145.0, 171.0)
+    assert (nxt.bench("c1"), nxt.bench("c8"), nxt.first_bench()) == (18.0, 25.0, 6.5)
+    nxt.saw_startup("yali", 106.0)  # its own start (from vLLM's compile cache) beats the saved one
+    assert nxt.startup("yali") == 106.0 and nxt.startup("vllm-default") == 145.0
+    other = budget.Estimates(path, "70b tp4", 60.0, 25.0)  # another workload plans with the defaults
+    assert (other.startup("yali"), other.bench("c1")) == (60.0, 25.0)
+    other.saw_startup("yali", 243.0)
+    assert set(json.loads(path.read_text())) == {"8b tp2", "70b tp4"}  # both kept
+    assert budget.Estimates(path, "8b tp2", 60.0, 25.0).startup("yali") == 106.0
+    path.write_text("{not json")
+    assert budget.Estimates(path, "8b tp2", 60.0, 25.0).startup("yali") == 60.0  # unreadable: the defaults
+    mem = budget.Estimates(None, "8b tp2", 60.0, 25.0)  # no file: this run's observations only
+    mem.saw_startup("yali", 100.0)
+    assert mem.startup("nccl") == 100.0 and budget.Estimates(None, "8b tp2", 60.0, 25.0).startup("yali") == 60.0
+
+
 def test_deadline_clips_timeouts():
     t = [100.0]
     d = budget.Deadline(60, clock=lambda: t[0])
@@ -737,10 +763,15 @@ def test_full_run_with_fake_vllm(tmp_path, fake_vllm, monkeypatch):
         "--model-size", "8b", "--model-dir", str(tmp_path / "model"), "--repeats", "2", "--concurrency", "1,8",
         "--budget-s", "300", "--stop-grace-s", "4", "--startup-timeout-s", "30", "--bench-timeout-s", "30",
         "--port", str(free_port()), "--out", str(out), "--warmup-requests", "2",
+        "--estimates-file", str(tmp_path / "estimates.json"),
     ])
     assert rc == 0
     doc = json.loads((out / "serving-benchmark.json").read_text())
     serving_doc_schema_check(doc)
+    saved = json.loads((tmp_path / "estimates.json").read_text())  # what the next run plans with
+    (times,) = saved.values()
+    assert set(times["startup"]) == {"yali", "vllm-default", "nccl"} and set(times["bench"]) == {"c1", "c8"}
+    assert all(0 < t < 60 for t in [*times["startup"].values(), *times["bench"].values()])
     assert doc["world_size"] == doc["model"]["tensor_parallel_size"] == len(doc["gpus_used"]) == 2
     assert len(doc["records"]) == 3 * 2 * 2
     assert {r["config"] for r in doc["records"]} == {"yali", "vllm-default", "nccl"}
