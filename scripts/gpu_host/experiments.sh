@@ -7,6 +7,9 @@
 #   experiments.sh bench   the fused op (yali-fused only, 1-128 tokens, at TP ranks: env.sh) once
 #                          per setting of SETTINGS below, the default first and last (drift
 #                          check)                                                                 ~5 min
+#   experiments.sh allreduce  the N-rank all-reduce (yali and NCCL, bf16, EXPERIMENT_SIZES, default
+#                          4-64 MiB, with YALI_DEV_RANKS_MAX=64M so YALI serves them all) once per
+#                          setting of ALLREDUCE_SETTINGS below, the default first and last      ~2 min
 # Compare the rows with the fused benchmark's yali-fused / flashinfer-trtllm rows of the same machine.
 # (flash-push has no batched poll: current/tune/20261122-batch-poll measured it slower.)
 . scripts/gpu_host/env.sh
@@ -20,12 +23,22 @@ SETTINGS=(
   "FUSED_ROW_LOADS_EARLY=0 FUSED_CTA_BYTES=4K"
   ""
 )
-# EXPERIMENT_SETTINGS="A=1 B=2;C=3;" replaces the list (settings split at ';', an empty one = default);
+# The push two-shot round by round (YALI_DEV_RANKS_TWO_SHOT_ROUND) against its whole share at once.
+ALLREDUCE_SETTINGS=(
+  ""
+  "RANKS_TWO_SHOT_ROUND=8K"
+  "RANKS_TWO_SHOT_ROUND=32K"
+  ""
+)
+# EXPERIMENT_SETTINGS="A=1 B=2;C=3;" replaces the list (of the mode that runs) (settings split at ';', an empty one = default);
 # EXPERIMENT_TOKENS and EXPERIMENT_HIDDEN replace the benchmark's token counts and hidden sizes, e.g.
 # the N-rank one-launch limit: EXPERIMENT_SETTINGS=";RANKS_FUSED_ONE_LAUNCH_MAX=1M;RANKS_FUSED_ONE_LAUNCH_MAX=512K;"
 # EXPERIMENT_TOKENS=16,32,48,64,96,128,192,256 EXPERIMENT_HIDDEN=5120,8192 TP=4.
-if [ -n "${EXPERIMENT_SETTINGS:-}" ]; then IFS=';' read -r -a SETTINGS <<< "$EXPERIMENT_SETTINGS"; fi
-case "${1:-all}" in tests|bench|all) ;; *) echo "usage: $0 [tests|bench|all]" >&2; exit 2 ;; esac
+if [ -n "${EXPERIMENT_SETTINGS:-}" ]; then
+  IFS=';' read -r -a SETTINGS <<< "$EXPERIMENT_SETTINGS"
+  ALLREDUCE_SETTINGS=("${SETTINGS[@]}")
+fi
+case "${1:-all}" in tests|bench|allreduce|all) ;; *) echo "usage: $0 [tests|bench|allreduce|all]" >&2; exit 2 ;; esac
 case "${1:-all}" in
   tests|all)
     YALI_TIMEOUT_S=30 timeout 300 python3 scripts/record_test_run.py --out "$OUT/gpu-tests-fused-launch-$day.json" -- \
@@ -46,4 +59,15 @@ case "${1:-all}" in
         | grep -E "^\| [0-9]" | cut -d'|' -f2,4 | tr '\n' ' '; echo " <- ${v:-default}"
     done
     tar czf "$OUT/fused-launch-$day.tgz" -C "$OUT" exp && rm -rf "$OUT/exp" ;;
+  allreduce)
+    n=0
+    for v in "${ALLREDUCE_SETTINGS[@]}"; do
+      n=$((n + 1))
+      name="allreduce-$day$TP_TAG-exp-$n-$(echo "${v:-default}" | tr -c 'A-Za-z0-9\n' '-' | tr 'A-Z' 'a-z')"
+      env YALI_DEV_RANKS_MAX=64M $(for kv in $v; do printf 'YALI_DEV_%s ' "$kv"; done) timeout 150 python3 -m benchmarks.allreduce_bench \
+        --world-size "$TP" --backends yali,nccl --dtypes bf16 --sizes "${EXPERIMENT_SIZES:-4M,8M,16M,24M,32M,64M}" \
+        --out "$OUT/exp" --name "$name" --timeout 140 > "$OUT/$name.log" 2>&1
+      grep -E "^\| *[0-9]" "$OUT/exp/$name.md" 2>/dev/null | head -12; echo " <- ${v:-default}"
+    done
+    tar czf "$OUT/allreduce-exp-$day.tgz" -C "$OUT" exp && rm -rf "$OUT/exp" ;;
 esac

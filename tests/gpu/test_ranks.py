@@ -7,7 +7,8 @@ Per N, one process group runs the all-reduce sweep, the fused sweep, the CUDA gr
 interleaved stress on one communicator (ranks_scenarios.ranks_suite: the start-up of N processes
 importing torch is paid once) and each test asserts on its part; the mismatched call runs in its
 own group, since its kernels trap. On one shared GPU (an H100) the suite of N ranks takes 18 s
-(N = 2, 4) to 32 s (N = 8) and the mismatched call 16-18 s: under 3 minutes in all.
+(N = 2, 4) to 32 s (N = 8) and the mismatched call 16-18 s; the suite runs twice more at each N
+above two (the fused op spread over clusters of 8, the two-shot in rounds).
 
 The tests marked cpu check the references, seeds and size selection on CPU torch."""
 import os
@@ -285,3 +286,33 @@ def test_ranks_need_their_gpus_unless_shared(monkeypatch):
     reason = missing_gpus(visible + 1)
     assert reason and f"{visible + 1} ranks need {visible + 1} GPUs, {visible} visible" in reason
     assert SHARED_GPU_VAR in reason
+
+
+# The push two-shot run round by round (YALI_DEV_RANKS_TWO_SHOT_ROUND): 4 KiB of each CTA's share of
+# a segment per round, so every two-shot call of the sweep above 2 MiB at 4 ranks (1 MiB at 8) runs
+# several rounds, odd sizes a short last one; the same suite at the world sizes above two.
+TWO_SHOT_ROUND = "4K"
+
+
+@pytest.fixture(scope="module", params=[n for n in WORLD_SIZES if n > 2], ids=lambda n: f"{n}-ranks")
+def rounds_suite(request):
+    n = request.param
+    return n, run_ranks(rs.ranks_suite, DTYPES, fused_ranks_plan(), GRAPH_REPLAYS, SEED, STRESS_ROUNDS, world_size=n,
+                        timeout=SUITE_BOUND_S[n],
+                        env={"YALI_TIMEOUT_S": SUITE_TIMEOUT_S, "YALI_DEV_RANKS_TWO_SHOT_ROUND": TWO_SHOT_ROUND})
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(max(SUITE_BOUND_S.values()) + 30)
+def test_two_shot_in_rounds_matches_the_rank_order_sum(rounds_suite):
+    n, res = rounds_suite
+    sweep = checked_parts(res, "sweep")
+    for rank, r in enumerate(sweep):
+        assert r["order_mismatches"] == 0, f"rank {rank}: {r['order_mismatches']} elements differ from that sum"
+        assert all("push-twoshot" in hit for hit in r["kernels"].values()), r["kernels"]
+    assert_ranks_agree(sweep)
+    for name in ("fused", "graph"):
+        assert_ranks_agree(checked_parts(res, name))
+    stress = suite_part(res, "stress")
+    assert all(r["bad"] == 0 for r in stress), [r["bad"] for r in stress]
+    assert_ranks_agree(stress)

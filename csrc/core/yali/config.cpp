@@ -144,6 +144,7 @@ Config Config::from_env() {
   dev_bytes("YALI_DEV_RANKS_ONESHOT_MAX", 0, size_t(64) << 20, 4096, &c.ranks_oneshot_max);
   dev_int("YALI_DEV_RANKS_FUSED_SPREAD", 0, 8, &c.ranks_fused_spread);
   dev_bytes("YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX", 0, size_t(16) << 20, 4096, &c.ranks_fused_one_launch_max);
+  dev_bytes("YALI_DEV_RANKS_TWO_SHOT_ROUND", 0, size_t(16) << 20, 4096, &c.ranks_two_shot_round);
   refuse_unknown_dev_knobs(dev_knobs);
   // Limits that depend on the flash buffer: a default follows a smaller YALI_DEV_FLASH_BYTES; a
   // value the user set that does not fit is refused naming both variables.
@@ -198,6 +199,8 @@ void Config::validate() const {
     check_range("YALI_DEV_RANKS_ONESHOT_MAX", ranks_oneshot_max, 4096, ranks_max != 0 ? ranks_max : size_t(16) << 20, 4096);
   if (ranks_fused_one_launch_max != 0)
     check_range("YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX", ranks_fused_one_launch_max, 4096, size_t(16) << 20, 4096);
+  if (ranks_two_shot_round != 0)
+    check_range("YALI_DEV_RANKS_TWO_SHOT_ROUND", ranks_two_shot_round, 4096, size_t(16) << 20, 4096);
   static_assert(kMaxFusedSpread == 8, "the spreads checked here are 2, 4 and 8");
   if (ranks_fused_spread != 0 && ranks_fused_spread != 2 && ranks_fused_spread != 4 && ranks_fused_spread != 8)
     bad("YALI_DEV_RANKS_FUSED_SPREAD", std::to_string(ranks_fused_spread), "0 (off), 2, 4 or 8 (CTAs of a cluster)");
@@ -223,6 +226,7 @@ std::string Config::to_string() const {
     << " fused_row_loads_early=" << fused_row_loads_early << " fused_cluster=" << fused_cluster
     << " ranks_max=" << ranks_max << " ranks_oneshot_max=" << ranks_oneshot_max
     << " ranks_fused_spread=" << ranks_fused_spread << " ranks_fused_one_launch_max=" << ranks_fused_one_launch_max
+    << " ranks_two_shot_round=" << ranks_two_shot_round
     << " timeout_s=" << timeout_s << " ep_slot_bytes=" << ep_slot_bytes;
   return o.str();
 }

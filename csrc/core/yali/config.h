@@ -97,6 +97,10 @@ struct Config {
   // cluster of this many CTAs (2, 4 or 8; while rows x it <= 64), each adding and normalising its
   // slice (ranks.cuh fused_ranks_spread_kernel); 0 = a CTA owns whole rows (plan.cpp says why 4).
   int ranks_fused_spread = 4;
+  // YALI_DEV_RANKS_TWO_SHOT_ROUND: a push two-shot CTA runs its reduce-scatter, sum and all-gather
+  // round by round over this many bytes of its share of each segment (ranks.cuh); 0 = its whole
+  // share in one round.
+  size_t ranks_two_shot_round = 0;
   double timeout_s = 300.0;            // YALI_TIMEOUT_S: a kernel waiting longer aborts (0 = never)
   // Expert parallelism (ep.cuh): one rank's slot of each parity of the EP push area, the largest
   // dispatch message (every part of one rank's tokens, each padded to 16 bytes) or combine

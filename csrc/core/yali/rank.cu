@@ -272,6 +272,7 @@ RanksArgs Rank::ranks_args(const void* in, void* out, size_t nbytes, const CallD
   a.timeout_ns = uint64_t(config_.timeout_s * 1e9);
   a.abort = abort_dev_;
   a.call = desc;
+  a.round_vecs = config_.ranks_two_shot_round / 16;
   return a;
 }
 

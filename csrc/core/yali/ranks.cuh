@@ -46,6 +46,7 @@ struct RanksArgs {
   uint64_t timeout_ns;    // YALI_TIMEOUT_S (0 = no watchdog)
   AbortInfo* abort;
   CallDesc call;          // this call, checked against every other rank's (call_check.cuh)
+  size_t round_vecs;      // push two-shot: vectors of a CTA's share of a segment per round (0 = all)
 };
 
 // The kernels are built per world size (kW = 4, 6, 8) so that every loop over the ranks is unrolled
@@ -204,7 +205,8 @@ __global__ void __launch_bounds__(kFlashThreads, 1) push_oneshot_kernel(RanksArg
 // are cut into N segments of S = ceil(V / N) vectors (the last ones shorter or empty); CTA b owns
 // positions split_range(b) of every segment, on every rank, and a thread the same positions in
 // every phase, so each element is read (phase A or B) by the thread that later writes it: in-place
-// is safe.
+// is safe. A CTA runs the three phases round by round over a.round_vecs of its positions at a
+// time (all of them when 0), each round on positions no other round reads or writes.
 template <typename T, int kW>
 __global__ void __launch_bounds__(kFlashThreads, 1) push_twoshot_kernel(RanksArgs a) {
   wait_prior_grids();
@@ -213,64 +215,73 @@ __global__ void __launch_bounds__(kFlashThreads, 1) push_twoshot_kernel(RanksArg
   const int t = threadIdx.x;
   const size_t vecs = (a.nbytes + 15) / 16;
   const size_t seg = (vecs + world - 1) / world;
-  const Range r = split_range(0, seg, gridDim.x, blockIdx.x);
+  const Range mine_all = split_range(0, seg, gridDim.x, blockIdx.x);
   const bool checker = blockIdx.x == 0 && t == kFlashThreads - 1;
   const uint64_t call_n = checker ? a.state->call_seq + 1 : 0;
   uint32_t* call_slots = nullptr;
   const int parity = ranks_begin(a, world, checker, call_n, &call_slots);
+  const size_t round = a.round_vecs ? a.round_vecs : mine_all.end - mine_all.begin + 1;
+  bool verified = false;
 
-  // A. reduce-scatter: segment p of my input to rank p
-  for (int d = 1; d < world; ++d) {
-    const int p = (a.rank + d) % world;
-    Vec16* to = ranks_slot(a, world, p, parity, 0, a.rank);
-    const size_t at = size_t(p) * seg;
-    for (size_t i = r.begin + t; i < r.end; i += size_t(kU) * kFlashThreads) {
-      Vec16 v[kU];
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const size_t j = i + size_t(u) * kFlashThreads;
-        if (j < r.end && at + j < vecs) v[u] = load_input_vector<T>(a.in, at + j, a.nbytes);
-      }
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const size_t j = i + size_t(u) * kFlashThreads;
-        if (j < r.end && at + j < vecs) store_push(to + j, canonical<T>(v[u]));
-      }
-    }
-  }
-  if (checker) ranks_call_verify(a.call, call_slots, a.rank, world, a.timeout_ns, a.abort, Kernel::PushTwoShot);
-  // B. my segment: add the N contributions, keep the sum, send it to every other rank
-  const size_t mine_at = size_t(a.rank) * seg;
-  for (size_t j = r.begin + t; j < r.end && mine_at + j < vecs; j += kFlashThreads) {
-    const Vec16 mine = canonical<T>(load_input_vector<T>(a.in, mine_at + j, a.nbytes));
-    const Vec16 sum = canonical<T>(sum_ranks<T, kW>(a, parity, j, mine, Kernel::PushTwoShot));  // sent: never empty
-#pragma unroll
-    for (int d = 1; d < kRankLoop<kW>; ++d) {
-      if (d >= world) break;
+  for (size_t rb = mine_all.begin; rb < mine_all.end || !verified; rb += round) {
+    const Range r{rb, rb < mine_all.end ? min(mine_all.end, rb + round) : rb};
+    // A. reduce-scatter: segment p of my input to rank p
+    for (int d = 1; d < world; ++d) {
       const int p = (a.rank + d) % world;
-      store_push(ranks_slot(a, world, p, parity, 1, a.rank) + j, sum);
-    }
-    store_output_vector<T>(a.out, mine_at + j, a.nbytes, sum);
-  }
-  // C. all-gather: every other rank's summed segment
-  for (int d = 1; d < world; ++d) {
-    const int p = (a.rank + world - d) % world;  // the rank whose sends started with me
-    Vec16* from = ranks_slot(a, world, a.rank, parity, 1, p);
-    const size_t at = size_t(p) * seg;
-    for (size_t i = r.begin + t; i < r.end; i += size_t(kU) * kFlashThreads) {
-      Vec16 v[kU];
+      Vec16* to = ranks_slot(a, world, p, parity, 0, a.rank);
+      const size_t at = size_t(p) * seg;
+      for (size_t i = r.begin + t; i < r.end; i += size_t(kU) * kFlashThreads) {
+        Vec16 v[kU];
 #pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const size_t j = i + size_t(u) * kFlashThreads;
-        if (j < r.end && at + j < vecs) v[u] = load_push(from + j);
+        for (int u = 0; u < kU; ++u) {
+          const size_t j = i + size_t(u) * kFlashThreads;
+          if (j < r.end && at + j < vecs) v[u] = load_input_vector<T>(a.in, at + j, a.nbytes);
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const size_t j = i + size_t(u) * kFlashThreads;
+          if (j < r.end && at + j < vecs) store_push(to + j, canonical<T>(v[u]));
+        }
       }
+    }
+    // The call check, once, after the first round's sends: no rank sums before every rank's call agrees.
+    if (!verified) {
+      if (checker) ranks_call_verify(a.call, call_slots, a.rank, world, a.timeout_ns, a.abort, Kernel::PushTwoShot);
+      verified = true;
+    }
+    // B. my segment: add the N contributions, keep the sum, send it to every other rank
+    const size_t mine_at = size_t(a.rank) * seg;
+    for (size_t j = r.begin + t; j < r.end && mine_at + j < vecs; j += kFlashThreads) {
+      const Vec16 mine = canonical<T>(load_input_vector<T>(a.in, mine_at + j, a.nbytes));
+      const Vec16 sum = canonical<T>(sum_ranks<T, kW>(a, parity, j, mine, Kernel::PushTwoShot));  // sent: never empty
 #pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const size_t j = i + size_t(u) * kFlashThreads;
-        if (j < r.end && at + j < vecs) {
-          wait_push(from + j, v[u], a.timeout_ns, a.abort, Kernel::PushTwoShot, p);
-          store_output_vector<T>(a.out, at + j, a.nbytes, v[u]);
-          clear_push(from + j);
+      for (int d = 1; d < kRankLoop<kW>; ++d) {
+        if (d >= world) break;
+        const int p = (a.rank + d) % world;
+        store_push(ranks_slot(a, world, p, parity, 1, a.rank) + j, sum);
+      }
+      store_output_vector<T>(a.out, mine_at + j, a.nbytes, sum);
+    }
+    // C. all-gather: every other rank's summed segment
+    for (int d = 1; d < world; ++d) {
+      const int p = (a.rank + world - d) % world;  // the rank whose sends started with me
+      Vec16* from = ranks_slot(a, world, a.rank, parity, 1, p);
+      const size_t at = size_t(p) * seg;
+      for (size_t i = r.begin + t; i < r.end; i += size_t(kU) * kFlashThreads) {
+        Vec16 v[kU];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const size_t j = i + size_t(u) * kFlashThreads;
+          if (j < r.end && at + j < vecs) v[u] = load_push(from + j);
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const size_t j = i + size_t(u) * kFlashThreads;
+          if (j < r.end && at + j < vecs) {
+            wait_push(from + j, v[u], a.timeout_ns, a.abort, Kernel::PushTwoShot, p);
+            store_output_vector<T>(a.out, at + j, a.nbytes, v[u]);
+            clear_push(from + j);
+          }
         }
       }
     }
