@@ -1,7 +1,9 @@
-"""A TP worker killed under `vllm serve` with YALI on (two GPUs, GPU host only).
+"""A TP worker killed under `vllm serve` with YALI on (GPU host only: TP=2, and TP=4 on a host with
+four GPUs).
 
-16 clients stream long completions from a TP=2 server of the embedded 8B model; one worker (the
-one on the second GPU) gets SIGKILL mid-run. Within KILL_BOUND_S of the kill every stream has
+16 clients stream long completions from a TP=2 or TP=4 server of the embedded 8B model (TP=4 with
+YALI_WORLD_SIZES=all, since the plugin leaves it off by default); one worker (the one on the last
+GPU of the server) gets SIGKILL mid-run. Within KILL_BOUND_S of the kill every stream has
 ended (an error, or the connection closed), the server has exited or answers errors, no process
 of the server still holds a GPU, and the server's log says why. The surviving rank is either
 stopped by vLLM's executor or, if it is left inside a YALI kernel waiting for the dead peer, ends
@@ -97,22 +99,35 @@ def test_gpu_processes_are_read_from_nvidia_smi():
     assert parse_gpu_processes(gpus, "") == {}
 
 
+def _gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no torch or no driver: the skip above says why
+        return 0
+
+
 @pytest.mark.gpu
 @pytest.mark.two_gpus
 @pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+@pytest.mark.parametrize("tp", [2, 4], ids=lambda n: f"tp{n}")
 @_timeout(START_TIMEOUT_S + KILL_BOUND_S + 180)
-def test_a_killed_tp_worker_ends_the_server_within_a_bound(tmp_path):
+def test_a_killed_tp_worker_ends_the_server_within_a_bound(tmp_path, tp):
     from yali_vllm.models import write_model_dir
 
+    if _gpus() < tp:
+        pytest.skip(f"TP={tp} needs {tp} GPUs, {_gpus()} visible")
     model = write_model_dir(tmp_path / "model", "8b")
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
     env = vllm_serve.serve_env(vllm_serve.plugin_path(tmp_path / "site"), True, str(tmp_path / "cache"),
-                               YALI_TIMEOUT_S=str(TIMEOUT_S))
-    proc = vllm_serve.start_healthy(vllm_serve.serve_argv(model, port, max_num_seqs=CLIENTS), env, log, port,
+                               YALI_TIMEOUT_S=str(TIMEOUT_S), YALI_WORLD_SIZES="all")
+    proc = vllm_serve.start_healthy(vllm_serve.serve_argv(model, port, max_num_seqs=CLIENTS, tp=tp), env, log, port,
                                     START_TIMEOUT_S)
     try:
+        assert "YALI all-reduce ON" in log.read_text(errors="replace"), f"YALI is not on in the TP={tp} server"
         results = [{} for _ in range(CLIENTS)]
         threads = [threading.Thread(target=stream, args=(base, str(model), i, results[i]), daemon=True)
                    for i in range(CLIENTS)]
@@ -123,7 +138,7 @@ def test_a_killed_tp_worker_ends_the_server_within_a_bound(tmp_path):
             time.sleep(0.5)
         assert all(r.get("chunks") for r in results), f"not every client was streaming: {results}"
         workers = {pid: gpu for pid, gpu in gpu_processes().items() if in_group(pid, proc.pid)}
-        victims = [pid for pid, gpu in workers.items() if gpu == 1]
+        victims = [pid for pid, gpu in workers.items() if gpu == tp - 1]
         assert len(victims) == 1, f"the server's processes on the GPUs: {workers}"
         t_kill = time.monotonic()
         os.kill(victims[0], signal.SIGKILL)

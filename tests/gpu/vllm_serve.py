@@ -57,10 +57,10 @@ def vllm_cmd() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
-def serve_argv(model_dir: Path, port: int, max_num_seqs: int = 8) -> list[str]:
-    """TP=2 of the embedded model with dummy weights, eager (a short start-up), on 127.0.0.1."""
+def serve_argv(model_dir: Path, port: int, max_num_seqs: int = 8, tp: int = 2) -> list[str]:
+    """TP=`tp` of the embedded model with dummy weights, eager (a short start-up), on 127.0.0.1."""
     return vllm_cmd() + [
-        "serve", str(model_dir), "--tensor-parallel-size", "2", "--load-format", "dummy", "--tokenizer-mode",
+        "serve", str(model_dir), "--tensor-parallel-size", str(tp), "--load-format", "dummy", "--tokenizer-mode",
         "mistral", "--max-model-len", "2048", "--max-num-seqs", str(max_num_seqs), "--gpu-memory-utilization",
         "0.5", "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
     ]
