@@ -96,7 +96,7 @@ def test_fused_rows_spread_over_clusters_while_the_grid_is_at_most_64_ctas(monke
     ("YALI_DEV_RANKS_MAX", "128M", "67108864]"),
     ("YALI_DEV_RANKS_ONESHOT_MAX", "32M", "YALI_DEV_RANKS_ONESHOT_MAX"),
     ("YALI_DEV_RANKS_ONESHOT_MAX", "100", "multiple of 4096"),
-    ("YALI_DEV_RANKS_TWO_SHOT_ROUND", "1000", "multiple of 4096"),
+    ("YALI_DEV_RANKS_TWO_SHOT_ROUND", "4K", "multiple of 8192"),
     ("YALI_DEV_RANKS_TWO_SHOT_ROUND", "32M", "YALI_DEV_RANKS_TWO_SHOT_ROUND"),
 ])
 def test_bad_knobs_name_the_variable(monkeypatch, var, value, fragment):

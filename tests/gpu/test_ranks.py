@@ -288,10 +288,11 @@ def test_ranks_need_their_gpus_unless_shared(monkeypatch):
     assert SHARED_GPU_VAR in reason
 
 
-# The push two-shot run round by round (YALI_DEV_RANKS_TWO_SHOT_ROUND): 4 KiB of each CTA's share of
-# a segment per round, so every two-shot call of the sweep above 2 MiB at 4 ranks (1 MiB at 8) runs
-# several rounds, odd sizes a short last one; the same suite at the world sizes above two.
-TWO_SHOT_ROUND = "4K"
+# The push two-shot run round by round (YALI_DEV_RANKS_TWO_SHOT_ROUND): 8 KiB of each CTA's share of
+# a segment per round (its smallest), so the sweep's two-shot calls above 4 MiB at 4 ranks and
+# above 6 MiB at 6 run several rounds, odd sizes a short last one (at 8 ranks, whose limit is 8 MiB,
+# one round); the same suite at the world sizes above two.
+TWO_SHOT_ROUND = "8K"
 
 
 @pytest.fixture(scope="module", params=[n for n in WORLD_SIZES if n > 2], ids=lambda n: f"{n}-ranks")

@@ -144,7 +144,8 @@ Config Config::from_env() {
   dev_bytes("YALI_DEV_RANKS_ONESHOT_MAX", 0, size_t(64) << 20, 4096, &c.ranks_oneshot_max);
   dev_int("YALI_DEV_RANKS_FUSED_SPREAD", 0, 8, &c.ranks_fused_spread);
   dev_bytes("YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX", 0, size_t(16) << 20, 4096, &c.ranks_fused_one_launch_max);
-  dev_bytes("YALI_DEV_RANKS_TWO_SHOT_ROUND", 0, size_t(16) << 20, 4096, &c.ranks_two_shot_round);
+  // a multiple of one vector per thread of a CTA (kFlashThreads x 16 bytes): no thread idles in a round
+  dev_bytes("YALI_DEV_RANKS_TWO_SHOT_ROUND", 0, size_t(16) << 20, size_t(kFlashThreads) * 16, &c.ranks_two_shot_round);
   refuse_unknown_dev_knobs(dev_knobs);
   // Limits that depend on the flash buffer: a default follows a smaller YALI_DEV_FLASH_BYTES; a
   // value the user set that does not fit is refused naming both variables.
@@ -200,7 +201,8 @@ void Config::validate() const {
   if (ranks_fused_one_launch_max != 0)
     check_range("YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX", ranks_fused_one_launch_max, 4096, size_t(16) << 20, 4096);
   if (ranks_two_shot_round != 0)
-    check_range("YALI_DEV_RANKS_TWO_SHOT_ROUND", ranks_two_shot_round, 4096, size_t(16) << 20, 4096);
+    check_range("YALI_DEV_RANKS_TWO_SHOT_ROUND", ranks_two_shot_round, size_t(kFlashThreads) * 16, size_t(16) << 20,
+                size_t(kFlashThreads) * 16);
   static_assert(kMaxFusedSpread == 8, "the spreads checked here are 2, 4 and 8");
   if (ranks_fused_spread != 0 && ranks_fused_spread != 2 && ranks_fused_spread != 4 && ranks_fused_spread != 8)
     bad("YALI_DEV_RANKS_FUSED_SPREAD", std::to_string(ranks_fused_spread), "0 (off), 2, 4 or 8 (CTAs of a cluster)");

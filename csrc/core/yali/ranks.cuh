@@ -244,7 +244,9 @@ __global__ void __launch_bounds__(kFlashThreads, 1) push_twoshot_kernel(RanksArg
         }
       }
     }
-    // The call check, once, after the first round's sends: no rank sums before every rank's call agrees.
+    // The checker verifies once, after its first round's sends and before it waits for any peer
+    // data (call_check.cuh: the other CTAs never wait for the check). The round size need not
+    // match across ranks (each position still has one sender and one reader), so CallDesc omits it.
     if (!verified) {
       if (checker) ranks_call_verify(a.call, call_slots, a.rank, world, a.timeout_ns, a.abort, Kernel::PushTwoShot);
       verified = true;
