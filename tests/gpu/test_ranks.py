@@ -48,11 +48,15 @@ def fused_ranks_plan() -> list[dict]:
     return plan
 
 
+def run_suite(n: int, **knobs: str):
+    """The suite (ranks_scenarios.ranks_suite) at `n` ranks, `knobs` (YALI_* settings) in their environment."""
+    return run_ranks(rs.ranks_suite, DTYPES, fused_ranks_plan(), GRAPH_REPLAYS, SEED, STRESS_ROUNDS, world_size=n,
+                     timeout=SUITE_BOUND_S[n], env={"YALI_TIMEOUT_S": SUITE_TIMEOUT_S, **knobs})
+
+
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"{n}-ranks")
 def suite(request):
-    n = request.param
-    return n, run_ranks(rs.ranks_suite, DTYPES, fused_ranks_plan(), GRAPH_REPLAYS, SEED, STRESS_ROUNDS, world_size=n,
-                        timeout=SUITE_BOUND_S[n], env={"YALI_TIMEOUT_S": SUITE_TIMEOUT_S})
+    return request.param, run_suite(request.param)
 
 
 def assert_ranks_agree(parts):
@@ -130,10 +134,7 @@ SPREAD = "8"
 
 @pytest.fixture(scope="module", params=[n for n in WORLD_SIZES if n > 2], ids=lambda n: f"{n}-ranks")
 def spread_suite(request):
-    n = request.param
-    return n, run_ranks(rs.ranks_suite, DTYPES, fused_ranks_plan(), GRAPH_REPLAYS, SEED, STRESS_ROUNDS, world_size=n,
-                        timeout=SUITE_BOUND_S[n],
-                        env={"YALI_TIMEOUT_S": SUITE_TIMEOUT_S, "YALI_DEV_RANKS_FUSED_SPREAD": SPREAD})
+    return request.param, run_suite(request.param, YALI_DEV_RANKS_FUSED_SPREAD=SPREAD)
 
 
 @pytest.mark.gpu
@@ -147,6 +148,34 @@ def test_fused_spread_over_a_cluster_matches_vllm_reference(spread_suite):
     assert all(r["spread"] > 0 for r in fused), fused[0]  # some calls ran the spread kernel
     for r in suite_part(res, "graph"):
         assert r["device_fused_calls"] == r["expected_fused_calls"], r
+
+
+# The push two-shot run round by round (YALI_DEV_RANKS_TWO_SHOT_ROUND): 8 KiB of each CTA's share of
+# a segment per round (its smallest), so the sweep's two-shot calls above 4 MiB at 4 ranks and
+# above 6 MiB at 6 run several rounds, odd sizes a short last one (at 8 ranks, whose limit is 8 MiB,
+# one round); the same suite at the world sizes above two.
+TWO_SHOT_ROUND = "8K"
+
+
+@pytest.fixture(scope="module", params=[n for n in WORLD_SIZES if n > 2], ids=lambda n: f"{n}-ranks")
+def rounds_suite(request):
+    return request.param, run_suite(request.param, YALI_DEV_RANKS_TWO_SHOT_ROUND=TWO_SHOT_ROUND)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(max(SUITE_BOUND_S.values()) + 30)
+def test_two_shot_in_rounds_matches_the_rank_order_sum(rounds_suite):
+    n, res = rounds_suite
+    sweep = checked_parts(res, "sweep")
+    for rank, r in enumerate(sweep):
+        assert r["order_mismatches"] == 0, f"rank {rank}: {r['order_mismatches']} elements differ from that sum"
+        assert all("push-twoshot" in hit for hit in r["kernels"].values()), r["kernels"]
+    assert_ranks_agree(sweep)
+    for name in ("fused", "graph"):
+        assert_ranks_agree(checked_parts(res, name))
+    stress = suite_part(res, "stress")
+    assert all(r["bad"] == 0 for r in stress), [r["bad"] for r in stress]
+    assert_ranks_agree(stress)
 
 
 @pytest.mark.gpu
@@ -286,34 +315,3 @@ def test_ranks_need_their_gpus_unless_shared(monkeypatch):
     reason = missing_gpus(visible + 1)
     assert reason and f"{visible + 1} ranks need {visible + 1} GPUs, {visible} visible" in reason
     assert SHARED_GPU_VAR in reason
-
-
-# The push two-shot run round by round (YALI_DEV_RANKS_TWO_SHOT_ROUND): 8 KiB of each CTA's share of
-# a segment per round (its smallest), so the sweep's two-shot calls above 4 MiB at 4 ranks and
-# above 6 MiB at 6 run several rounds, odd sizes a short last one (at 8 ranks, whose limit is 8 MiB,
-# one round); the same suite at the world sizes above two.
-TWO_SHOT_ROUND = "8K"
-
-
-@pytest.fixture(scope="module", params=[n for n in WORLD_SIZES if n > 2], ids=lambda n: f"{n}-ranks")
-def rounds_suite(request):
-    n = request.param
-    return n, run_ranks(rs.ranks_suite, DTYPES, fused_ranks_plan(), GRAPH_REPLAYS, SEED, STRESS_ROUNDS, world_size=n,
-                        timeout=SUITE_BOUND_S[n],
-                        env={"YALI_TIMEOUT_S": SUITE_TIMEOUT_S, "YALI_DEV_RANKS_TWO_SHOT_ROUND": TWO_SHOT_ROUND})
-
-
-@pytest.mark.gpu
-@pytest.mark.timeout(max(SUITE_BOUND_S.values()) + 30)
-def test_two_shot_in_rounds_matches_the_rank_order_sum(rounds_suite):
-    n, res = rounds_suite
-    sweep = checked_parts(res, "sweep")
-    for rank, r in enumerate(sweep):
-        assert r["order_mismatches"] == 0, f"rank {rank}: {r['order_mismatches']} elements differ from that sum"
-        assert all("push-twoshot" in hit for hit in r["kernels"].values()), r["kernels"]
-    assert_ranks_agree(sweep)
-    for name in ("fused", "graph"):
-        assert_ranks_agree(checked_parts(res, name))
-    stress = suite_part(res, "stress")
-    assert all(r["bad"] == 0 for r in stress), [r["bad"] for r in stress]
-    assert_ranks_agree(stress)
