@@ -206,7 +206,8 @@ __global__ void __launch_bounds__(kFlashThreads, 1) push_oneshot_kernel(RanksArg
 // positions split_range(b) of every segment, on every rank, and a thread the same positions in
 // every phase, so each element is read (phase A or B) by the thread that later writes it: in-place
 // is safe. A CTA runs the three phases round by round over a.round_vecs of its positions at a
-// time (all of them when 0), each round on positions no other round reads or writes.
+// time (all of them when 0), each round on positions no other round reads or writes; it runs at
+// least one round, so CTA 0's checker makes the call check even when its range is empty.
 template <typename T, int kW>
 __global__ void __launch_bounds__(kFlashThreads, 1) push_twoshot_kernel(RanksArgs a) {
   wait_prior_grids();
@@ -220,11 +221,10 @@ __global__ void __launch_bounds__(kFlashThreads, 1) push_twoshot_kernel(RanksArg
   const uint64_t call_n = checker ? a.state->call_seq + 1 : 0;
   uint32_t* call_slots = nullptr;
   const int parity = ranks_begin(a, world, checker, call_n, &call_slots);
-  const size_t round = a.round_vecs ? a.round_vecs : mine_all.end - mine_all.begin + 1;
-  bool verified = false;
+  const size_t round = a.round_vecs ? a.round_vecs : max(mine_all.end - mine_all.begin, size_t(1));
 
-  for (size_t rb = mine_all.begin; rb < mine_all.end || !verified; rb += round) {
-    const Range r{rb, rb < mine_all.end ? min(mine_all.end, rb + round) : rb};
+  for (size_t rb = mine_all.begin;; rb += round) {
+    const Range r{rb, min(mine_all.end, rb + round)};
     // A. reduce-scatter: segment p of my input to rank p
     for (int d = 1; d < world; ++d) {
       const int p = (a.rank + d) % world;
@@ -247,10 +247,8 @@ __global__ void __launch_bounds__(kFlashThreads, 1) push_twoshot_kernel(RanksArg
     // The checker verifies once, after its first round's sends and before it waits for any peer
     // data (call_check.cuh: the other CTAs never wait for the check). The round size need not
     // match across ranks (each position still has one sender and one reader), so CallDesc omits it.
-    if (!verified) {
-      if (checker) ranks_call_verify(a.call, call_slots, a.rank, world, a.timeout_ns, a.abort, Kernel::PushTwoShot);
-      verified = true;
-    }
+    if (checker && rb == mine_all.begin)
+      ranks_call_verify(a.call, call_slots, a.rank, world, a.timeout_ns, a.abort, Kernel::PushTwoShot);
     // B. my segment: add the N contributions, keep the sum, send it to every other rank
     const size_t mine_at = size_t(a.rank) * seg;
     for (size_t j = r.begin + t; j < r.end && mine_at + j < vecs; j += kFlashThreads) {
@@ -287,6 +285,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) push_twoshot_kernel(RanksArg
         }
       }
     }
+    if (r.end == mine_all.end) break;
   }
 }
 
