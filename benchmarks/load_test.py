@@ -148,8 +148,8 @@ def run(args: argparse.Namespace) -> int:
             print("  " + shlex.join(l_cmd(args.port, cfg, args.duration_s)))
         return 0
 
-    args.vllm_bin = resolve_command(args.vllm_bin, "vllm.entrypoints.cli.main")
-    args.locust_bin = resolve_command(args.locust_bin, "locust")
+    args.vllm_bin = resolve_command(args.vllm_bin, "vllm.entrypoints.cli.main", "--vllm-bin")
+    args.locust_bin = resolve_command(args.locust_bin, "locust", "--locust-bin")
     install_signal_handlers()
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / RESULT_NAME

@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"# then, on the yali server: soak, locust {args.soak_users} users for {args.soak_s}s -> {out / 'soak.json'}")
         return 0
 
-    args.vllm_bin = resolve_command(args.vllm_bin, "vllm.entrypoints.cli.main")
+    args.vllm_bin = resolve_command(args.vllm_bin, "vllm.entrypoints.cli.main", "--vllm-bin")
     install_signal_handlers()
     raw_dir = out / "raw"
     log_dir = out / "server-logs"

@@ -86,11 +86,18 @@ def pick_port(start: int, host: str = "127.0.0.1", tries: int = 200) -> int:
     raise ServerError(f"no free port in {start}..{start + tries - 1}")
 
 
-def resolve_command(cmd: str, module: str) -> str:
-    """``cmd`` if its program is on PATH, else ``<this python> -m module``."""
+def resolve_command(cmd: str, module: str, option: str) -> str:
+    """``cmd`` if its program is on PATH, else ``<this python> -m module``. When neither exists it
+    stops with a message naming the tool and ``option`` (the flag that names another command),
+    before a run starts a server it could not use."""
+    import importlib.util
     import shutil
 
     parts = split_command(cmd)
     if parts and (shutil.which(parts[0]) or os.sep in parts[0]):
         return cmd
+    package = module.split(".")[0]
+    if importlib.util.find_spec(package) is None:
+        raise SystemExit(f"{cmd!r} is not on PATH and {sys.executable} cannot import {package!r}: install "
+                         f"{package} into this environment (pip install {package}) or name its command with {option}")
     return shlex.join([sys.executable, "-m", module])

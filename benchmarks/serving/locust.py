@@ -300,7 +300,7 @@ class LoadTests:
         self.settings = argparse.Namespace(max_tokens=64, prompt_words=128, chat_weight=1, completions_weight=1,
                                            request_timeout_s=120.0)
         self.docs: dict[str, dict[str, Any]] = {}
-        self.locust_bin = resolve_command(args.locust_bin, "locust")
+        self.locust_bin = resolve_command(args.locust_bin, "locust", "--locust-bin")
 
     def doc(self, mode: str) -> dict[str, Any]:
         if mode not in self.docs:

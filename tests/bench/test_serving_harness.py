@@ -12,6 +12,7 @@ import datetime as dt
 import importlib.util
 import json
 import os
+import shlex
 import tempfile
 import subprocess
 import sys
@@ -1191,6 +1192,23 @@ def test_locust_end_to_end_against_fake_server(tmp_path):
     assert 10 <= row["ttft_ms_p50"] <= 200
     failures = locust.locust_failures(tmp_path / "l_failures.csv")
     assert any("empty completion" in f["Error"] for f in failures)
+
+
+def test_a_missing_tool_stops_the_run_before_any_server_starts(tmp_path, fake_vllm, monkeypatch, capsys):
+    """A locust that is neither on PATH nor importable by this python ends load_test.py with a
+    message naming it and --locust-bin, before the model is written or a server starts (which
+    would cost a GPU host minutes for a run that cannot measure anything)."""
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "locust" else real_find_spec(name, *a))
+    monkeypatch.setattr(load_test, "prepare_model", lambda *a: pytest.fail("the model was written"))
+    monkeypatch.setattr(load_test, "install_signal_handlers", lambda: None)
+    with pytest.raises(SystemExit) as ei:
+        load_test.main(["--soak", "--vllm-bin", f"{sys.executable} {fake_vllm}", "--locust-bin", "yali-no-such-locust",
+                        "--model-dir", str(tmp_path / "m"), "--out", str(tmp_path / "soak"), "--port", str(free_port())])
+    msg = str(ei.value.code)
+    assert "'yali-no-such-locust' is not on PATH" in msg and "cannot import 'locust'" in msg and "--locust-bin" in msg
+    assert not (tmp_path / "soak").exists()
+    assert commands.resolve_command("yali-no-such-locust", "json.tool", "--x") == f"{shlex.join([sys.executable, '-m', 'json.tool'])}"
 
 
 def test_load_test_soak_with_fake_vllm(tmp_path, fake_vllm, monkeypatch):
