@@ -1194,7 +1194,7 @@ def test_locust_end_to_end_against_fake_server(tmp_path):
     assert any("empty completion" in f["Error"] for f in failures)
 
 
-def test_a_missing_tool_stops_the_run_before_any_server_starts(tmp_path, fake_vllm, monkeypatch, capsys):
+def test_a_missing_tool_stops_the_run_before_any_server_starts(tmp_path, fake_vllm, monkeypatch):
     """A locust that is neither on PATH nor importable by this python ends load_test.py with a
     message naming it and --locust-bin, before the model is written or a server starts (which
     would cost a GPU host minutes for a run that cannot measure anything)."""
@@ -1208,7 +1208,7 @@ def test_a_missing_tool_stops_the_run_before_any_server_starts(tmp_path, fake_vl
     msg = str(ei.value.code)
     assert "'yali-no-such-locust' is not on PATH" in msg and "cannot import 'locust'" in msg and "--locust-bin" in msg
     assert not (tmp_path / "soak").exists()
-    assert commands.resolve_command("yali-no-such-locust", "json.tool", "--x") == f"{shlex.join([sys.executable, '-m', 'json.tool'])}"
+    assert commands.resolve_command("yali-no-such-locust", "json.tool", "--x") == shlex.join([sys.executable, "-m", "json.tool"])
 
 
 def test_load_test_soak_with_fake_vllm(tmp_path, fake_vllm, monkeypatch):
