@@ -3,7 +3,7 @@
 // that differ would otherwise complete with wrong values whenever they fill the same 16-byte
 // vectors or chunks, or wait for data that never comes.
 //
-// Per call, one thread of the launch (CTA 0's "checker"):
+// Per call, one thread of the launch (the "checker", is_call_checker below):
 //  1. call_begin: advances LocalState::call_seq (n) and stores this rank's descriptor into the
 //     peer's slot n & 1 with one 16-byte store over NVLink, before any data is sent;
 //  2. call_verify, before it waits for any of the peer's data: waits until the peer's descriptor
@@ -45,6 +45,17 @@ inline constexpr bool kCheckCalls = false;
 #else
 inline constexpr bool kCheckCalls = true;
 #endif
+
+// The checker is the last thread of the last CTA. Its wait for the peers' descriptors delays the
+// work of its own thread, and through the CTA's barriers that of its CTA, so it sits where there is
+// the least: a fused kernel's last CTA owns no row whenever the launch has more CTAs than rows
+// (every decode size: one token of hidden 8192 takes 4 CTAs at two ranks), and a flash-push CTA
+// sends at most 64 vectors (Config::push_cta_bytes, 1 KiB), so its last thread sends none. As CTA
+// 0's last thread, whose row CTA 0 normalises together, the check cost the two-rank fused op
+// 0.7-1.3 us at 1-16 tokens (current/fused/20261128-tp2-h200-call-check).
+__device__ __forceinline__ bool is_call_checker() {
+  return blockIdx.x == gridDim.x - 1 && threadIdx.x == blockDim.x - 1;
+}
 
 struct CallCheck {
   CallDesc desc;         // this call

@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) ep_gather_kernel(EpArgs a) {
   wait_prior_grids();
   constexpr int kU = 4;
   const int t = threadIdx.x;
-  const bool checker = blockIdx.x == 0 && t == kFlashThreads - 1;
+  const bool checker = is_call_checker();
   const uint64_t call_n = checker ? a.state->call_seq + 1 : 0;
   uint32_t* call_slot = nullptr;
   const int parity = ep_begin(a, checker, call_n, &call_slot);
@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) ep_reduce_scatter_kernel(EpA
   const int t = threadIdx.x;
   const Vec16* x = static_cast<const Vec16*>(a.rs_in);
   const size_t row_vecs = a.rs_row_bytes / 16;
-  const bool checker = blockIdx.x == 0 && t == kFlashThreads - 1;
+  const bool checker = is_call_checker();
   const uint64_t call_n = checker ? a.state->call_seq + 1 : 0;
   uint32_t* call_slot = nullptr;
   const int parity = ep_begin(a, checker, call_n, &call_slot);

@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kern
   };
   load_batch(p, chunk.begin + t, chunk.end, input);
   if constexpr (kRowLoadsEarly) load_first_row();
-  const bool checker = blockIdx.x == 0 && t == kFlashThreads - 1;
+  const bool checker = is_call_checker();
   const uint64_t call_n = checker ? a.x.state->call_seq + 1 : 0;  // overlaps the epoch fetch
   const uint64_t e = exchange_begin(a.x);
   if (blockIdx.x == 0 && t == 0) atomicAdd(reinterpret_cast<unsigned long long*>(&a.x.state->fused_calls), 1ull);

@@ -82,7 +82,7 @@ struct RankSum {
 };
 
 // The start of every N-rank kernel, by all threads: advances the epochs and returns the parity of
-// this call; the checker thread (CTA 0's last) sends this call's descriptor to every other rank.
+// this call; the checker thread (is_call_checker) sends this call's descriptor to every other rank.
 __device__ __forceinline__ int ranks_begin(const RanksArgs& a, int world, bool checker, uint64_t call_n,
                                            uint32_t** call_slots) {
   const uint64_t e = advance_epochs(a.state, a.total_ctas);
@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) push_oneshot_kernel(RanksArg
   const auto input = [&](size_t k) { return load_input_vector<T>(a.in, k, a.nbytes); };
   Vec16 v[kU];
   load_batch(v, r.begin + t, r.end, input);  // while thread 0 fetches the epoch
-  const bool checker = blockIdx.x == 0 && t == kFlashThreads - 1;
+  const bool checker = is_call_checker();
   const uint64_t call_n = checker ? a.state->call_seq + 1 : 0;
   uint32_t* call_slots = nullptr;
   const int parity = ranks_begin(a, world, checker, call_n, &call_slots);
@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) push_oneshot_kernel(RanksArg
 // every phase, so each element is read (phase A or B) by the thread that later writes it: in-place
 // is safe. A CTA runs the three phases round by round over a.round_vecs of its positions at a
 // time (all of them when 0), each round on positions no other round reads or writes; it runs at
-// least one round, so CTA 0's checker makes the call check even when its range is empty.
+// least one round, so the checker makes the call check even when its CTA's range is empty.
 template <typename T, int kW>
 __global__ void __launch_bounds__(kFlashThreads, 1) push_twoshot_kernel(RanksArgs a) {
   wait_prior_grids();
@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) push_twoshot_kernel(RanksArg
   const size_t vecs = (a.nbytes + 15) / 16;
   const size_t seg = (vecs + world - 1) / world;
   const Range mine_all = split_range(0, seg, gridDim.x, blockIdx.x);
-  const bool checker = blockIdx.x == 0 && t == kFlashThreads - 1;
+  const bool checker = is_call_checker();
   const uint64_t call_n = checker ? a.state->call_seq + 1 : 0;
   uint32_t* call_slots = nullptr;
   const int parity = ranks_begin(a, world, checker, call_n, &call_slots);
@@ -289,14 +289,14 @@ __global__ void __launch_bounds__(kFlashThreads, 1) push_twoshot_kernel(RanksArg
   }
 }
 
-// The fused op's exchange, by all threads of every CTA: the epoch and the call check (CTA 0's last
-// thread), the fused call's count (CTA 0's first), and vectors `chunk` of my input (the first batch
+// The fused op's exchange, by all threads of every CTA: the epoch and the call check (is_call_checker),
+// the fused call's count (CTA 0's first), and vectors `chunk` of my input (the first batch
 // in p already) to every other rank. Returns the call's parity.
 template <typename T, int kW, int kU, typename Load>
 __device__ __forceinline__ int fused_ranks_exchange(const RanksArgs& x, Vec16 (&p)[kU], Range chunk, Load input) {
   const int t = threadIdx.x;
   const int world = world_of<kW>(x);
-  const bool checker = blockIdx.x == 0 && t == kFlashThreads - 1;
+  const bool checker = is_call_checker();
   const uint64_t call_n = checker ? x.state->call_seq + 1 : 0;
   uint32_t* call_slots = nullptr;
   const int parity = ranks_begin(x, world, checker, call_n, &call_slots);
