@@ -41,9 +41,9 @@ OFF_BY_DEFAULT = {
 # FlashInfer's fused kernel measures at least as fast as YALI's at every token count it serves, with
 # the result file. YALI's pass keeps the ranges above them that YALI serves
 # (vllm_fusion.FlashInferThenYaliPass). None today: at 2 and 4 ranks YALI's op is the faster at
-# every token count but one token of hidden 8192 at 2 ranks (1.04 x, open: DESIGN_LOG section 2)
-# (benchmarks/results/current/fused/20261128-tp2-h200, .../20261127-tp4-h100-flashinfer); 6 and 8
-# ranks are not measured against FlashInfer yet.
+# every token count (benchmarks/results/current/fused/20261128-tp2-h200-last-cta, .../20261128-tp2-h200
+# from 256 tokens, .../20261127-tp4-h100-flashinfer); 6 and 8 ranks are not measured against
+# FlashInfer yet.
 FUSION_BY_FLASHINFER: dict[int, str] = {}
 WORLD_SIZES_VAR = "YALI_WORLD_SIZES"
 # The end of build_info() of a library built with the legacy flash kernels (YALI_BUILD_LEGACY=1;
