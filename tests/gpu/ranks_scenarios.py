@@ -504,20 +504,22 @@ def ranks_suite(rank, group, dtypes, fused_plan, replays, seed, stress_rounds):
     ])
 
 
-# The mismatched call: rank 0's side and every other rank's side of the two-rank case where only
-# the call descriptor differs (the same number of 16-byte vectors).
-MISMATCH_CASE = "bf16-1000-vs-997"
+# The mismatched calls: rank 0's side and every other rank's side of two-rank cases where only
+# the call descriptor differs (the same number of 16-byte vectors): a plain all-reduce, and the
+# fused op (above two ranks its spread kernel: 2 rows of hidden 4096 against 1 of 8192).
+MISMATCH_CASES = ("bf16-1000-vs-997", "fused-hidden")
 
 
-def mismatched_size(rank, group, seed, wait_s):
-    """After one good call, rank 0 all-reduces 1000 bf16 elements and every other rank 997: every
-    rank must record a YALI abort within `wait_s` seconds and raise YaliError, not hang. Nothing
-    runs on the GPU afterwards (a trapped kernel loses the process's CUDA context)."""
+def mismatched_call(rank, group, seed, wait_s, case):
+    """After one good call, rank 0 issues its side of reliability.MISMATCH_CASES[case] and every
+    other rank the other side: every rank must record a YALI abort within `wait_s` seconds and
+    raise YaliError, not hang. Nothing runs on the GPU afterwards (a trapped kernel loses the
+    process's CUDA context)."""
     dev = _device()
     comm = YaliCommunicator(group, dev)
     problems, _, _ = _all_reduce_check(comm, comm.world_size, seed, 4099, torch.bfloat16, rank, False, dev)
     dist.barrier(group)
     t0 = time.time()
-    side = reliability.MISMATCH_CASES[MISMATCH_CASE][0 if rank == 0 else 1]
+    side = reliability.MISMATCH_CASES[case][0 if rank == 0 else 1]
     reliability._call(comm, side, dev)
     return {"good_call_problems": problems, **reliability._record_then_error(comm, t0, wait_s)}

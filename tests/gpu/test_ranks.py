@@ -180,9 +180,10 @@ def test_two_shot_in_rounds_matches_the_rank_order_sum(rounds_suite):
 
 @pytest.mark.gpu
 @pytest.mark.timeout(max(MISMATCH_BOUND_S.values()) + 30)
+@pytest.mark.parametrize("case", rs.MISMATCH_CASES)
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=lambda n: f"{n}-ranks")
-def test_mismatched_size_ends_in_yali_error(world_size):
-    res = run_ranks(rs.mismatched_size, SEED, MISMATCH_TIMEOUT_S + MISMATCH_MARGIN_S, world_size=world_size,
+def test_mismatched_call_ends_in_yali_error(world_size, case):
+    res = run_ranks(rs.mismatched_call, SEED, MISMATCH_TIMEOUT_S + MISMATCH_MARGIN_S, case, world_size=world_size,
                     timeout=MISMATCH_BOUND_S[world_size], env={"YALI_TIMEOUT_S": str(MISMATCH_TIMEOUT_S)})
     for rank, r in enumerate(res):
         assert not r["good_call_problems"], (rank, r)
