@@ -48,13 +48,13 @@ inline constexpr bool kCheckCalls = true;
 
 // The checker is the last thread of the last CTA. Its wait for the peers' descriptors delays the
 // work of its own thread, and through the CTA's barriers that of its CTA, so it sits where there is
-// the least: a fused kernel's last CTA owns no row whenever the launch has more CTAs than rows (at
-// two ranks every token count up to 64 but 32 of hidden 4096), and a flash-push CTA sends at
-// most 64 vectors (Config::push_cta_bytes, 1 KiB), so its last thread sends none. As CTA 0's last
-// thread, whose row CTA 0 normalises together, the check cost the two-rank fused op 0.5-1.3 us at
-// 1-16 tokens; here 0-0.25 us (current/fused/20261128-tp2-h200-call-check). The N-rank fused
-// kernel that spreads a row over a cluster gives every CTA a slice: there the checker's wait is
-// in front of its slice whenever the slice has a vector for every thread (hidden 8192 at 4 ranks).
+// the least. A fused kernel's last CTA owns no row whenever the launch has more CTAs than rows (at
+// two ranks every token count up to 64 but 32 of hidden 4096); CTA 0's last thread owns vectors
+// of row 0, which CTA 0 normalises together, and as that thread the check cost the two-rank fused
+// op 0.5-1.3 us at 1-16 tokens, here 0-0.25 us (current/fused/20261128-tp2-h200-call-check). A
+// flash-push CTA holds fewer vectors than its kFlashThreads threads below 1 MiB (Config::
+// push_cta_bytes, 1 KiB per CTA up to flash_ctas CTAs), and so does a slice of the N-rank spread
+// kernel at hidden 8192 and 4 CTAs a row (256 vectors): there the last thread holds none.
 __device__ __forceinline__ bool is_call_checker() {
   return blockIdx.x == gridDim.x - 1 && threadIdx.x == blockDim.x - 1;
 }

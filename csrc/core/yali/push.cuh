@@ -22,7 +22,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) flash_push_kernel(ExchangeAr
   const auto input = [&](size_t k) { return load_input_vector<T>(a.in, k, a.nbytes); };
   Vec16 v[kU];
   load_batch(v, r.begin + t, r.end, input);  // while thread 0 fetches the epoch
-  const bool checker = is_call_checker();  // sends nothing (call_check.cuh)
+  const bool checker = is_call_checker();  // sends nothing below 1 MiB (call_check.cuh)
   const uint64_t call_n = checker ? a.state->call_seq + 1 : 0;     // overlaps the epoch fetch
   const uint64_t e = exchange_begin(a);
   const size_t par = (e & 1) * a.parity_bytes;
