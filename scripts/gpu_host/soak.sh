@@ -6,6 +6,9 @@
 # ERROR/Traceback in the server log. Right after installing the gpu-stack, pass what is left of a
 # 10-minute run:
 #   bash .gpu-stack/install.sh .gpu-stack > /tmp/install.log && SOAK_BUDGET_S=$((580 - SECONDS)) OUT=$OUT bash scripts/gpu_host/soak.sh
+# A server's first start compiles (healthy after ~210 s at TP=2 on 2xH200), so 350 s of load or more
+# need a run of their own, not one that also installs the stack
+# (benchmarks/results/current/soak/20261128-70b-tp2-h200: 206 s of load after install + start).
 . scripts/gpu_host/env.sh
 name="soak-70b-$(date +%Y%m%d)"
 work=/tmp/$name

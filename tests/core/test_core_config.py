@@ -310,6 +310,20 @@ def test_fused_launch_knobs(monkeypatch):
     assert (c["fused_cta_bytes"], c["fused_row_loads_early"], c["fused_cluster"]) == (4 * KiB, 0, 8)
 
 
+@pytest.mark.parametrize("rows, hidden, launch", [
+    (1, 8192, (4 * KiB, 0, 4)),     # up to 128 KiB: 4 KiB per CTA, loads after, clusters of up to 8
+    (16, 4096, (4 * KiB, 0, 8)),
+    (24, 4096, (4 * KiB, 0, 1)),    # up to 256 KiB, rows of at most 8 KiB: 4 KiB per CTA, loads after
+    (32, 4096, (4 * KiB, 0, 1)),
+    (16, 8192, (8 * KiB, 1, 1)),    # up to 256 KiB, larger rows: 8 KiB per CTA, loads first
+    (33, 4096, (1 * KiB, 0, 1)),    # above: 1 KiB per CTA
+])
+def test_two_rank_fused_size_table(rows, hidden, launch):
+    # plan.cpp: fused_launch_for, bf16 (current/fused/20261128-tp2-h200-launch-band)
+    p = config.fused_plan(rows, hidden, torch.bfloat16)
+    assert (p["cta_bytes"], p["row_loads_early"], p["cluster"]) == launch, p
+
+
 @pytest.mark.parametrize("var,value", [("YALI_DEV_FUSED_ROW_LOADS_EARLY", "2"), ("YALI_DEV_FUSED_ROW_LOADS_EARLY", "-2"),
                                        ("YALI_DEV_FUSED_CTA_BYTES", "100"), ("YALI_DEV_FUSED_CLUSTER", "9"),
                                        ("YALI_DEV_FUSED_CLUSTER", "-2")])

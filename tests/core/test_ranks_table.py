@@ -116,26 +116,34 @@ def test_buffer_is_the_push_area_and_call_slots(world, top):
     assert 4 * top <= torch.ops.yali.shared_bytes_for_env(world) <= 4 * top + 8 * KiB
 
 
-@pytest.mark.parametrize("world, rows", [(4, 128), (8, 64)])
-def test_fused_one_launch_stops_at_the_slot_of_an_8_mib_two_shot(world, rows, monkeypatch):
-    # 2 MiB at 4 ranks, 1 MiB at 8 (hidden 8192, bf16), whatever YALI_DEV_RANKS_MAX makes the slot
+@pytest.mark.parametrize("world", [4, 6, 8])
+def test_fused_one_launch_stops_at_512_kib(world, monkeypatch):
+    # 32 tokens of hidden 8192 in bf16 (plan.cpp kRanksFusedOneLaunchMax), whatever YALI_DEV_RANKS_MAX
+    # makes the slot above it
+    def one_launch(rows):
+        return config.fused_plan(rows, 8192, torch.bfloat16, world_size=world)["one_launch"]
+
     for limit in (None, "64M"):
         if limit:
             monkeypatch.setenv("YALI_DEV_RANKS_MAX", limit)
-        assert config.fused_plan(rows, 8192, torch.bfloat16, world_size=world)["one_launch"]
-        assert not config.fused_plan(rows + 1, 8192, torch.bfloat16, world_size=world)["one_launch"]
-    monkeypatch.setenv("YALI_DEV_RANKS_MAX", "1M")  # a smaller slot bounds it
-    assert not config.fused_plan(rows, 8192, torch.bfloat16, world_size=world)["one_launch"]
+        assert (one_launch(32), one_launch(33)) == (1, 0)
 
 
-def test_fused_one_launch_knob_lowers_the_limit_within_the_slot(monkeypatch):
-    # the default: test_fused_one_launch_stops_at_the_slot_of_an_8_mib_two_shot
+def test_fused_one_launch_never_exceeds_the_slot(monkeypatch):
+    # 8 ranks with YALI_DEV_RANKS_MAX=1M: a 256 KiB slot (the one-shot limit), 16 rows of hidden 8192
+    monkeypatch.setenv("YALI_DEV_RANKS_MAX", "1M")
+    assert torch.ops.yali.ranks_table(8)[2] == 256 * KiB
+    assert [config.fused_plan(r, 8192, torch.bfloat16, world_size=8)["one_launch"] for r in (16, 17)] == [1, 0]
+
+
+def test_fused_one_launch_knob_moves_the_limit_within_the_slot(monkeypatch):
+    # the default: test_fused_one_launch_stops_at_512_kib
     def one_launch(rows, world=4):
         return config.fused_plan(rows, 8192, torch.bfloat16, world_size=world)["one_launch"]
 
-    monkeypatch.setenv("YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX", "512K")
-    assert config.kernel_config()["ranks_fused_one_launch_max"] == 512 * KiB
-    assert (one_launch(32), one_launch(33), one_launch(32, world=8)) == (1, 0, 1)
+    monkeypatch.setenv("YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX", "256K")
+    assert config.kernel_config()["ranks_fused_one_launch_max"] == 256 * KiB
+    assert (one_launch(16), one_launch(17), one_launch(16, world=8)) == (1, 0, 1)
     monkeypatch.setenv("YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX", "16M")  # never above one rank's slot: 4 MiB at 4 ranks
     assert (one_launch(256), one_launch(257)) == (1, 0)
 

@@ -91,7 +91,7 @@ struct Config {
   // YALI_DEV_RANKS_ONESHOT_MAX: push one-shot up to here, push two-shot above; 0 = by world size.
   size_t ranks_oneshot_max = 0;
   // YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX: the largest N-rank fused op served in one launch, at most
-  // one rank's slot; 0 = by world size (plan.cpp ranks_fused_one_launch_max).
+  // one rank's slot; 0 = 512 KiB (plan.cpp ranks_fused_one_launch_max).
   size_t ranks_fused_one_launch_max = 0;
   // YALI_DEV_RANKS_FUSED_SPREAD: the one-launch fused op at N ranks spreads every row over a
   // cluster of this many CTAs (2, 4 or 8; while rows x it <= 64), each adding and normalising its

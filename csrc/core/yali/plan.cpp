@@ -15,6 +15,13 @@ size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
 // override Config::mode: Rank::all_reduce).
 size_t largest_flash_message(const Config& c) { return std::min(c.flash_bytes, c.max_bytes); }
 
+// N ranks: the largest one-launch fused message (YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX sets another,
+// within one rank's slot). At 4 ranks, hidden 8192 bf16, the two-launch path is faster from 48
+// tokens on: 10.44 against 12.56 us at 48, 11.48 against 14.66 at 64, 17.21 against 23.40 at 128;
+// 32 tokens (512 KiB) take 10.42 us in one launch (current/fused/20261128-tp4-h200-one-launch).
+// Not measured at 6 and 8 ranks, where a one-shot exchange carries more per byte of message.
+constexpr size_t kRanksFusedOneLaunchMax = size_t(512) << 10;
+
 }  // namespace
 
 int push_ctas(const Config& c, size_t bytes) {
@@ -94,7 +101,7 @@ size_t ranks_slot_bytes(const Config& c, int world) { return slot_for(c, world, 
 size_t ranks_fused_one_launch_max(const Config& c, int world) {
   const size_t slot = ranks_slot_bytes(c, world);
   if (c.ranks_fused_one_launch_max != 0) return std::min(slot, c.ranks_fused_one_launch_max);
-  return std::min(slot, slot_for(c, world, size_t(8) << 20));
+  return std::min(slot, kRanksFusedOneLaunchMax);
 }
 
 Plan plan_for(const Config& c, size_t nbytes, int world) {
@@ -151,12 +158,8 @@ FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType 
   l.pdl = c.pdl != 0;
   // One launch while the message fits the push area; above it the all-reduce table's kernel
   // (stream) and then the epilogue alone, one CTA per row, up to 1024 CTAs.
-  // N ranks: one launch while the message fits one rank's slot of an 8 MiB two-shot (1 MiB at 8
-  // ranks, 2 MiB at 4: 64 and 128 tokens of hidden 8192 in bf16), exchanged as push one-shot
-  // exchanges, whatever YALI_DEV_RANKS_MAX makes the slot (YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX
-  // lowers it). Not timed against the two-launch path at the same size. At 4 ranks the one-launch
-  // op costs 23.7 us at 128 tokens of hidden 8192 (2 MiB) where the two-launch path takes 256
-  // tokens in 26.5 us (current/fused/20261128-tp4-h100-h5120): the crossover is likely lower.
+  // N ranks: one launch (push one-shot exchanges) up to kRanksFusedOneLaunchMax, within one
+  // rank's slot; above it the two-launch path (push two-shot, then the epilogue).
   l.one_launch = world > 2 ? nbytes <= ranks_fused_one_launch_max(c, world) : nbytes <= c.flash_bytes;
   if (!l.one_launch) {
     l.grid = int(std::min<size_t>(rows, 1024));
@@ -167,7 +170,9 @@ FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType 
   //  * up to 128 KiB (8 tokens): 4 KiB per CTA with the loads after the send, 0.0-0.5 us faster
   //    than 1 KiB with them first;
   //  * up to 256 KiB (16 tokens): 8 KiB per CTA with the loads first, the fastest (4.48 against
-  //    5.07 us);
+  //    5.07 us); rows of at most 8 KiB (hidden 4096 in bf16, 17-32 tokens) send 4 KiB per CTA
+  //    with the loads after: 4.13-4.29 against 4.61-4.75 us at 24-32 tokens, where hidden 8192
+  //    keeps 8 KiB (4.99 against 5.14 us at 16 tokens) (current/fused/20261128-tp2-h200-launch-band);
   //  * above: 1 KiB per CTA (the most CTAs: the chunk size does not matter once 128 CTAs send),
   //    the loads after the send, equal at 512 KiB-1 MiB and 0.3 us faster at 2 MiB.
   // Thread block clusters of up to 8 CTAs up to 128 KiB. The kernel uses nothing of the
@@ -184,6 +189,7 @@ FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType 
   size_t cta_bytes;
   int cluster;
   if (nbytes <= (128u << 10)) cta_bytes = 4u << 10, l.row_loads_early = false, cluster = 8;
+  else if (nbytes <= (256u << 10) && row_bytes <= (8u << 10)) cta_bytes = 4u << 10, l.row_loads_early = false, cluster = 1;
   else if (nbytes <= (256u << 10)) cta_bytes = 8u << 10, l.row_loads_early = true, cluster = 1;
   else cta_bytes = 1u << 10, l.row_loads_early = false, cluster = 1;
   if (c.fused_cta_bytes != 0) cta_bytes = c.fused_cta_bytes;

@@ -32,8 +32,7 @@ size_t ranks_oneshot_max(const Config& c, int world);
 // message, or one rank's segment of the largest two-shot message.
 size_t ranks_slot_bytes(const Config& c, int world);
 // N ranks: the largest message of the one-launch fused op: Config::ranks_fused_one_launch_max, or
-// else one rank's slot of an 8 MiB two-shot (the one-shot limit where that is larger), whatever
-// the all-reduce's limit; never above ranks_slot_bytes.
+// else 512 KiB (plan.cpp says why); never above ranks_slot_bytes.
 size_t ranks_fused_one_launch_max(const Config& c, int world);
 
 // Whether the table can pick a legacy flash kernel for some message and mode:
