@@ -24,15 +24,19 @@ KERNEL_NAMES = {0: None, 1: "flash-oneshot", 2: "flash-twoshot", 3: "stream", 4:
 # The world sizes (ranks of a tensor-parallel group) YALI serves: 2 with the two-rank kernels
 # (flash-push, stream), 4, 6 and 8 with the N-rank push one-shot and two-shot (csrc/core/yali/ranks.cuh).
 WORLD_SIZES = (2, 4, 6, 8)
-# The world sizes the vLLM plugin serves when YALI_WORLD_SIZES is unset: those where committed
-# serving runs on real GPUs show YALI at parity with vLLM's defaults or better (c=1 TPOT, c=32
+# The world sizes the vLLM plugin serves when YALI_WORLD_SIZES is unset, each with the committed
+# serving run on real GPUs that shows YALI at parity with vLLM's defaults or better (c=1 TPOT, c=32
 # output tokens/s, TTFT). A plugin that makes a server slower is not on by default.
-DEFAULT_WORLD_SIZES = (2,)  # 70B TP=2: benchmarks/results/current/serving/20261122-70b-comparison
+ON_BY_DEFAULT = {
+    2: "8B TP=2 on 2xH200, two alternated starts each: TTFT 0.79x at concurrency 1, concurrency-32 tokens/s "
+       "1.041x, c=1 TPOT no different (benchmarks/results/current/serving/20261128-8b-tp2-h200-alternated)",
+    4: "70B TP=4 on 4xH200, two alternated starts each: TPOT 0.994x at concurrency 1 and 0.987x at 8, "
+       "concurrency-32 tokens/s and every TTFT no different "
+       "(benchmarks/results/current/serving/20261128-70b-tp4-h200-alternated)",
+}
+DEFAULT_WORLD_SIZES = tuple(sorted(ON_BY_DEFAULT))
 # Why each other world size the kernels serve is off by default (its result file, where one exists).
 OFF_BY_DEFAULT = {
-    4: "a 70B TP=4 server decodes faster with YALI (TPOT 0.989x at concurrency 1, alternated starts) but "
-       "its concurrency-1 TTFT p50 is 1.062x vLLM's defaults: its 1024-token prefill steps, which run no YALI "
-       "kernel, are slower for a reason not yet known (benchmarks/results/current/serving/20261127-70b-tp4-alternated)",
     6: "no serving run at TP=6 yet",
     8: "no serving run at TP=8 yet",
 }
@@ -217,16 +221,19 @@ def plugin_world_sizes(environ=None) -> tuple[int, ...]:
 
 def plugin_world_size_refusal(world_size: int, environ=None) -> str | None:
     """Why the vLLM plugin leaves a TP group of `world_size` ranks to vLLM's chain, or None when
-    it serves it: a world size the kernels do not serve (world_size_refusal), or one that is off
-    by default (OFF_BY_DEFAULT) and not listed in YALI_WORLD_SIZES."""
+    it serves it: a world size the kernels do not serve (world_size_refusal), one that is off by
+    default (OFF_BY_DEFAULT) and not listed in YALI_WORLD_SIZES, or one that YALI_WORLD_SIZES leaves out."""
     refusal = world_size_refusal(world_size)
     if refusal is not None:
         return refusal
     enabled = plugin_world_sizes(environ)
     if world_size in enabled:
         return None
-    why = OFF_BY_DEFAULT.get(world_size, "not measured in serving")
     turn_on = ",".join(str(n) for n in sorted({*enabled, world_size}))
+    if world_size in ON_BY_DEFAULT:  # on by default, left out by the variable
+        listed = ",".join(str(n) for n in enabled)
+        return f"world size {world_size} is not in {WORLD_SIZES_VAR}={listed}; {WORLD_SIZES_VAR}={turn_on} turns it on"
+    why = OFF_BY_DEFAULT.get(world_size, "not measured in serving")
     return (f"world size {world_size} is off by default: {why}; "
             f"{WORLD_SIZES_VAR}={turn_on} turns it on")
 

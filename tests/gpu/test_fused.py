@@ -133,7 +133,9 @@ def test_fused_sweep_matches_vllm_reference(suite):
         bands = {(l["cta_bytes"], l["row_loads_early"]) for _, _, l in launches}
         assert bands == {(4096, 0), (8192, 1), (1024, 0)}, bands
         for nbytes, rows, l in launches:
-            want = (4096, 0) if nbytes <= 128 << 10 else (8192, 1) if nbytes <= 256 << 10 else (1024, 0)
+            row_bytes = nbytes // rows
+            want = ((4096, 0) if nbytes <= 128 << 10 or (nbytes <= 256 << 10 and row_bytes <= 8 << 10)
+                    else (8192, 1) if nbytes <= 256 << 10 else (1024, 0))
             assert (l["cta_bytes"], l["row_loads_early"]) == want, (nbytes, l)
             senders = min(128, -(-nbytes // l["cta_bytes"]))
             assert l["grid"] == max(senders, min(rows, 128)), (nbytes, rows, l)

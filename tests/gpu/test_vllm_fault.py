@@ -1,8 +1,8 @@
 """A TP worker killed under `vllm serve` with YALI on (GPU host only: TP=2, and TP=4 on a host with
 four GPUs).
 
-16 clients stream long completions from a TP=2 or TP=4 server of the embedded 8B model (TP=4 with
-YALI_WORLD_SIZES=all, since the plugin leaves it off by default); one worker (the one on the last
+16 clients stream long completions from a TP=2 or TP=4 server of the embedded 8B model (with
+YALI_WORLD_SIZES=all, as the benchmarks' yali configurations run); one worker (the one on the last
 GPU of the server) gets SIGKILL mid-run. Within KILL_BOUND_S of the kill every stream has
 ended (an error, or the connection closed), the server has exited or answers errors, no process
 of the server still holds a GPU, and the server's log says why. The surviving rank is either

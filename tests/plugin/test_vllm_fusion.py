@@ -148,12 +148,13 @@ def test_no_world_size_leaves_its_fused_pairs_to_flashinfer():
 
 
 def test_every_listed_reason_names_a_committed_result():
-    """The reasons of OFF_BY_DEFAULT and FUSION_BY_FLASHINFER that name a result directory name one
-    that is committed (with its README)."""
+    """The reasons of ON_BY_DEFAULT, OFF_BY_DEFAULT and FUSION_BY_FLASHINFER that name a result
+    directory name one that is committed (with its README); every world size on by default names
+    its serving run."""
     repo = Path(__file__).resolve().parents[2]
-    named = [path for reason in [*config.OFF_BY_DEFAULT.values(), *config.FUSION_BY_FLASHINFER.values()]
-             for path in re.findall(r"benchmarks/results/[\w./-]+[\w-]", reason)]
-    assert named  # TP=4's reason names its serving run
+    reasons = [*config.ON_BY_DEFAULT.values(), *config.OFF_BY_DEFAULT.values(), *config.FUSION_BY_FLASHINFER.values()]
+    named = [path for reason in reasons for path in re.findall(r"benchmarks/results/[\w./-]+[\w-]", reason)]
+    assert all("benchmarks/results/current/serving/" in why for why in config.ON_BY_DEFAULT.values())
     for path in named:
         assert (repo / path / "README.md").is_file(), path
 

@@ -92,21 +92,23 @@ def test_gate_on_for_served_world_sizes_on_one_host(world_size, every_world_size
     assert yali_gate("tp:3", world_size, ["h"] * world_size, True, True, p2p=True) == (True, "ok")
 
 
-@pytest.mark.parametrize("world_size", [4, 6, 8])
+@pytest.mark.parametrize("world_size", [6, 8])
 def test_gate_leaves_unmeasured_world_sizes_off_by_default(world_size, monkeypatch):
     """Only world sizes whose serving runs show YALI at parity with vLLM's defaults are on
     without YALI_WORLD_SIZES; the reason names the result and the variable that turns it on."""
     monkeypatch.delenv("YALI_WORLD_SIZES", raising=False)
     assert yali_gate("tp:0", 2, ["h"] * 2, True, True) == (True, "ok")
+    assert yali_gate("tp:0", 4, ["h"] * 4, True, True, p2p=True) == (True, "ok")
     ok, reason = yali_gate("tp:0", world_size, ["h"] * world_size, True, True, p2p=True)
     assert not ok
     assert reason == (f"world size {world_size} is off by default: {config.OFF_BY_DEFAULT[world_size]}; "
-                      f"YALI_WORLD_SIZES=2,{world_size} turns it on")
+                      f"YALI_WORLD_SIZES=2,4,{world_size} turns it on")
     monkeypatch.setenv("YALI_WORLD_SIZES", f"2,{world_size}")
     assert yali_gate("tp:0", world_size, ["h"] * world_size, True, True, p2p=True) == (True, "ok")
-    monkeypatch.setenv("YALI_WORLD_SIZES", str(world_size))  # two ranks off, named with the default reason
+    monkeypatch.setenv("YALI_WORLD_SIZES", str(world_size))  # two ranks, on by default, left out by the variable
     ok, reason = yali_gate("tp:0", 2, ["h"] * 2, True, True)
-    assert not ok and reason.startswith("world size 2 is off by default") and f"YALI_WORLD_SIZES=2,{world_size}" in reason
+    assert not ok and reason == (f"world size 2 is not in YALI_WORLD_SIZES={world_size}; "
+                                 f"YALI_WORLD_SIZES=2,{world_size} turns it on")
 
 
 @pytest.mark.parametrize("raw, bad", [("3", "'3'"), ("2,x", "'x'"), ("2;4", "'2;4'"), ("16", "'16'"), ("2,,4", "''")])
@@ -121,11 +123,11 @@ def test_world_sizes_bad_value_names_the_variable(raw, bad, monkeypatch):
     assert not ok and reason == f"invalid YALI_* setting: {msg}"
 
 
-@pytest.mark.parametrize("raw, sizes", [("", (2,)), ("2", (2,)), (" 4 , 2 ", (2, 4)), ("all", (2, 4, 6, 8)),
+@pytest.mark.parametrize("raw, sizes", [("", (2, 4)), ("2", (2,)), (" 4 , 2 ", (2, 4)), ("all", (2, 4, 6, 8)),
                                         ("ALL", (2, 4, 6, 8)), ("8,8", (8,))])
 def test_world_sizes_values(raw, sizes):
     assert config.plugin_world_sizes({"YALI_WORLD_SIZES": raw}) == sizes
-    assert config.plugin_world_sizes({}) == config.DEFAULT_WORLD_SIZES == (2,)
+    assert config.plugin_world_sizes({}) == config.DEFAULT_WORLD_SIZES == (2, 4)
 
 
 @pytest.mark.parametrize("world_size", [1, 3, 5, 7, 16])
@@ -622,8 +624,10 @@ def _rank_worker(rank: int, port: int, world_size: int, outdir: str) -> None:
             del os.environ["YALI_FUSION"]
         res["cuda_fusion_set_differs"] = _decision(comm)
         os.environ.pop("YALI_FUSION", None)
-        del os.environ["YALI_WORLD_SIZES"]  # the default: two ranks only
+        del os.environ["YALI_WORLD_SIZES"]  # the default: two and four ranks
         res["cuda_default_world_sizes"] = _decision(comm)
+        os.environ["YALI_WORLD_SIZES"] = "8"  # leaves this group's world size out
+        res["cuda_left_out_world_size"] = _decision(comm)
         os.environ["YALI_WORLD_SIZES"] = "2,5"
         res["cuda_bad_world_sizes"] = _decision(comm)
         os.environ["YALI_WORLD_SIZES"] = "all"
@@ -725,15 +729,16 @@ def test_ranks_agree_on_yali_enable(cpu_ranks):
 
 
 def test_ranks_follow_the_default_world_sizes(cpu_ranks):
-    """Without YALI_WORLD_SIZES two ranks go on to the communicator (which refuses on a CPU
-    machine); four stay off, every rank with the one reason that names the variable."""
+    """Without YALI_WORLD_SIZES two and four ranks go on to the communicator (which refuses on a
+    CPU machine); a YALI_WORLD_SIZES that leaves the group's size out keeps it off, every rank with
+    the one reason that names the variable (six and eight ranks: test_gate_leaves_unmeasured_...)."""
     n = len(cpu_ranks)
     reason, warn = _same_on_every_rank(cpu_ranks, "cuda_default_world_sizes")
-    if n == 2:
-        assert "YALI unavailable" in reason or "cannot be imported" in reason
-    else:
-        assert reason == config.plugin_world_size_refusal(n, {}) and not warn
-        assert f"world size {n} is off by default" in reason and f"YALI_WORLD_SIZES=2,{n} turns it on" in reason
+    assert n in config.DEFAULT_WORLD_SIZES
+    assert "YALI unavailable" in reason or "cannot be imported" in reason
+    reason, warn = _same_on_every_rank(cpu_ranks, "cuda_left_out_world_size")
+    assert reason == config.plugin_world_size_refusal(n, {"YALI_WORLD_SIZES": "8"}) and not warn
+    assert reason == f"world size {n} is not in YALI_WORLD_SIZES=8; YALI_WORLD_SIZES={n},8 turns it on"
 
 
 # ------------------------------------------- the plugin's lines in vLLM's log
