@@ -28,7 +28,7 @@ from benchmarks.common.cli_args import parse_csv_list
 from benchmarks.common.results import default_out
 from benchmarks.serving.budget import Deadline, Progress
 from benchmarks.serving.commands import pick_port
-from benchmarks.serving.configs import SERVER_CONFIGS
+from benchmarks.serving.configs import SERVER_CONFIGS, add_variants
 from benchmarks.serving.model import default_model_dir, prepare_model
 from benchmarks.serving.profile_analysis import merge, profile_doc, write_doc
 from benchmarks.serving.profiler import profile_request, profiler_config
@@ -77,9 +77,8 @@ def main() -> int:
         deadline = Deadline(args.budget_s)
         say = Progress("decode-profile", deadline)
         model_dir = prepare_model(args.model_size, args.model_dir or default_model_dir(args.model_size))
+        add_variants(parse_csv_list(args.configs))
         for cfg in parse_csv_list(args.configs):
-            if cfg not in SERVER_CONFIGS:
-                ap.error(f"--configs: unknown configuration {cfg!r} (known: {', '.join(SERVER_CONFIGS)})")
             try:
                 profile_config(args, cfg, model_dir, out, deadline, say)
             except Exception as e:  # keep the other configuration's profile

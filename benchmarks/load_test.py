@@ -44,7 +44,7 @@ from benchmarks.common.results import (
 )
 from benchmarks.serving.budget import Deadline, Progress, Terminated, install_signal_handlers
 from benchmarks.serving.commands import ServerError, pick_port, resolve_command
-from benchmarks.serving.configs import SERVER_CONFIGS
+from benchmarks.serving.configs import SERVER_CONFIGS, add_variants
 from benchmarks.serving.locust import (
     KIND,
     RESULT_NAME,
@@ -105,9 +105,7 @@ def resolve_args(args: argparse.Namespace) -> list[str]:
         configs = parse_csv_list(args.configs)
         args.users = args.users or 32
         args.duration_s = args.duration_s or 60
-    unknown = [c for c in configs if c not in SERVER_CONFIGS]
-    if unknown:
-        raise SystemExit(f"unknown config(s) {unknown}; known: {list(SERVER_CONFIGS)}")
+    add_variants(configs)
     if args.chat_weight == 0 and args.completions_weight == 0:
         raise SystemExit("--chat-weight and --completions-weight are both 0: no user to run")
     refusal = tensor_parallel_refusal(args.model_size, args.world_size)

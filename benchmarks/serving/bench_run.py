@@ -25,7 +25,7 @@ from benchmarks.serving.budget import (
 )
 from benchmarks.serving import profile_analysis
 from benchmarks.serving.commands import ServerError, pick_port, resolve_command, split_command, tail_lines
-from benchmarks.serving.configs import SERVER_CONFIGS
+from benchmarks.serving.configs import SERVER_CONFIGS, add_variants
 from benchmarks.serving.locust import LoadTests
 from benchmarks.serving.logs import yali_off_line
 from benchmarks.serving.model import default_model_dir, model_summary, prepare_model, tensor_parallel_refusal
@@ -50,9 +50,7 @@ def estimates_key(args: argparse.Namespace) -> str:
 
 def validate_args(args: argparse.Namespace) -> list[str]:
     configs = parse_csv_list(args.configs)
-    unknown = [c for c in configs if c not in SERVER_CONFIGS]
-    if unknown:
-        raise SystemExit(f"unknown config(s) {unknown}; known: {list(SERVER_CONFIGS)}")
+    add_variants(configs)
     if args.soak_s and "yali" not in configs:
         raise SystemExit("--soak-s soaks the yali server: add yali to --configs")
     need = max(args.random_input_len, args.long_prompt_len) + args.random_output_len

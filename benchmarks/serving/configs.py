@@ -1,5 +1,7 @@
 """The server configurations compared: yali, vLLM's defaults, the FlashInfer-fusion control, NCCL only;
-and for MoE models data + expert parallelism with YALI's dispatch / combine or vLLM's manager."""
+and for MoE models data + expert parallelism with YALI's dispatch / combine or vLLM's manager.
+`BASE+VAR=VALUE[+VAR=VALUE...]` names a variant: BASE with those YALI_* settings
+(add_variants)."""
 
 from __future__ import annotations
 
@@ -84,3 +86,45 @@ SERVER_CONFIGS: dict[str, ServerConfig] = {
         "YALI_ENABLE=0, --disable-custom-all-reduce, fuse_allreduce_rms off: NCCL only",
     ),
 }
+
+
+# A variant sets YALI_* names only, so the multicast-off environment every server gets stays as it is.
+VARIANT_SEP = "+"
+
+
+def variant(name: str) -> ServerConfig:
+    """The configuration `BASE+VAR=VALUE[+VAR=VALUE...]`: BASE with those YALI_* settings, e.g.
+    `yali+YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX=131072`, a size-table choice served against `yali` in
+    one alternation. ValueError naming the bad part."""
+    from yali_vllm.config import unknown_variables
+
+    base, *settings = name.split(VARIANT_SEP)
+    if base not in SERVER_CONFIGS:
+        raise ValueError(f"configuration {name!r}: unknown base {base!r}; known: {', '.join(SERVER_CONFIGS)}")
+    if not settings:
+        raise ValueError(f"configuration {name!r}: no VAR=VALUE after {base!r}")
+    env = dict(SERVER_CONFIGS[base].env)
+    for setting in settings:
+        var, eq, value = setting.partition("=")
+        if not eq or not var or not value:
+            raise ValueError(f"configuration {name!r}: {setting!r} is not VAR=VALUE")
+        if not var.startswith("YALI_") or unknown_variables({var: value}):
+            raise ValueError(f"configuration {name!r}: {var!r} is not a YALI_* setting or YALI_DEV_* knob")
+        env[var] = value
+    cfg = SERVER_CONFIGS[base]
+    return ServerConfig(name, env, cfg.args, f"{cfg.description}; with {', '.join(settings)}", cfg.parallel)
+
+
+def add_variants(names: list[str]) -> None:
+    """Every name a configuration: a known one, or a variant, which is added to SERVER_CONFIGS.
+    SystemExit naming the first bad name."""
+    for name in names:
+        if name in SERVER_CONFIGS:
+            continue
+        if VARIANT_SEP not in name:
+            raise SystemExit(f"unknown config {name!r}; known: {list(SERVER_CONFIGS)}, "
+                             f"or BASE{VARIANT_SEP}YALI_VAR=VALUE")
+        try:
+            SERVER_CONFIGS[name] = variant(name)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None

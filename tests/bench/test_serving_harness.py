@@ -343,6 +343,44 @@ def test_server_commands_and_env_per_config():
         assert all(env[k] == v for k, v in MULTICAST_OFF.items())
 
 
+def test_a_variant_is_its_base_with_yali_settings(monkeypatch):
+    """`BASE+VAR=VALUE...` serves BASE's command with those YALI_* settings on top of BASE's
+    environment, multicast still off; add_variants registers it for the run."""
+    monkeypatch.setattr(configs, "SERVER_CONFIGS", dict(configs.SERVER_CONFIGS))
+    name = "yali+YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX=131072+YALI_TIMEOUT_S=30"
+    configs.add_variants(["yali", "vllm-default", name])
+    cfg = configs.SERVER_CONFIGS[name]
+    base = configs.SERVER_CONFIGS["yali"]
+    assert cfg.name == name and cfg.args == base.args and cfg.parallel == base.parallel
+    assert cfg.env == {**base.env, "YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX": "131072", "YALI_TIMEOUT_S": "30"}
+    assert base.env == configs.YALI_ON  # the base is unchanged
+    env = server.server_env(cfg)
+    assert env["YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX"] == "131072" and env["YALI_ENABLE"] == "1"
+    assert all(env[k] == v for k, v in MULTICAST_OFF.items())
+    assert server.server_command("vllm", "/m", cfg, 8123, max_num_seqs=64) == \
+        server.server_command("vllm", "/m", base, 8123, max_num_seqs=64)
+    nccl = configs.variant("nccl+YALI_ENABLE=1")
+    assert "--disable-custom-all-reduce" in nccl.args and nccl.env["YALI_ENABLE"] == "1"
+
+
+@pytest.mark.parametrize("name, says", [
+    ("yali2", "unknown config 'yali2'"),
+    ("mine+YALI_TIMEOUT_S=3", "unknown base 'mine'"),
+    ("yali+", "'' is not VAR=VALUE"),
+    ("yali+YALI_TIMEOUT_S", "'YALI_TIMEOUT_S' is not VAR=VALUE"),
+    ("yali+YALI_TIMEOUT_S=", "'YALI_TIMEOUT_S=' is not VAR=VALUE"),
+    ("yali+NCCL_NVLS_ENABLE=1", "'NCCL_NVLS_ENABLE' is not a YALI_* setting"),
+    ("yali+YALI_MAX_BYTE=1M", "'YALI_MAX_BYTE' is not a YALI_* setting"),
+])
+def test_a_bad_variant_is_refused_naming_the_part(name, says, monkeypatch):
+    monkeypatch.setattr(configs, "SERVER_CONFIGS", dict(configs.SERVER_CONFIGS))
+    known = set(configs.SERVER_CONFIGS)
+    with pytest.raises(SystemExit) as e:
+        configs.add_variants(["yali", name])
+    assert says in str(e.value)
+    assert set(configs.SERVER_CONFIGS) == known
+
+
 def test_bench_command_flags():
     cmd = runners.bench_command("vllm", "http://127.0.0.1:9", "/m", concurrency=8, num_prompts=32, input_len=1024,
                            output_len=256, seed=1, result_dir="/r", result_filename="a.json")
