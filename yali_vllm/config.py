@@ -79,7 +79,7 @@ def env_flag(name: str, default: bool, environ=None) -> bool:
 # (check_environment), so a typo such as YALI_MAX_BYTE or YALI_TIMEOUT cannot be ignored silently.
 SETTINGS = {
     "YALI_ENABLE": "the vLLM plugin on (1) or off (0)",
-    "YALI_WORLD_SIZES": "the TP world sizes the vLLM plugin serves (default 2; e.g. 2,4)",
+    "YALI_WORLD_SIZES": "the TP world sizes the vLLM plugin serves (default 2,4; e.g. 2,4,8)",
     "YALI_FUSION": "YALI's all-reduce + RMSNorm fusion pass instead of vLLM's FlashInfer one "
                    "(unset: at the world sizes of FUSION_BY_FLASHINFER vLLM's pass serves its ranges)",
     "YALI_MAX_BYTES": "largest message YALI serves",
