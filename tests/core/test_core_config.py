@@ -11,6 +11,7 @@ import torch
 import yali_vllm
 from yali_vllm import _ext, config
 from yali_vllm.communicator import servable
+from ..fused_bands import two_rank_band
 
 pytestmark = pytest.mark.skipif(_ext.library_error() is not None, reason=f"extension not built: {_ext.library_error()}")
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -322,6 +323,8 @@ def test_two_rank_fused_size_table(rows, hidden, launch):
     # plan.cpp: fused_launch_for, bf16 (current/fused/20261128-tp2-h200-launch-band)
     p = config.fused_plan(rows, hidden, torch.bfloat16)
     assert (p["cta_bytes"], p["row_loads_early"], p["cluster"]) == launch, p
+    # the GPU sweep (tests/gpu/test_fused.py) checks real launches against the same bands
+    assert two_rank_band(rows * hidden * 2, hidden * 2) == launch[:2]
 
 
 @pytest.mark.parametrize("var,value", [("YALI_DEV_FUSED_ROW_LOADS_EARLY", "2"), ("YALI_DEV_FUSED_ROW_LOADS_EARLY", "-2"),

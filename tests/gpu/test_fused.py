@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from ..fused_bands import two_rank_band
 from . import scenarios
 from .pair import run_pair
 from .scenarios import suite_part
@@ -133,10 +134,7 @@ def test_fused_sweep_matches_vllm_reference(suite):
         bands = {(l["cta_bytes"], l["row_loads_early"]) for _, _, l in launches}
         assert bands == {(4096, 0), (8192, 1), (1024, 0)}, bands
         for nbytes, rows, l in launches:
-            row_bytes = nbytes // rows
-            want = ((4096, 0) if nbytes <= 128 << 10 or (nbytes <= 256 << 10 and row_bytes <= 8 << 10)
-                    else (8192, 1) if nbytes <= 256 << 10 else (1024, 0))
-            assert (l["cta_bytes"], l["row_loads_early"]) == want, (nbytes, l)
+            assert (l["cta_bytes"], l["row_loads_early"]) == two_rank_band(nbytes, nbytes // rows), (nbytes, rows, l)
             senders = min(128, -(-nbytes // l["cta_bytes"]))
             assert l["grid"] == max(senders, min(rows, 128)), (nbytes, rows, l)
             # thread block clusters up to 128 KiB (for the GEMM after the op), as large as the grid allows
