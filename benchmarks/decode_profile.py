@@ -74,11 +74,12 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     trace_root = args.report_only or out / "traces"
     if args.report_only is None:
+        configs = parse_csv_list(args.configs)
+        add_variants(configs)  # every name refused or resolved before any work
         deadline = Deadline(args.budget_s)
         say = Progress("decode-profile", deadline)
         model_dir = prepare_model(args.model_size, args.model_dir or default_model_dir(args.model_size))
-        add_variants(parse_csv_list(args.configs))
-        for cfg in parse_csv_list(args.configs):
+        for cfg in configs:
             try:
                 profile_config(args, cfg, model_dir, out, deadline, say)
             except Exception as e:  # keep the other configuration's profile

@@ -103,7 +103,8 @@ def variant(name: str) -> ServerConfig:
         raise ValueError(f"configuration {name!r}: unknown base {base!r}; known: {', '.join(SERVER_CONFIGS)}")
     if not settings:
         raise ValueError(f"configuration {name!r}: no VAR=VALUE after {base!r}")
-    env = dict(SERVER_CONFIGS[base].env)
+    cfg = SERVER_CONFIGS[base]
+    env = dict(cfg.env)
     for setting in settings:
         var, eq, value = setting.partition("=")
         if not eq or not var or not value:
@@ -111,7 +112,6 @@ def variant(name: str) -> ServerConfig:
         if not var.startswith("YALI_") or unknown_variables({var: value}):
             raise ValueError(f"configuration {name!r}: {var!r} is not a YALI_* setting or YALI_DEV_* knob")
         env[var] = value
-    cfg = SERVER_CONFIGS[base]
     return ServerConfig(name, env, cfg.args, f"{cfg.description}; with {', '.join(settings)}", cfg.parallel)
 
 
