@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Soak of the yali configuration on the 70B-class dummy model: one server start, then locust with
+# Soak of the yali configuration on a dummy model (MODEL_SIZE, default 70b; 8b starts sooner and
+# leaves more of one call to the load): one server start, then locust with
 # 64 streaming users for as long as the budget holds: the run lasts SOAK_S seconds (default 3600),
 # shortened by load_test.py to what SOAK_BUDGET_S (default 560 s, from this script's start) leaves
 # after the server start and the stop reserve. PASS needs zero failed requests and no
@@ -10,10 +11,11 @@
 # need a run of their own, not one that also installs the stack
 # (benchmarks/results/current/soak/20261128-70b-tp2-h200: 206 s of load after install + start).
 . scripts/gpu_host/env.sh
-name="soak-70b-$(date +%Y%m%d)"
+size="${MODEL_SIZE:-70b}"
+name="soak-$size-$(date +%Y%m%d)"
 work=/tmp/$name
 budget="${SOAK_BUDGET_S:-560}"
-timeout -k 20 "$((budget + 20))" python3 -m benchmarks.load_test --soak --model-size 70b --users 64 --duration-s "${SOAK_S:-3600}" \
+timeout -k 20 "$((budget + 20))" python3 -m benchmarks.load_test --soak --model-size "$size" --users 64 --duration-s "${SOAK_S:-3600}" \
   --max-num-seqs 64 --stop-grace-s 15 --budget-s "$budget" --out "$work" 2>&1 | tee "$OUT/$name.log" | grep -v -i warn | tail -30
 cp "$work"/load-test.json "$OUT/$name.json" 2>/dev/null
 cp "$work"/load-test.md "$OUT/$name.md" 2>/dev/null && cat "$OUT/$name.md" | head -40
