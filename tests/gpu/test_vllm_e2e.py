@@ -4,11 +4,10 @@ Model: the embedded Llama-3-8B-shaped config (yali_vllm.models) with vLLM's
 dummy (random, seeded) weights and the Tekken tokenizer; TP=2.
 
 * Greedy token ids with YALI equal those with YALI_ENABLE=0 (vLLM's custom
-  all-reduce) and with NCCL only (disable_custom_all_reduce=True), in eager
-  mode and in CUDA-graph mode.  With 2 ranks every backend computes a+b
-  exactly once per element, so the results are bit-identical and so are the
-  tokens (compiled runs build their kernels in Inductor's deterministic mode,
-  see INDUCTOR_DETERMINISTIC; vLLM's two backends are compared first).
+  all-reduce) and with NCCL only (disable_custom_all_reduce=True).  In eager
+  mode bit for bit: with 2 ranks every backend computes a+b exactly once per
+  element.  In CUDA-graph mode (compiled) equal up to a near tie, by the rule
+  vLLM's own two backends need there (see _check_compiled_trio).
 * YALI's device-side kernel counter grows during generation by at least
   2 x layers per decode step: in CUDA-graph mode decode steps are graph
   replays (no Python runs), so this proves the captured graphs hold YALI's
@@ -110,13 +109,12 @@ def _fresh_compile_cache(tmp_path_factory):
 
 
 # Inductor picks some reduction kernels' block size and warp count by timing them in each process
-# (torch._inductor.config.deterministic); the RMSNorm's fp32 sum then runs in another order from one
-# process to the next, a normalised value can round to a neighbouring bf16 number, and a greedy
-# near tie can flip with any all-reduce backend (a compiled 2xH200 run with vLLM 0.33 / torch 2.14
-# diverged at one position of one prompt of four while eager runs matched bit for bit:
-# benchmarks/results/current/gpu-tests/20261128-tp2-h200-vllm033). Its deterministic mode skips
-# those timings, so every compiled run of this module builds the same kernels and the comparisons
-# below can stay bitwise.
+# (torch._inductor.config.deterministic); its deterministic mode skips those timings, so compiled
+# runs of this module differ only where they must. It is not enough for bitwise tokens: compiled
+# with it, vLLM's custom all-reduce and NCCL (no YALI) chose differently at one position of one
+# prompt of four, where three tokens shared the top logprob in both runs
+# (benchmarks/results/current/gpu-tests/20261128-tp2-h200-compiled-ties); compiled runs are
+# therefore compared by the near-tie rule of _check_same_greedy.
 INDUCTOR_DETERMINISTIC = {"TORCHINDUCTOR_DETERMINISTIC": "1"}
 
 
@@ -226,12 +224,26 @@ def _check_trio(model_dir: Path, plugin_path: str, tmp: Path, *, eager: bool, fu
     calls = _yali_calls(yali)
     assert calls is not None and all(c >= minimum for c in calls), (calls, minimum)
 
-    # vLLM against itself first: if its own two backends disagree, the runs are not comparable bit
-    # for bit (the message says where) and YALI is not what differs.
-    assert custom["token_ids"] == nccl["token_ids"], _first_divergence("vLLM custom all-reduce vs NCCL", custom, nccl)
-    assert yali["token_ids"] == custom["token_ids"], _first_divergence("YALI vs vLLM custom all-reduce", yali, custom)
-    assert yali["token_ids"] == nccl["token_ids"], _first_divergence("YALI vs NCCL", yali, nccl)
     assert all(len(t) == yali["max_tokens"] for t in yali["token_ids"])
+    if eager:
+        # vLLM against itself first: if its own two backends disagree, YALI is not what differs.
+        assert custom["token_ids"] == nccl["token_ids"], _first_divergence("vLLM custom all-reduce vs NCCL", custom, nccl)
+        assert yali["token_ids"] == custom["token_ids"], _first_divergence("YALI vs vLLM custom all-reduce", yali, custom)
+        assert yali["token_ids"] == nccl["token_ids"], _first_divergence("YALI vs NCCL", yali, nccl)
+    else:
+        _check_compiled_trio(yali, custom, nccl)
+
+
+def _check_compiled_trio(yali: dict, custom: dict, nccl: dict) -> None:
+    """Compiled runs: vLLM's two backends are not equal bit for bit with each other (see
+    INDUCTOR_DETERMINISTIC), so each pair is held to _check_same_greedy's rule: identical tokens
+    with logprobs within LOGPROB_TOL up to a prompt's first divergence, and that divergence a near
+    tie in both runs. A wrong all-reduce changes the logits wholesale and fails it at once."""
+    pairs = [("vLLM custom all-reduce vs NCCL", custom, nccl), ("YALI vs vLLM custom all-reduce", yali, custom),
+             ("YALI vs NCCL", yali, nccl)]
+    for name, got, ref in pairs:
+        divergences = _check_same_greedy(name, got, ref)
+        print(f"{name}: {len(divergences)} near-tie divergence(s) (prompt, position, gap): {divergences}")
 
 
 def _first_mismatch(a: list[int], b: list[int]) -> int | None:
@@ -285,7 +297,7 @@ def _check_same_greedy(name: str, got: dict, ref: dict) -> list[tuple[int, int, 
     below what usually moves a greedy choice, so the tokens are expected to
     be equal, and are asserted equal except in one case: at the first position where a
     prompt's tokens differ, the two runs must each rank the other's token in
-    their top 2, within TIE_GAP of their own choice (a near tie, which
+    their top 20, within TIE_GAP of their own choice (a near tie, which
     rounding may decide either way; after it the contexts differ and the rest
     is not compared).  A wrong fused result changes the logits wholesale and
     fails this at once.  Returns (prompt, position, gap) per divergence, for
@@ -308,7 +320,7 @@ def _check_same_greedy(name: str, got: dict, ref: dict) -> list[tuple[int, int, 
         gap = max(lb[first][tb] - lb[first][ta], la[first][ta] - la[first][tb]) if tie else float("inf")
         assert tie and gap <= TIE_GAP, (
             f"{name}: prompt {p} diverges at token {first} ({ta} vs {tb}) and it is not a near "
-            f"tie: top-2 logprobs {la[first]} vs {lb[first]}"
+            f"tie: top logprobs {la[first]} vs {lb[first]}"
         )
         divergences.append((p, first, gap))
     return divergences

@@ -8,7 +8,7 @@ YALI_ENABLE environment variable, as in production.
         [--eager] [--nccl] [--fuse default|off] [--max-tokens 32]
 
 The JSON has: token_ids (one list per prompt), logprobs (per prompt and
-position: {token id: logprob} for the top 2 tokens and the chosen one),
+position: {token id: logprob} for the top 20 tokens and the chosen one),
 stats_before / stats_after (per TP rank: whether YALI serves the group and
 its device-side kernel counters, from yali_vllm.plugin.yali_tp_stats),
 num_layers, and the configuration.  The same JSON is printed on the last stdout line after the
@@ -94,9 +94,11 @@ def main() -> int:
         LONG_PROMPTS if args.long_prompts else PROMPTS,
         # ignore_eos: every prompt yields exactly max_tokens tokens (random
         # weights may emit </s> early), so the step count is known.
-        # logprobs=2: the runner-up at each position, so a test can tell a
-        # near tie from a real difference when two configurations diverge.
-        SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=2),
+        # logprobs=20 (vLLM's default most): the runners-up at each position, so a test can tell a
+        # near tie from a real difference when two configurations diverge
+        # (random weights give flat distributions: three tokens can share the
+        # top bf16 logit).
+        SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=20),
         use_tqdm=False,
     )
     generate_s = time.monotonic() - t0
