@@ -9,7 +9,8 @@
 #   bash .gpu-stack/install.sh .gpu-stack > /tmp/install.log && SOAK_BUDGET_S=$((580 - SECONDS)) OUT=$OUT bash scripts/gpu_host/soak.sh
 # A server's first start compiles (healthy after ~210 s at TP=2 on 2xH200), so 350 s of load or more
 # need a run of their own, not one that also installs the stack
-# (benchmarks/results/current/soak/20261128-70b-tp2-h200: 206 s of load after install + start).
+# (benchmarks/results/current/soak/20261128-70b-tp2-h200: 206 s of load after install + start;
+# an 8b server in a call of its own, MODEL_SIZE=8b SOAK_BUDGET_S=575: 364 s, .../soak/20261128-8b-tp2-h200).
 . scripts/gpu_host/env.sh
 size="${MODEL_SIZE:-70b}"
 name="soak-$size-$(date +%Y%m%d)"
