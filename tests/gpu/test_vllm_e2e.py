@@ -18,7 +18,7 @@ dummy (random, seeded) weights and the Tekken tokenizer; TP=2.
   fused-kernel counter grows by >= 2 x layers per decode step (the graphs
   hold YALI's fused kernel); greedy tokens equal those of vLLM's FlashInfer
   fusion (plugin off) and of no fusion (plugin off, fusion off), up to a
-  near tie (see _check_same_greedy).
+  near tie (see check_same_greedy).
 * `vllm serve` starts with the plugin from its entry point, logs the YALI
   selection line, and answers /v1/completions and /v1/chat/completions.
 
@@ -46,6 +46,7 @@ import pytest
 
 from benchmarks.common.processes import free_port, stop_process_group
 
+from ..greedy_compare import check_same_greedy, first_divergence
 from . import vllm_serve
 
 HERE = Path(__file__).resolve().parent
@@ -114,7 +115,7 @@ def _fresh_compile_cache(tmp_path_factory):
 # with it, vLLM's custom all-reduce and NCCL (no YALI) chose differently at one position of one
 # prompt of four, where three tokens shared the top logprob in both runs
 # (benchmarks/results/current/gpu-tests/20261128-tp2-h200-compiled-ties); compiled runs are
-# therefore compared by the near-tie rule of _check_same_greedy.
+# therefore compared by the near-tie rule of check_same_greedy.
 INDUCTOR_DETERMINISTIC = {"TORCHINDUCTOR_DETERMINISTIC": "1"}
 
 
@@ -227,42 +228,23 @@ def _check_trio(model_dir: Path, plugin_path: str, tmp: Path, *, eager: bool, fu
     assert all(len(t) == yali["max_tokens"] for t in yali["token_ids"])
     if eager:
         # vLLM against itself first: if its own two backends disagree, YALI is not what differs.
-        assert custom["token_ids"] == nccl["token_ids"], _first_divergence("vLLM custom all-reduce vs NCCL", custom, nccl)
-        assert yali["token_ids"] == custom["token_ids"], _first_divergence("YALI vs vLLM custom all-reduce", yali, custom)
-        assert yali["token_ids"] == nccl["token_ids"], _first_divergence("YALI vs NCCL", yali, nccl)
+        assert custom["token_ids"] == nccl["token_ids"], first_divergence("vLLM custom all-reduce vs NCCL", custom, nccl)
+        assert yali["token_ids"] == custom["token_ids"], first_divergence("YALI vs vLLM custom all-reduce", yali, custom)
+        assert yali["token_ids"] == nccl["token_ids"], first_divergence("YALI vs NCCL", yali, nccl)
     else:
         _check_compiled_trio(yali, custom, nccl)
 
 
 def _check_compiled_trio(yali: dict, custom: dict, nccl: dict) -> None:
     """Compiled runs: vLLM's two backends are not equal bit for bit with each other (see
-    INDUCTOR_DETERMINISTIC), so each pair is held to _check_same_greedy's rule: identical tokens
-    with logprobs within LOGPROB_TOL up to a prompt's first divergence, and that divergence a near
-    tie in both runs. A wrong all-reduce changes the logits wholesale and fails it at once."""
+    INDUCTOR_DETERMINISTIC), so each pair is held to check_same_greedy's rule (tests/greedy_compare.py):
+    identical tokens with logprobs within LOGPROB_TOL up to a prompt's first divergence, and that
+    divergence a near tie in both runs. A wrong all-reduce changes the logits wholesale and fails it at once."""
     pairs = [("vLLM custom all-reduce vs NCCL", custom, nccl), ("YALI vs vLLM custom all-reduce", yali, custom),
              ("YALI vs NCCL", yali, nccl)]
     for name, got, ref in pairs:
-        divergences = _check_same_greedy(name, got, ref)
+        divergences = check_same_greedy(name, got, ref)
         print(f"{name}: {len(divergences)} near-tie divergence(s) (prompt, position, gap): {divergences}")
-
-
-def _first_mismatch(a: list[int], b: list[int]) -> int | None:
-    """The first position where two token sequences differ (over their common length), or None."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-
-
-def _first_divergence(name: str, got: dict, ref: dict) -> str:
-    """Where two runs' greedy tokens first differ: the prompt, the position, both tokens, and each
-    run's logprobs of the two at that position (a near tie has both within a few hundredths)."""
-    for p, (a, b) in enumerate(zip(got["token_ids"], ref["token_ids"], strict=True)):
-        i = _first_mismatch(a, b)
-        if i is None:
-            if len(a) != len(b):
-                return f"{name}: prompt {p} has {len(a)} against {len(b)} tokens"
-            continue
-        return (f"{name}: prompt {p} first differs at token {i} ({a[i]} against {b[i]}); logprobs there "
-                f"{got['logprobs'][p][i]} against {ref['logprobs'][p][i]}")
-    return f"{name}: no prompt differs"
 
 
 @_timeout(3 * RUN_TIMEOUT_S + 60)
@@ -275,55 +257,6 @@ def test_eager_tokens_match_custom_ar_and_nccl(model_dir, plugin_path, tmp_path_
 @_timeout(3 * RUN_TIMEOUT_S + 60)
 def test_cuda_graph_tokens_match_and_graphs_run_yali(model_dir, plugin_path, tmp_path_factory):
     _check_trio(model_dir, plugin_path, tmp_path_factory.mktemp("graph"), eager=False, fuse="off")
-
-
-# Largest logprob gap (nats, in the reference run) between the two tokens at
-# the position where two configurations first choose differently, for the
-# divergence to count as a near tie that rounding decided.
-TIE_GAP = 0.05
-# Largest difference of a chosen token's logprob between two configurations
-# while their token sequences are still identical.
-LOGPROB_TOL = 0.05
-
-
-def _check_same_greedy(name: str, got: dict, ref: dict) -> list[tuple[int, int, float]]:
-    """Greedy tokens of two runs, expected equal.
-
-    YALI's fused op computes the same all-reduce sum and residual as the
-    unfused sequence, bit for bit (two ranks: a + b once per element), but
-    each RMSNorm kernel (YALI's, FlashInfer's, vLLM's) sums the variance in
-    its own order (and FlashInfer's adds in fp32 before rounding), so a
-    normalised value can round to a neighbouring bf16 number.  That is far
-    below what usually moves a greedy choice, so the tokens are expected to
-    be equal, and are asserted equal except in one case: at the first position where a
-    prompt's tokens differ, the two runs must each rank the other's token in
-    their top 20, within TIE_GAP of their own choice (a near tie, which
-    rounding may decide either way; after it the contexts differ and the rest
-    is not compared).  A wrong fused result changes the logits wholesale and
-    fails this at once.  Returns (prompt, position, gap) per divergence, for
-    the log.  Before any divergence, the chosen tokens' logprobs agree within
-    LOGPROB_TOL.
-    """
-    divergences = []
-    assert len(got["token_ids"]) == len(ref["token_ids"])
-    for p, (a, b) in enumerate(zip(got["token_ids"], ref["token_ids"], strict=True)):
-        la, lb = got["logprobs"][p], ref["logprobs"][p]
-        assert len(a) == len(b) == len(la) == len(lb), (name, p)
-        first = _first_mismatch(a, b)
-        for i in range(len(a) if first is None else first):
-            diff = abs(la[i][str(a[i])] - lb[i][str(b[i])])
-            assert diff <= LOGPROB_TOL, f"{name}: prompt {p} token {i}: logprob differs by {diff}"
-        if first is None:
-            continue
-        ta, tb = str(a[first]), str(b[first])
-        tie = tb in la[first] and ta in lb[first]
-        gap = max(lb[first][tb] - lb[first][ta], la[first][ta] - la[first][tb]) if tie else float("inf")
-        assert tie and gap <= TIE_GAP, (
-            f"{name}: prompt {p} diverges at token {first} ({ta} vs {tb}) and it is not a near "
-            f"tie: top logprobs {la[first]} vs {lb[first]}"
-        )
-        divergences.append((p, first, gap))
-    return divergences
 
 
 @_timeout(3 * RUN_TIMEOUT_S + 60)
@@ -356,8 +289,8 @@ def test_yali_fusion_tokens_match_flashinfer_and_unfused(model_dir, plugin_path,
     assert fused is not None and all(c >= minimum for c in fused), (fused, minimum)
 
     assert all(len(t) == yali["max_tokens"] for t in yali["token_ids"])
-    vs_fi = _check_same_greedy("YALI fusion vs FlashInfer fusion", yali, flashinfer)
-    vs_unfused = _check_same_greedy("YALI fusion vs no fusion", yali, unfused)
+    vs_fi = check_same_greedy("YALI fusion vs FlashInfer fusion", yali, flashinfer)
+    vs_unfused = check_same_greedy("YALI fusion vs no fusion", yali, unfused)
     print(
         f"YALI fused calls during generate: {fused}; plain YALI all-reduces: {_yali_calls(yali)}; "
         f"near-tie divergences (prompt, token, gap): vs FlashInfer {vs_fi}, vs unfused {vs_unfused}"
@@ -374,7 +307,7 @@ def test_long_prefill_tokens_match_vllm_defaults(model_dir, plugin_path, tmp_pat
     # YALI's fused kernel served (its op's first call on that path; also from another test's cached graph)
     assert "runs YALI's fused kernel" in yali["log"], yali["log"][-6000:]
     assert all(len(t) == yali["max_tokens"] for t in yali["token_ids"])
-    divergences = _check_same_greedy("YALI vs vLLM's defaults, long prefills", yali, plain)
+    divergences = check_same_greedy("YALI vs vLLM's defaults, long prefills", yali, plain)
     print(f"near-tie divergences (prompt, token, gap): {divergences}")
 
 
