@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Runs pytest and records the run as a `gpu-test-run` result file (one row per
-test: node id, outcome, duration), with the usual header (command, date, host,
-versions). Exits with pytest's exit code.
+test: node id, outcome, duration, and what it recorded with pytest's record_property), with the
+usual header (command, date, host, versions). Exits with pytest's exit code.
 
   python -m benchmarks.record_test_run --out /tmp/yali-results/gpu-tests-<date>.json -- tests/gpu -q
 """
@@ -31,6 +31,9 @@ def rows_from_junit(path: str) -> list[dict]:
             elif child.tag == "skipped":
                 outcome = "skipped"
         row = {"test": node, "outcome": outcome, "duration_s": round(float(case.get("time", 0)), 2)}
+        props = {p.get("name"): p.get("value") for c in case if c.tag == "properties" for p in c}
+        if props:  # what a test recorded with pytest's record_property, e.g. which runs diverged where
+            row["properties"] = props
         msg = [c.get("message") for c in case if c.tag in ("failure", "error", "skipped")]
         if msg and msg[0]:
             row["message"] = msg[0][:500]

@@ -207,7 +207,7 @@ def _yali_calls(result: dict, counter: str = "device_calls") -> list[int] | None
     return [a[counter] - b[counter] for a, b in zip(after, before, strict=True)]
 
 
-def _check_trio(model_dir: Path, plugin_path: str, tmp: Path, *, eager: bool, fuse: str) -> None:
+def _check_trio(model_dir: Path, plugin_path: str, tmp: Path, *, eager: bool, fuse: str, record=None) -> None:
     yali = _generate(model_dir, plugin_path, tmp, yali=True, eager=eager, fuse=fuse)
     custom = _generate(model_dir, plugin_path, tmp, yali=False, eager=eager, fuse=fuse)
     nccl = _generate(model_dir, plugin_path, tmp, yali=False, eager=eager, nccl=True, fuse=fuse)
@@ -232,19 +232,20 @@ def _check_trio(model_dir: Path, plugin_path: str, tmp: Path, *, eager: bool, fu
         assert yali["token_ids"] == custom["token_ids"], first_divergence("YALI vs vLLM custom all-reduce", yali, custom)
         assert yali["token_ids"] == nccl["token_ids"], first_divergence("YALI vs NCCL", yali, nccl)
     else:
-        _check_compiled_trio(yali, custom, nccl)
+        _check_compiled_trio(yali, custom, nccl, record)
 
 
-def _check_compiled_trio(yali: dict, custom: dict, nccl: dict) -> None:
+def _check_compiled_trio(yali: dict, custom: dict, nccl: dict, record) -> None:
     """Compiled runs: vLLM's two backends are not equal bit for bit with each other (see
     INDUCTOR_DETERMINISTIC), so each pair is held to check_same_greedy's rule (tests/greedy_compare.py):
     identical tokens with logprobs within LOGPROB_TOL up to a prompt's first divergence, and that
-    divergence a near tie in both runs. A wrong all-reduce changes the logits wholesale and fails it at once."""
+    divergence a near tie in both runs. A wrong all-reduce changes the logits wholesale and fails it
+    at once. Each pair's divergences go into the result file (record: pytest's record_property)."""
     pairs = [("vLLM custom all-reduce vs NCCL", custom, nccl), ("YALI vs vLLM custom all-reduce", yali, custom),
              ("YALI vs NCCL", yali, nccl)]
     for name, got, ref in pairs:
         divergences = check_same_greedy(name, got, ref)
-        print(f"{name}: {len(divergences)} near-tie divergence(s) (prompt, position, gap): {divergences}")
+        record(f"near-tie divergences (prompt, position, gap), {name}", divergences)
 
 
 @_timeout(3 * RUN_TIMEOUT_S + 60)
@@ -255,12 +256,13 @@ def test_eager_tokens_match_custom_ar_and_nccl(model_dir, plugin_path, tmp_path_
 
 
 @_timeout(3 * RUN_TIMEOUT_S + 60)
-def test_cuda_graph_tokens_match_and_graphs_run_yali(model_dir, plugin_path, tmp_path_factory):
-    _check_trio(model_dir, plugin_path, tmp_path_factory.mktemp("graph"), eager=False, fuse="off")
+def test_cuda_graph_tokens_match_and_graphs_run_yali(model_dir, plugin_path, tmp_path_factory, record_property):
+    _check_trio(model_dir, plugin_path, tmp_path_factory.mktemp("graph"), eager=False, fuse="off",
+                record=record_property)
 
 
 @_timeout(3 * RUN_TIMEOUT_S + 60)
-def test_yali_fusion_tokens_match_flashinfer_and_unfused(model_dir, plugin_path, tmp_path_factory):
+def test_yali_fusion_tokens_match_flashinfer_and_unfused(model_dir, plugin_path, tmp_path_factory, record_property):
     """vLLM's default compile config (all-reduce+RMSNorm fusion on, CUDA
     graphs).  With YALI, YALI's fusion pass replaces FlashInfer's; without the
     plugin's all-reduce (YALI_ENABLE=0), vLLM's FlashInfer fusion runs; the
@@ -291,6 +293,8 @@ def test_yali_fusion_tokens_match_flashinfer_and_unfused(model_dir, plugin_path,
     assert all(len(t) == yali["max_tokens"] for t in yali["token_ids"])
     vs_fi = check_same_greedy("YALI fusion vs FlashInfer fusion", yali, flashinfer)
     vs_unfused = check_same_greedy("YALI fusion vs no fusion", yali, unfused)
+    record_property("near-tie divergences (prompt, position, gap), YALI fusion vs FlashInfer fusion", vs_fi)
+    record_property("near-tie divergences (prompt, position, gap), YALI fusion vs no fusion", vs_unfused)
     print(
         f"YALI fused calls during generate: {fused}; plain YALI all-reduces: {_yali_calls(yali)}; "
         f"near-tie divergences (prompt, token, gap): vs FlashInfer {vs_fi}, vs unfused {vs_unfused}"
@@ -298,7 +302,7 @@ def test_yali_fusion_tokens_match_flashinfer_and_unfused(model_dir, plugin_path,
 
 
 @_timeout(2 * RUN_TIMEOUT_S + 60)
-def test_long_prefill_tokens_match_vllm_defaults(model_dir, plugin_path, tmp_path_factory):
+def test_long_prefill_tokens_match_vllm_defaults(model_dir, plugin_path, tmp_path_factory, record_property):
     """Prefills of several hundred tokens (YALI's fused op at its larger launches, above the CUDA
     graph sizes) give the greedy tokens of vLLM's defaults."""
     tmp = tmp_path_factory.mktemp("long")
@@ -308,7 +312,7 @@ def test_long_prefill_tokens_match_vllm_defaults(model_dir, plugin_path, tmp_pat
     assert "runs YALI's fused kernel" in yali["log"], yali["log"][-6000:]
     assert all(len(t) == yali["max_tokens"] for t in yali["token_ids"])
     divergences = check_same_greedy("YALI vs vLLM's defaults, long prefills", yali, plain)
-    print(f"near-tie divergences (prompt, token, gap): {divergences}")
+    record_property("near-tie divergences (prompt, position, gap), YALI vs vLLM's defaults", divergences)
 
 
 # ------------------------------------------------------------------ vllm serve
