@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Soak of the yali configuration on a dummy model (MODEL_SIZE, default 70b; 8b starts sooner and
-# leaves more of one call to the load): one server start, then locust with
+# leaves more of one call to the load) at TP ranks (default 2): one server start, then locust with
 # 64 streaming users for as long as the budget holds: the run lasts SOAK_S seconds (default 3600),
 # shortened by load_test.py to what SOAK_BUDGET_S (default 560 s, from this script's start) leaves
 # after the server start and the stop reserve. PASS needs zero failed requests and no
@@ -13,10 +13,10 @@
 # an 8b server in a call of its own, MODEL_SIZE=8b SOAK_BUDGET_S=575: 364 s, .../soak/20261128-8b-tp2-h200).
 . scripts/gpu_host/env.sh
 size="${MODEL_SIZE:-70b}"
-name="soak-$size-$(date +%Y%m%d)"
+name="soak-$size-$(date +%Y%m%d)$TP_TAG"
 work=/tmp/$name
 budget="${SOAK_BUDGET_S:-560}"
-timeout -k 20 "$((budget + 20))" python3 -m benchmarks.load_test --soak --model-size "$size" --users 64 --duration-s "${SOAK_S:-3600}" \
+timeout -k 20 "$((budget + 20))" python3 -m benchmarks.load_test --soak --model-size "$size" --world-size "$TP" --users 64 --duration-s "${SOAK_S:-3600}" \
   --max-num-seqs 64 --stop-grace-s 15 --budget-s "$budget" --out "$work" 2>&1 | tee "$OUT/$name.log" | grep -v -i warn | tail -30
 cp "$work"/load-test.json "$OUT/$name.json" 2>/dev/null
 cp "$work"/load-test.md "$OUT/$name.md" 2>/dev/null && cat "$OUT/$name.md" | head -40
