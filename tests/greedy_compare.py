@@ -27,8 +27,8 @@ def first_divergence(name: str, got: dict, ref: dict) -> str:
     return f"{name}: no prompt differs"
 
 
-# Largest logprob gap (nats, in the reference run) between the two tokens at
-# the position where two configurations first choose differently, for the
+# Largest logprob gap (nats, the larger of the two runs') between the two tokens
+# at the position where two configurations first choose differently, for the
 # divergence to count as a near tie that rounding decided.
 TIE_GAP = 0.05
 # Largest difference of a chosen token's logprob between two configurations

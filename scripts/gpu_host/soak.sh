@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Soak of the yali configuration on a dummy model (MODEL_SIZE, default 70b; 8b starts sooner and
-# leaves more of one call to the load) at TP ranks (default 2): one server start, then locust with
+# leaves more of a bounded run to the load) at TP ranks (default 2): one server start, then locust with
 # 64 streaming users for as long as the budget holds: the run lasts SOAK_S seconds (default 3600),
 # shortened by load_test.py to what SOAK_BUDGET_S (default 560 s, from this script's start) leaves
 # after the server start and the stop reserve. PASS needs zero failed requests and no
@@ -10,7 +10,7 @@
 # A server's first start compiles (healthy after ~210 s at TP=2 on 2xH200), so 350 s of load or more
 # need a run of their own, not one that also installs the stack
 # (benchmarks/results/current/soak/20261128-70b-tp2-h200: 206 s of load after install + start;
-# an 8b server in a call of its own, MODEL_SIZE=8b SOAK_BUDGET_S=575: 364 s, .../soak/20261128-8b-tp2-h200).
+# an 8b server in a run of its own, MODEL_SIZE=8b SOAK_BUDGET_S=575: 364 s, .../soak/20261128-8b-tp2-h200).
 . scripts/gpu_host/env.sh
 size="${MODEL_SIZE:-70b}"
 name="soak-$size-$(date +%Y%m%d)$TP_TAG"

@@ -1,6 +1,7 @@
 """The rule by which the GPU end-to-end tests compare two vLLM runs' greedy tokens
-(tests/greedy_compare.py), on runs shaped like real ones: it accepts the exact three-way tie at
-which vLLM's own custom all-reduce and NCCL chose differently on 2xH200
+(tests/greedy_compare.py), on runs shaped like real ones: it accepts the tie at which vLLM's own
+custom all-reduce and NCCL choose differently on 2xH200 (each run's top two tokens share the top
+logprob bit for bit)
 (benchmarks/results/current/gpu-tests/20261128-tp2-h200-compiled-ties) and refuses what a wrong
 all-reduce would give."""
 
@@ -44,7 +45,7 @@ def test_equal_runs_have_no_divergence():
     assert check_same_greedy("same", custom, copy.deepcopy(custom)) == []
 
 
-def test_the_measured_three_way_tie_is_a_near_tie_both_ways():
+def test_the_measured_tie_is_a_near_tie_both_ways():
     custom, nccl = _tied_pair()
     for got, ref in ((custom, nccl), (nccl, custom)):
         (divergence,) = check_same_greedy("custom vs nccl", got, ref)
@@ -57,9 +58,10 @@ def test_the_measured_three_way_tie_is_a_near_tie_both_ways():
 
 def test_a_choice_the_other_run_does_not_rank_is_refused():
     custom, nccl = _tied_pair()
-    del custom["logprobs"][1][4]["28713"]  # NCCL's choice is not in this run's top tokens
-    with pytest.raises(AssertionError, match="not a near tie"):
-        check_same_greedy("custom vs nccl", custom, nccl)
+    del custom["logprobs"][1][4]["28713"]  # NCCL's choice is not in the custom run's top tokens
+    for got, ref in ((custom, nccl), (nccl, custom)):
+        with pytest.raises(AssertionError, match="not a near tie"):
+            check_same_greedy("custom vs nccl", got, ref)
 
 
 def test_a_divergence_with_a_real_gap_is_refused():
