@@ -244,8 +244,13 @@ def _check_compiled_trio(yali: dict, custom: dict, nccl: dict, record) -> None:
     pairs = [("vLLM custom all-reduce vs NCCL", custom, nccl), ("YALI vs vLLM custom all-reduce", yali, custom),
              ("YALI vs NCCL", yali, nccl)]
     for name, got, ref in pairs:
-        divergences = check_same_greedy(name, got, ref)
-        record(f"near-tie divergences (prompt, position, gap), {name}", json.dumps(divergences))
+        _same_greedy(name, got, ref, record)
+
+
+def _same_greedy(name: str, got: dict, ref: dict, record) -> None:
+    """check_same_greedy, with its divergences recorded in the result file (record: pytest's
+    record_property)."""
+    record(f"near-tie divergences (prompt, position, gap), {name}", json.dumps(check_same_greedy(name, got, ref)))
 
 
 @_timeout(3 * RUN_TIMEOUT_S + 60)
@@ -291,14 +296,9 @@ def test_yali_fusion_tokens_match_flashinfer_and_unfused(model_dir, plugin_path,
     assert fused is not None and all(c >= minimum for c in fused), (fused, minimum)
 
     assert all(len(t) == yali["max_tokens"] for t in yali["token_ids"])
-    vs_fi = check_same_greedy("YALI fusion vs FlashInfer fusion", yali, flashinfer)
-    vs_unfused = check_same_greedy("YALI fusion vs no fusion", yali, unfused)
-    record_property("near-tie divergences (prompt, position, gap), YALI fusion vs FlashInfer fusion", json.dumps(vs_fi))
-    record_property("near-tie divergences (prompt, position, gap), YALI fusion vs no fusion", json.dumps(vs_unfused))
-    print(
-        f"YALI fused calls during generate: {fused}; plain YALI all-reduces: {_yali_calls(yali)}; "
-        f"near-tie divergences (prompt, token, gap): vs FlashInfer {vs_fi}, vs unfused {vs_unfused}"
-    )
+    _same_greedy("YALI fusion vs FlashInfer fusion", yali, flashinfer, record_property)
+    _same_greedy("YALI fusion vs no fusion", yali, unfused, record_property)
+    print(f"YALI fused calls during generate: {fused}; plain YALI all-reduces: {_yali_calls(yali)}")
 
 
 @_timeout(2 * RUN_TIMEOUT_S + 60)
@@ -311,8 +311,7 @@ def test_long_prefill_tokens_match_vllm_defaults(model_dir, plugin_path, tmp_pat
     # YALI's fused kernel served (its op's first call on that path; also from another test's cached graph)
     assert "runs YALI's fused kernel" in yali["log"], yali["log"][-6000:]
     assert all(len(t) == yali["max_tokens"] for t in yali["token_ids"])
-    divergences = check_same_greedy("YALI vs vLLM's defaults, long prefills", yali, plain)
-    record_property("near-tie divergences (prompt, position, gap), YALI vs vLLM's defaults", json.dumps(divergences))
+    _same_greedy("YALI vs vLLM's defaults, long prefills", yali, plain, record_property)
 
 
 # ------------------------------------------------------------------ vllm serve

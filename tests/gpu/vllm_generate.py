@@ -96,8 +96,8 @@ def main() -> int:
         # weights may emit </s> early), so the step count is known.
         # logprobs=20 (vLLM's default most): the runners-up at each position, so a test can tell a
         # near tie from a real difference when two configurations diverge
-        # (random weights give flat distributions: three tokens can share the
-        # top bf16 logit).
+        # (random weights give flat distributions: several tokens can share
+        # the top bf16 logit).
         SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=20),
         use_tqdm=False,
     )
