@@ -5,7 +5,8 @@
 # included) and numerics on real silicon when no multi-GPU machine is available. Local memory
 # stands where NVLink would be and the processes take turns on the GPU, so nothing here is a
 # timing and a race that needs the link's latency may not show.
-#   shared_gpu.sh [all|fused|allreduce|reliability|ranks|ep|delays]
+#   shared_gpu.sh [all|fused|allreduce|reliability|ranks|ep|delays] [pytest args...]
+#   (pytest args, e.g. -k 8-ranks, go to every test file of the part)
 #   all (default): the two-rank fused suite first, then the two-rank all-reduce (< 9.5 min);
 #   reliability: mismatched calls, watchdog paths, a killed peer, close() (~5 min);
 #   ranks: the all-reduce and the fused op at 2, 4, 6 and 8 ranks, a mismatched call included,
@@ -22,13 +23,15 @@
 . scripts/gpu_host/env.sh
 export YALI_ALLOW_SHARED_GPU=1 YALI_TIMEOUT_S=30
 MODE="${1:-all}"
+[ $# -gt 0 ] && shift
+EXTRA=("$@")
 STAMP="$(date +%Y%m%d)"
 
 run_part() {  # run_part NAME SECONDS TEST_FILE [pytest args]
   local name="$1" bound="$2"
   shift 2
   timeout -k 10 "$bound" python3 scripts/record_test_run.py --out "$OUT/gpu-tests-shared-$name-$STAMP.json" -- \
-    -q -p no:cacheprovider -rA --durations=12 "$@" 2>&1 | tee "$OUT/gpu-tests-shared-$name-$STAMP.log" \
+    -q -p no:cacheprovider -rA --durations=12 "$@" "${EXTRA[@]}" 2>&1 | tee "$OUT/gpu-tests-shared-$name-$STAMP.log" \
     | grep -v "shares cuda:0 with its peer\|Captured stderr" | tail -45
 }
 
