@@ -17,6 +17,9 @@ WORLD_SIZES = (2, 4, 8)
 # 2000 replays x 64 calls on real GPUs (seconds); ranks sharing one GPU take turns per call pair,
 # milliseconds each, so they run fewer.
 REPLAYS = 40 if shared_gpu_allowed() else 2000
+# Replays the killed rank runs before it dies: on one GPU eight ranks take ~1.6 s a replay, so 200
+# would end the survivors' deadline (TIMEOUT_S + MARGIN_S) before the rank is even killed.
+KILL_AFTER = 3 if shared_gpu_allowed() else 200
 BOUND_S = {2: 200, 4: 240, 8: 300}  # start-up, capture and replays of N processes
 TIMEOUT_S = 10.0  # YALI_TIMEOUT_S of the killed-rank case
 MARGIN_S = 30.0  # trap, error propagation and (shared GPU) the other processes' time slices
@@ -45,7 +48,7 @@ def test_delayed_calls_stay_exact(world_size, mode, pdl):
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=lambda n: f"{n}-ranks")
 def test_a_rank_killed_among_delayed_calls_ends_in_named_errors(world_size):
     victim = world_size - 1
-    res = run_ranks(ds.delayed_calls_rank_killed, 200, TIMEOUT_S + MARGIN_S, SEED, world_size=world_size,
+    res = run_ranks(ds.delayed_calls_rank_killed, KILL_AFTER, TIMEOUT_S + MARGIN_S, SEED, world_size=world_size,
                     timeout=BOUND_S[world_size] + TIMEOUT_S, lost=(victim,), env={"YALI_TIMEOUT_S": str(TIMEOUT_S)})
     assert res[victim] is None  # killed
     survivors = [r for r in res if r is not None]
