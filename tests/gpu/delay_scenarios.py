@@ -129,10 +129,14 @@ def delayed_calls(rank, group, mode: str, replays: int, seed: int) -> dict:
     return out
 
 
-def _wait_host_only(event, deadline: float) -> None:
+def _wait_host_only(event, comm: YaliCommunicator, deadline: float) -> None:
     """Polls `event` until its work is done (query() raises once the context trapped), without
-    blocking in the driver; TimeoutError at `deadline` (time.time())."""
+    blocking in the driver; stops at YALI's abort record, which a trapped context may not report
+    through its events soon (seen with ranks sharing one GPU: reliability._record_then_error);
+    TimeoutError at `deadline` (time.time())."""
     while not event.query():
+        if comm.abort_message():
+            raise RuntimeError("the abort record appeared with replays queued")
         if time.time() > deadline:
             raise TimeoutError("replays still queued at the deadline")
         time.sleep(0.001)
@@ -159,7 +163,7 @@ def delayed_calls_rank_killed(rank, group, replays_before_kill: int, wait_s: flo
     try:
         for _ in range(2 * replays_before_kill):
             if len(in_flight) == IN_FLIGHT:
-                _wait_host_only(in_flight.pop(0), t0 + wait_s)
+                _wait_host_only(in_flight.pop(0), comm, t0 + wait_s)
             graph.replay()
             in_flight.append(torch.cuda.Event())
             in_flight[-1].record()
