@@ -40,15 +40,6 @@ OFF_BY_DEFAULT = {
     6: "no serving run at TP=6 yet",
     8: "no serving run at TP=8 yet",
 }
-# World sizes whose fused all-reduce + RMSNorm pairs YALI leaves to vLLM's FlashInfer fusion in the
-# compile ranges FlashInfer serves, unless YALI_FUSION=1 asks for YALI's pass everywhere: those where
-# FlashInfer's fused kernel measures at least as fast as YALI's at every token count it serves, with
-# the result file. YALI's pass keeps the ranges above them that YALI serves
-# (vllm_fusion.FlashInferThenYaliPass). None today: at 2 and 4 ranks YALI's op is the faster at
-# every token count (benchmarks/results/current/fused/20261128-tp2-h200-last-cta, .../20261128-tp2-h200
-# from 256 tokens, .../20261127-tp4-h100-flashinfer); 6 and 8 ranks are not measured against
-# FlashInfer yet.
-FUSION_BY_FLASHINFER: dict[int, str] = {}
 WORLD_SIZES_VAR = "YALI_WORLD_SIZES"
 # The end of build_info() of a library built with the legacy flash kernels (YALI_BUILD_LEGACY=1;
 # csrc/bindings/torch_ops.cpp: YALI_BUILD_KERNELS).
@@ -80,8 +71,8 @@ def env_flag(name: str, default: bool, environ=None) -> bool:
 SETTINGS = {
     "YALI_ENABLE": "the vLLM plugin on (1) or off (0)",
     "YALI_WORLD_SIZES": "the TP world sizes the vLLM plugin serves (default 2,4; e.g. 2,4,8)",
-    "YALI_FUSION": "YALI's all-reduce + RMSNorm fusion pass instead of vLLM's FlashInfer one "
-                   "(unset: at the world sizes of FUSION_BY_FLASHINFER vLLM's pass serves its ranges)",
+    "YALI_FUSION": "YALI's all-reduce + RMSNorm fusion pass instead of vLLM's FlashInfer one (default on; "
+                   "a quantised norm output keeps vLLM's quant fusion: yali_vllm/fusion_routing.py)",
     "YALI_MAX_BYTES": "largest message YALI serves",
     "YALI_KERNEL_MODE": "auto, flash or stream",
     "YALI_TIMEOUT_S": "the kernels' watchdog",

@@ -15,10 +15,13 @@ tensors and otherwise exactly vLLM's unfused sequence (the group's all-reduce,
 then ``vllm.ir.ops.fused_add_rms_norm`` / ``rms_norm``).  The op is functional
 (no mutation), so Inductor needs no auto-functionalisation for it.
 
-Not covered: the Gemma "(1 + weight)" variants (fp32 weight; left to YALI's
-all-reduce + vLLM's norm) and FlashInfer's all-reduce+RMSNorm+FP8/NVFP4-quant
-variants (YALI has no quantising kernel: the all-reduce+RMSNorm part of such a
-chain is fused by this pass, the quantisation stays a separate op).
+A pair whose norm output is quantised (an FP8 model) goes where yali_vllm/fusion_routing.py
+says: a static FP8 one to vLLM's FlashInfer all-reduce + RMSNorm + quant kernel within
+FlashInfer's compile ranges (the pass then runs vLLM's FlashInfer pass, built beside it for a
+quantised model), every quantised one above those ranges to vLLM's RMSNorm + quant fusion after
+YALI's all-reduce; YALI has no quantising kernel yet.
+Not covered: the Gemma "(1 + weight)" variants (fp32 weight; left to YALI's all-reduce +
+vLLM's norm, or to FlashInfer's pass where it runs).
 Nothing here imports CUDA-only modules (vLLM's allreduce_rms_fusion module
 needs vLLM's CUDA ops), so it loads, and the pass runs, on a CPU machine.
 """
@@ -27,6 +30,7 @@ needs vLLM's CUDA ops), so it loads, and the pass runs, on a CPU machine.
 # op function's annotations, which must be real types.
 
 import logging
+from pathlib import Path
 
 import torch
 import torch._inductor.pattern_matcher as pm
@@ -35,6 +39,7 @@ from torch._inductor.pattern_matcher import PatternMatcherPass
 from vllm.compilation.passes.inductor_pass import enable_fake_mode
 from vllm.compilation.passes.vllm_inductor_pass import VllmInductorPass, VllmPatternMatcherPass
 
+from yali_vllm import fusion_routing
 from yali_vllm.vllm_log import LOGGER, log_first_call
 
 logger = logging.getLogger(LOGGER)
@@ -53,55 +58,20 @@ def fusion_enabled(environ=None) -> bool:
     return env_flag(FUSION_VAR, True, environ)
 
 
-def fusion_forced(environ=None) -> bool:
-    """Whether YALI_FUSION is set on explicitly (then YALI's pass serves at every world size,
-    FUSION_BY_FLASHINFER's included): the same flag read with "off" for unset."""
-    from yali_vllm.config import env_flag
-
-    return env_flag(FUSION_VAR, False, environ)
-
-
-def flashinfer_fusion_reason(world_size, environ=None) -> str | None:
-    """Why the fused pairs of a TP group of `world_size` ranks stay with vLLM's FlashInfer fusion
-    although YALI serves the group (yali_vllm.config.FUSION_BY_FLASHINFER), or None."""
-    from yali_vllm.config import FUSION_BY_FLASHINFER
-
-    reason = FUSION_BY_FLASHINFER.get(world_size)
-    if reason is None or fusion_forced(environ):
-        return None
-    return f"at {world_size} ranks {reason}; {FUSION_VAR}=1 builds YALI's pass instead"
-
-
-def fusion_choice(environ=None) -> tuple[str, str]:
-    """Which fusion pass this process builds, and why: "yali" (YALI's pass), "vllm" (vLLM's
-    FlashInfer pass) or "vllm+yali" (at a FUSION_BY_FLASHINFER world size with YALI_FUSION unset:
-    vLLM's pass for the compile ranges it serves, YALI's for the ranges above them that YALI
-    serves; see FlashInferThenYaliPass). Every rank reaches the same answer (the YALI decision
-    is agreed over the group, the ranks compare their YALI_FUSION at set-up), which matters: one
-    rank in YALI's fused kernel and another in FlashInfer's would wait for each other.
-    ValueError naming YALI_FUSION when it is invalid."""
-    group, why = _yali_group(environ)
-    if group is None:
-        return "vllm", why
-    leave = flashinfer_fusion_reason(group.world_size, environ)
-    if leave is not None:
-        return "vllm+yali", (f"TP group '{group.unique_name}': {leave}; YALI's pass serves the compile "
-                             "ranges above FlashInfer's that YALI serves")
-    return "yali", why
-
-
 def fusion_decision(environ=None) -> tuple[bool, str]:
-    """Whether this process builds YALI's fusion pass alone (fusion_choice is "yali"), and why (not)."""
-    choice, why = fusion_choice(environ)
-    return choice == "yali", why
+    """Whether this process builds YALI's fusion pass, and why (not). Every rank reaches the same
+    answer (the YALI decision is agreed over the group, the ranks compare their YALI_FUSION at
+    set-up), which matters: one rank in YALI's fused kernel and another in FlashInfer's would wait
+    for each other. ValueError naming YALI_FUSION when it is invalid."""
+    group, why = _yali_group(environ)
+    return group is not None, why
 
 
 def _yali_group(environ=None):
     """(the TP group, why) when YALI's fusion pass may serve this process's TP group: YALI_FUSION
     is on, the group has a world size YALI serves (yali_vllm.config.WORLD_SIZES: 2, 4, 6 or 8
     ranks) and the plugin attached a YaliCommunicator to its device communicator; else (None, why
-    not). Which compile ranges the pass then takes: fusion_choice. ValueError naming YALI_FUSION
-    for an invalid value."""
+    not). ValueError naming YALI_FUSION for an invalid value."""
     from yali_vllm.config import world_size_refusal
 
     if not fusion_enabled(environ):
@@ -259,15 +229,17 @@ def _norm_input_weight_dtype_match(match: pm.Match) -> bool:
 
 
 def _register_patterns(
-    pm_pass: PatternMatcherPass, eps: float, dtype: torch.dtype, device, group_name: str
+    pm_pass: PatternMatcherPass, eps: float, dtype: torch.dtype, device, group_name: str, extra_check=None
 ) -> list[str]:
     """The patterns of vLLM's AllReduceRMSNormPattern and
     AllReduceFusedAddRMSNormPattern (with its first-return-only variant), each
-    rewritten into YALI's op.  Returns their names (for the log)."""
+    rewritten into YALI's op, where `extra_check(match)` (default: vLLM's dtype check) accepts.
+    Returns their names (for the log)."""
     import vllm.ir.ops
     from vllm.distributed import tensor_model_parallel_all_reduce
 
     op = fused_op()
+    check = extra_check or _norm_input_weight_dtype_match
 
     def empty(*shape):
         return torch.empty(*shape, dtype=dtype, device=device)
@@ -283,7 +255,7 @@ def _register_patterns(
 
     pm.register_replacement(
         ar_rms_pattern, ar_rms_replacement, [empty(5, 16), empty(16)], pm.fwd_only, pm_pass,
-        extra_check=_norm_input_weight_dtype_match,
+        extra_check=check,
     )
 
     # all_reduce -> fused_add_rms_norm (after attention and after the MLP)
@@ -299,7 +271,7 @@ def _register_patterns(
     add_inputs = [empty(5, 16), empty(5, 16), empty(16)]  # residual, input, weight
     pm.register_replacement(
         ar_add_rms_pattern, ar_add_rms_replacement, add_inputs, pm.fwd_only, pm_pass,
-        extra_check=_norm_input_weight_dtype_match,
+        extra_check=check,
     )
 
     # Same, where only the norm output is used (the final norm: the residual
@@ -309,12 +281,13 @@ def _register_patterns(
 
     pm.register_replacement(
         first_only(ar_add_rms_pattern), first_only(ar_add_rms_replacement), add_inputs, pm.fwd_only,
-        pm_pass, extra_check=_norm_input_weight_dtype_match,
+        pm_pass, extra_check=check,
     )
     return ["all_reduce+rms_norm", "all_reduce+fused_add_rms_norm", "all_reduce+fused_add_rms_norm[norm only]"]
 
 
 _logged_patterns = False
+_logged_routes: set[str] = set()
 
 
 def fused_max_tokens(group, config) -> int | None:
@@ -333,19 +306,29 @@ def fused_max_tokens(group, config) -> int | None:
 class YaliAllReduceFusionPass(VllmPatternMatcherPass):
     """Rewrites TP all-reduce + (fused-add-)RMSNorm into YALI's fused op.
 
-    Built by the plugin instead of vLLM's AllReduceFusionPass when YALI serves
-    the TP group (never both).  Like vLLM's pass, it applies only to the compile
-    ranges whose token counts it serves (``max_token_num``: the largest message
-    YALI's communicator serves, in rows of the model's hidden size; unbounded at
-    two ranks, 1024 rows of hidden 8192 bf16 at four).  Larger ranges keep
-    vLLM's compiled all-reduce + RMSNorm, exactly as vLLM's defaults run them.
+    Built by the plugin instead of vLLM's AllReduceFusionPass when YALI serves the TP group.
+    Like vLLM's pass, it rewrites only the compile ranges whose token counts YALI serves
+    (``max_token_num``: the largest message YALI's communicator serves, in rows of the model's
+    hidden size; unbounded at two ranks, 1024 rows of hidden 8192 bf16 at four); larger ranges
+    keep vLLM's compiled all-reduce + RMSNorm, exactly as vLLM's defaults run them.
+
+    For a quantised model the plugin also builds vLLM's pass and hands it here (`flashinfer`):
+    each pair goes where fusion_routing.route says (its norm output's quantisation and whether
+    FlashInfer serves the range), and in FlashInfer's ranges vLLM's pass then runs on what YALI
+    left, so the pairs it takes are rewritten exactly as vLLM's defaults rewrite them. Without it
+    a quantised pair stays unfused (YALI's all-reduce, then vLLM's RMSNorm + quant fusion).
     """
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, flashinfer=None) -> None:
         super().__init__(config)
         self.pass_name = "yali_allreduce_fusion_pass"
         self.patterns = PatternMatcherPass(pass_name=self.pass_name)
+        self.flashinfer = flashinfer
         self.disabled = True
+        self._range = None
+        self._flashinfer_range = False
+        self._routes: dict[str, str] = {}  # norm node name -> route, of the graph being rewritten
+        self.route_counts: dict[str, int] = {}  # of the last graph
         from vllm.distributed.parallel_state import get_tp_group
 
         tp = get_tp_group()
@@ -373,60 +356,40 @@ class YaliAllReduceFusionPass(VllmPatternMatcherPass):
     def register_patterns(self, group_name: str) -> list[str]:
         names: list[str] = []
         for eps in EPSILONS:
-            names = _register_patterns(self.patterns, eps, self.model_dtype, self.device, group_name)
+            names = _register_patterns(self.patterns, eps, self.model_dtype, self.device, group_name,
+                                       extra_check=self._takes)
             # As in vLLM: the pattern matcher dedups patterns by their traced
             # graph, which does not show eps; clearing its cache lets the
             # second epsilon register.
             torch._inductor.pattern_matcher._seen_patterns.clear()
         return names
 
-    def uuid(self) -> str:
-        # Part of Inductor's cache key: cover the pattern code, not only the class.
-        return VllmInductorPass.hash_source(type(self), _register_patterns, _norm_input_weight_dtype_match)
+    def _takes(self, match: pm.Match) -> bool:
+        """The patterns' extra check: vLLM's dtype check, then the pair's route is YALI's op."""
+        if not _norm_input_weight_dtype_match(match):
+            return False
+        norm = fusion_routing.norm_node(match)
+        if norm is None:
+            return True
+        route = fusion_routing.route(fusion_routing.norm_output_quant(norm), self._flashinfer_range)
+        self._routes[norm.name] = route
+        return route == fusion_routing.YALI
 
-    def is_applicable_for_range(self, compile_range) -> bool:
+    def uuid(self) -> str:
+        # Part of Inductor's cache key: cover the pattern and routing code, and vLLM's pass if built.
+        own = VllmInductorPass.hash_source(type(self), _register_patterns, _norm_input_weight_dtype_match,
+                                           Path(fusion_routing.__file__).read_text())
+        return own + (self.flashinfer.uuid() if self.flashinfer is not None else "")
+
+    def yali_applies(self, compile_range) -> bool:
         return not self.disabled and (self.max_token_num is None or compile_range.end <= self.max_token_num)
 
-    @VllmInductorPass.time_and_log
-    def __call__(self, graph: fx.Graph) -> None:
-        if self.disabled:
-            return
-        self.matched_count = self.patterns.apply(graph)
-        VllmPatternMatcherPass.match_table[self.pass_name] += self.matched_count
-        logger.debug("YaliAllReduceFusionPass replaced %s patterns", self.matched_count)
-
-
-class FlashInferThenYaliPass(VllmInductorPass):
-    """vLLM's FlashInfer fusion pass for the compile ranges it serves, YALI's pass for the ranges
-    above them that YALI serves: what the plugin builds at a world size of FUSION_BY_FLASHINFER
-    (none today), one where FlashInfer's fused kernel measures at least as fast as YALI's over its
-    whole range. vLLM compiles one range above FlashInfer's (129-8192 tokens at four ranks), which
-    YALI's op (up to 8 MiB) does not cover; with a compile range endpoint at YALI's limit
-    (``--compilation-config '{"compile_ranges_endpoints": [512]}'``) the range 129-512 gets YALI's
-    op. Each range is rewritten by exactly one of the two passes."""
-
-    def __init__(self, flashinfer, yali, config) -> None:
-        super().__init__(config)
-        self.pass_name = "flashinfer_then_yali_fusion_pass"
-        self.flashinfer, self.yali = flashinfer, yali
-        self._range = None
-
-    def pass_for_range(self, compile_range):
-        """The pass that rewrites `compile_range`: FlashInfer's where it applies, else YALI's where
-        it applies, else None."""
-        if self.flashinfer.is_applicable_for_range(compile_range):
-            return self.flashinfer
-        if self.yali.is_applicable_for_range(compile_range):
-            return self.yali
-        return None
+    def flashinfer_applies(self, compile_range) -> bool:
+        return self.flashinfer is not None and bool(self.flashinfer.is_applicable_for_range(compile_range))
 
     def is_applicable_for_range(self, compile_range) -> bool:
         self._range = compile_range
-        return self.pass_for_range(compile_range) is not None
-
-    def uuid(self) -> str:
-        # Part of Inductor's cache key: both passes and this routing.
-        return self.flashinfer.uuid() + self.yali.uuid() + VllmInductorPass.hash_source(type(self))
+        return self.yali_applies(compile_range) or self.flashinfer_applies(compile_range)
 
     def _current_range(self):
         """The range of the compilation in progress (vLLM's pass context), else the range of the
@@ -438,8 +401,27 @@ class FlashInferThenYaliPass(VllmInductorPass):
         except Exception:
             return self._range
 
+    @VllmInductorPass.time_and_log
     def __call__(self, graph: fx.Graph) -> None:
         compile_range = self._current_range()
-        chosen = self.pass_for_range(compile_range) if compile_range is not None else None
-        if chosen is not None:  # no range known: nothing rewritten, on every rank alike
-            chosen(graph)
+        yali = compile_range is None or self.yali_applies(compile_range)
+        self._flashinfer_range = compile_range is not None and self.flashinfer_applies(compile_range)
+        self._routes = {}
+        self.matched_count = 0
+        if yali and not self.disabled:
+            self.matched_count = self.patterns.apply(graph)
+            VllmPatternMatcherPass.match_table[self.pass_name] += self.matched_count
+        if self._flashinfer_range:
+            self.flashinfer(graph)
+        counts: dict[str, int] = {}
+        for route in self._routes.values():
+            counts[route] = counts.get(route, 0) + 1
+        counts[fusion_routing.YALI] = self.matched_count
+        self.route_counts = counts
+        if self.flashinfer is not None:
+            where = "" if compile_range is None else f" in compile range {compile_range}"
+            line = f"YALI fusion pass{where}: all-reduce + RMSNorm pairs {fusion_routing.summary(counts)}"
+            if line not in _logged_routes:
+                _logged_routes.add(line)
+                logger.info("%s", line)
+        logger.debug("YaliAllReduceFusionPass replaced %s patterns", self.matched_count)

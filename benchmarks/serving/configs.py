@@ -30,16 +30,14 @@ SERVER_CONFIGS: dict[str, ServerConfig] = {
         YALI_ON,
         (),
         "yali plugin on (YALI_ENABLE=1, YALI_WORLD_SIZES=all); vLLM defaults otherwise (the fused "
-        "pairs in YALI's fused op, except below FlashInfer's limit at a world size of FUSION_BY_FLASHINFER)",
+        "pairs in YALI's fused op; those of a quantised norm output where yali_vllm/fusion_routing.py sends them)",
     ),
-    # YALI's fused op for every fused pair at every world size, also where the plugin leaves them to
-    # FlashInfer by default (yali_vllm.config.FUSION_BY_FLASHINFER): the configuration that measures it.
+    # YALI_FUSION=1 set explicitly: the same passes as "yali" (kept so that the runs that name it read).
     "yali-fusion": ServerConfig(
         "yali-fusion",
         {**YALI_ON, "YALI_FUSION": "1"},
         (),
-        "yali plugin on, YALI_FUSION=1: YALI's fused all-reduce+RMSNorm serves the fused pairs at every "
-        "world size",
+        "yali plugin on, YALI_FUSION=1 set explicitly (the same passes as unset)",
     ),
     "vllm-default": ServerConfig(
         "vllm-default",

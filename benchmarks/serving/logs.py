@@ -22,7 +22,6 @@ KEY_LINE_PATTERNS = [
 ERROR_PATTERNS = [re.compile(r"\bERROR\b"), re.compile(r"Traceback")]
 # What yali_vllm/vllm_plugin.py logs once it has hooked a TP group.
 YALI_ON_RE = re.compile(r"YALI all-reduce ON")
-YALI_ON_WORLD_RE = re.compile(r"YALI all-reduce ON for group .*\(rank \d+ of (\d+)")
 YALI_OFF_RE = re.compile(r"YALI all-reduce OFF")
 YALI_FUSION_ON_RE = re.compile(r"YALI fusion pass ON")
 YALI_EP_ON_RE = re.compile(r"YALI EP ON")
@@ -41,10 +40,7 @@ def yali_log_warnings(config: str, key_lines: Sequence[str]) -> list[str]:
         return _ep_log_warnings(config, env, key_lines)
     wants_yali = env.get("YALI_ENABLE") == "1"
     on = any(YALI_ON_RE.search(ln) for ln in key_lines)
-    # Unset YALI_FUSION at a FUSION_BY_FLASHINFER world size: FlashInfer's fused kernel below its
-    # limit, YALI's op above it only where a compile range reaches it; either log is right.
-    flashinfer_below = env.get("YALI_FUSION") is None and _flashinfer_fuses(key_lines)
-    wants_fusion = wants_yali and env.get("YALI_FUSION") != "0" and not flashinfer_below
+    wants_fusion = wants_yali and env.get("YALI_FUSION") != "0"
     off = [ln for ln in key_lines if YALI_OFF_RE.search(ln)]
     fused = any(YALI_FUSION_ON_RE.search(ln) or YALI_FUSED_OP_RE.search(ln) for ln in key_lines)
     warnings: list[str] = []
@@ -75,15 +71,6 @@ def yali_off_line(config: str, path: Path) -> str | None:
         return None
     off = [ln for ln in scan_server_log(path)["key_lines"] if YALI_OFF_RE.search(ln)]
     return off[0] if off else None
-
-
-def _flashinfer_fuses(key_lines: Sequence[str]) -> bool:
-    """Whether the plugin leaves the fused pairs of the server's TP group to FlashInfer by default:
-    its world size (from the 'YALI all-reduce ON' line) is in yali_vllm.config.FUSION_BY_FLASHINFER."""
-    from yali_vllm.config import FUSION_BY_FLASHINFER
-
-    worlds = {int(m.group(1)) for ln in key_lines if (m := YALI_ON_WORLD_RE.search(ln))}
-    return bool(worlds) and worlds <= set(FUSION_BY_FLASHINFER)
 
 
 def _ep_log_warnings(config: str, env: dict[str, str], key_lines: Sequence[str]) -> list[str]:

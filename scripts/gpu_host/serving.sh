@@ -12,7 +12,7 @@
 # many seconds with 64 users on the yali server; both take their time from the same budget.)
 # REPEATS default 1 (repeats alternate between the configs), SUFFIX (result name) default r1,
 # CONFIGS default yali,vllm-default,nccl (also: yali-flashinfer-fusion, the plugin with YALI_FUSION=0;
-# yali-fusion, YALI_FUSION=1: YALI's fused op also at a world size of config.FUSION_BY_FLASHINFER, none today;
+# yali-fusion, YALI_FUSION=1 set explicitly, the same passes as yali;
 # BASE+YALI_VAR=VALUE: BASE with that YALI_* setting, e.g. yali+YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX=131072)
 # (three do not fit one 10-minute run: split them and merge the results with
 # `serving_bench.py --report-only A.json B.json --out DIR`), PROFILE_TOKENS default 0: > 0 profiles

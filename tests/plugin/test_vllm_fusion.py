@@ -69,14 +69,17 @@ class StandInPass:
 
 
 class RangedStandInPass(StandInPass):
-    """A FlashInfer stand-in that, like vLLM's pass, applies up to `max_tokens` and counts its runs."""
+    """A FlashInfer stand-in that, like vLLM's pass, applies up to `max_token_num` tokens and counts
+    its runs; it rewrites nothing, so what it is left is seen in the graph."""
+
+    disabled = False
 
     def __init__(self, config, max_tokens):
         super().__init__(config)
-        self.max_tokens, self.calls = max_tokens, 0
+        self.max_token_num, self.calls = max_tokens, 0
 
     def is_applicable_for_range(self, compile_range):
-        return compile_range.end <= self.max_tokens
+        return compile_range.end <= self.max_token_num
 
     def __call__(self, graph):
         self.calls += 1
@@ -133,44 +136,15 @@ def test_fusion_flag_bad_value_names_variable(raw):
         vllm_fusion.fusion_enabled({"YALI_FUSION": raw})
 
 
-@pytest.mark.parametrize("raw, forced", [(None, False), ("", False), (" ", False), ("1", True), ("on", True),
-                                         ("0", False)])
-def test_fusion_forced_only_when_set_on(raw, forced):
-    env = {} if raw is None else {"YALI_FUSION": raw}
-    assert vllm_fusion.fusion_forced(env) is forced
-
-
-def test_no_world_size_leaves_its_fused_pairs_to_flashinfer():
-    """YALI's fused op measured faster than FlashInfer's at 2 and 4 ranks: no world size is in
-    FUSION_BY_FLASHINFER, whose entries each cite a result file."""
-    assert config.FUSION_BY_FLASHINFER == {}
-    assert all(vllm_fusion.flashinfer_fusion_reason(n, {}) is None for n in config.WORLD_SIZES)
-
-
 def test_every_listed_reason_names_a_committed_result():
-    """The reasons of ON_BY_DEFAULT, OFF_BY_DEFAULT and FUSION_BY_FLASHINFER that name a result
-    directory name one that is committed (with its README); every world size on by default names
-    its serving run."""
+    """The reasons of ON_BY_DEFAULT and OFF_BY_DEFAULT that name a result directory name one that is
+    committed (with its README); every world size on by default names its serving run."""
     repo = Path(__file__).resolve().parents[2]
-    reasons = [*config.ON_BY_DEFAULT.values(), *config.OFF_BY_DEFAULT.values(), *config.FUSION_BY_FLASHINFER.values()]
+    reasons = [*config.ON_BY_DEFAULT.values(), *config.OFF_BY_DEFAULT.values()]
     named = [path for reason in reasons for path in re.findall(r"benchmarks/results/[\w./-]+[\w-]", reason)]
     assert all("benchmarks/results/current/serving/" in why for why in config.ON_BY_DEFAULT.values())
     for path in named:
         assert (repo / path / "README.md").is_file(), path
-
-
-def test_flashinfer_keeps_the_fused_pairs_of_a_listed_world_size(monkeypatch):
-    """At a FUSION_BY_FLASHINFER world size an unset YALI_FUSION leaves the fused pairs to vLLM's
-    FlashInfer fusion, with the listed reason; YALI_FUSION=1 overrides; other world sizes keep
-    YALI's pass; a bad YALI_FUSION is named."""
-    monkeypatch.setitem(config.FUSION_BY_FLASHINFER, 8, "FlashInfer's fused kernel is faster (results/x)")
-    reason = vllm_fusion.flashinfer_fusion_reason(8, {})
-    assert reason == ("at 8 ranks FlashInfer's fused kernel is faster (results/x); "
-                      "YALI_FUSION=1 builds YALI's pass instead")
-    assert vllm_fusion.flashinfer_fusion_reason(8, {"YALI_FUSION": "1"}) is None
-    assert vllm_fusion.flashinfer_fusion_reason(4, {}) is None
-    with pytest.raises(ValueError, match="invalid YALI_FUSION='x'"):
-        vllm_fusion.flashinfer_fusion_reason(8, {"YALI_FUSION": "x"})
 
 
 def test_factory_raises_naming_bad_yali_fusion(monkeypatch):
@@ -372,18 +346,6 @@ def test_install_hooks_follow_vllm_config(pass_manager_module, monkeypatch):
 # it does not serve.
 CPU_WORLD_SIZES = (2, 4)
 UNSERVED_WORLD_SIZE = 3
-# The rank workers list four ranks in FUSION_BY_FLASHINFER (empty in the product today), so the
-# real-TP-group tests cover both of the factory's choices: YALI's pass at two ranks, vLLM's pass
-# below FlashInfer's limit and YALI's above it at four.
-STAND_IN_FLASHINFER = {4: "FlashInfer's fused kernel measured faster (a stand-in entry of the tests)"}
-
-
-def _listed(fn, *args):
-    """fn(*args) with FUSION_BY_FLASHINFER as the rank workers see it (STAND_IN_FLASHINFER added)."""
-    with mock.patch.dict(config.FUSION_BY_FLASHINFER, STAND_IN_FLASHINFER):
-        return fn(*args)
-
-
 def _write_model_config(path: Path) -> str:
     from yali_vllm.models import model_config
 
@@ -454,27 +416,50 @@ def _factory_choices(cfg, tp) -> dict:
     res["off_factor"] = fusion_patch.fusion_cache_factor()
     comm.yali_comm = StandInYali(fuse=False, group=tp)
     res["on_decision"] = list(vllm_fusion.fusion_decision())
-    res["on_choice"] = list(vllm_fusion.fusion_choice())
     res["on_pass"] = type(factory(cfg)).__name__
     res["on_factor"] = fusion_patch.fusion_cache_factor()
     os.environ["YALI_FUSION"] = "0"
     res["disabled_pass"] = type(factory(cfg)).__name__
     res["disabled_factor"] = fusion_patch.fusion_cache_factor()
-    os.environ["YALI_FUSION"] = "1"  # set explicitly: YALI's pass at every world size
-    res["forced_decision"] = list(vllm_fusion.fusion_decision())
-    res["forced_pass"] = type(factory(cfg)).__name__
-    res["forced_factor"] = fusion_patch.fusion_cache_factor()
+    os.environ["YALI_FUSION"] = "1"  # set explicitly: the same as unset
+    res["set_decision"] = list(vllm_fusion.fusion_decision())
+    res["set_pass"] = type(factory(cfg)).__name__
+    res["set_factor"] = fusion_patch.fusion_cache_factor()
     del os.environ["YALI_FUSION"]
     res["log"] = [ln for ln in handler_lines if ln.startswith(("YALI fusion pass ON", "YALI fusion pass OFF"))]
     res["patterns_log"] = [ln for ln in handler_lines if ln.startswith("YALI fusion pass: patterns")]
 
     # vLLM's own pass manager, with the symbol patched (a stand-in original:
-    # see the module docstring), builds one of the two passes.
+    # see the module docstring), builds one fusion pass.
     pass_manager.AllReduceFusionPass = StandInPass
     fusion_patch.patch_fusion_pass()
     pm = pass_manager.PostGradPassManager()
     pm.configure(cfg)
     res["configured"] = [type(p).__name__ for p in pm.passes]
+
+    # Which vLLM passes YALI's pass holds: none for a bf16 model (vLLM's pass is never built), vLLM's
+    # (a FlashInfer stand-in up to 256 tokens, built once) for a quantised one, which the ON line names.
+    built: list = []
+
+    def flashinfer(c):
+        built.append(RangedStandInPass(c, max_tokens=256))
+        return built[-1]
+
+    if not vllm_fusion.fusion_decision()[0]:  # a world size YALI does not serve
+        return res
+    ranged_factory = fusion_patch.fusion_pass_factory(flashinfer)
+    bf16 = ranged_factory(cfg)
+    res["bf16_flashinfer"] = [bf16.flashinfer is None, len(built)]
+    fusion_patch._fusion_logged.clear()
+    del handler_lines[:]
+    cfg.model_config.quantization = "fp8"
+    try:
+        fp8 = ranged_factory(cfg)
+    finally:
+        cfg.model_config.quantization = None
+    res["fp8_flashinfer"] = [type(fp8).__name__, fp8.flashinfer is built[0], len(built)]
+    res["fp8_log"] = [ln for ln in handler_lines if ln.startswith("YALI fusion pass ON")]
+
     return res
 
 
@@ -573,29 +558,103 @@ def _range_results(cfg, tp) -> dict:
         comm.yali_comm = StandInYali(fuse=True, group=tp, serve_limit=limit)
         p = vllm_fusion.YaliAllReduceFusionPass(cfg)
         out[str(limit)] = [p.max_token_num, [p.is_applicable_for_range(Range(start=a, end=b)) for a, b in RANGES]]
-    # The composite at a FUSION_BY_FLASHINFER world size: a FlashInfer stand-in serving up to 256
-    # tokens, YALI's pass up to 1024 (8 MiB of hidden 4096 bf16): each range goes to exactly one.
+    # With vLLM's pass (a quantised model; a FlashInfer stand-in serving up to 256 tokens) beside
+    # YALI's (up to 1024: 8 MiB of hidden 4096 bf16): a range applies where either does, and vLLM's
+    # pass runs only in its own ranges, after YALI's.
     comm.yali_comm = StandInYali(fuse=True, group=tp, serve_limit=8 << 20)
     flashinfer = RangedStandInPass(cfg, max_tokens=256)
-    yali = vllm_fusion.YaliAllReduceFusionPass(cfg)
-    both = vllm_fusion.FlashInferThenYaliPass(flashinfer, yali, cfg)
+    both = vllm_fusion.YaliAllReduceFusionPass(cfg, flashinfer=flashinfer)
+    alone = vllm_fusion.YaliAllReduceFusionPass(cfg)
     routed = []
     for a, b in RANGES:
         r = Range(start=a, end=b)
-        chosen = both.pass_for_range(r)
         applies = both.is_applicable_for_range(r)
-        ran = []
-        if applies:
-            calls = flashinfer.calls
-            yali.matched_count = -1  # YALI's pass sets it when it runs
-            graph = torch.fx.Graph()  # nothing to rewrite: only which pass runs is looked at
-            graph.output(graph.placeholder("x"))
-            both(torch.fx.GraphModule(torch.nn.Module(), graph).graph)
-            ran = (["flashinfer"] if flashinfer.calls == calls + 1 else []) + (["yali"] if yali.matched_count != -1 else [])
-        routed.append([applies, type(chosen).__name__ if chosen else None, ran])
-    out["composite"] = routed
-    out["composite_uuid"] = [both.uuid(), flashinfer.uuid(), yali.uuid()]
+        calls = flashinfer.calls
+        graph = torch.fx.Graph()  # nothing to rewrite: only which passes run is looked at
+        graph.output(graph.placeholder("x"))
+        both(torch.fx.GraphModule(torch.nn.Module(), graph).graph)
+        routed.append([applies, flashinfer.calls - calls])
+    out["with_flashinfer"] = routed
+    out["uuids"] = [both.uuid(), alone.uuid(), flashinfer.uuid()]
     comm.yali_comm = None
+    return out
+
+
+def _quant_model():
+    """A decoder stretch of an FP8 model, as vLLM traces it with its custom ops off: four
+    all-reduce + RMSNorm pairs whose norm outputs are quantised by vLLM's QuantFP8 (native code) with
+    a static per-tensor scale, dynamic per-token scales and per-group-of-128 scales, and the final
+    norm, not quantised."""
+    import vllm.ir.ops
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import tensor_model_parallel_all_reduce as ar
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        static = QuantFP8(True, GroupShape.PER_TENSOR)
+        token = QuantFP8(False, GroupShape.PER_TOKEN)
+        group = QuantFP8(False, GroupShape(1, 128))
+
+    def model(x, w, scale):
+        a = ar(x)
+        h = vllm.ir.ops.rms_norm(a, w, 1e-5)
+        q1, _ = static.forward_native(h, scale)
+        h, r = vllm.ir.ops.fused_add_rms_norm(ar(x * 2), a, w, 1e-5)
+        q2, s2 = token.forward_native(h)
+        h, r = vllm.ir.ops.fused_add_rms_norm(ar(x + 1), r, w, 1e-5)
+        q3, s3 = group.forward_native(h)
+        h, _ = vllm.ir.ops.fused_add_rms_norm(ar(x - 1), r, w, 1e-6)
+        return q1, q2, s2, q3, s3, h
+
+    return model
+
+
+def _quant_results(cfg, tp, rank: int) -> dict:
+    """Where YALI's pass sends each pair of _quant_model in a range FlashInfer serves, one above it,
+    and without vLLM's pass; and that every rewritten graph computes what the model does."""
+    import copy
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from vllm.config.utils import Range
+
+    from yali_vllm import fusion_routing
+
+    model = _quant_model()
+    g = torch.Generator().manual_seed(rank)
+    hidden = 256
+    args = [torch.randn(5, hidden, generator=g).bfloat16(),
+            torch.randn(hidden, generator=torch.Generator().manual_seed(7)).bfloat16(), torch.tensor([0.02])]
+
+    def fresh():
+        return [a.clone() for a in args]
+
+    expected = [t.float() for t in model(*fresh())]
+    traced = make_fx(model, tracing_mode="fake")(*fresh())
+    traced.graph.eliminate_dead_code()
+    traced.recompile()
+    out: dict = {"before": _node_targets(traced)}
+    comm = tp.device_communicator
+    for name, flashinfer_max, r in (("flashinfer_range", 256, Range(start=1, end=256)),
+                                    ("above_flashinfer", 256, Range(start=257, end=1024)),
+                                    ("no_flashinfer", None, Range(start=1, end=256))):
+        comm.yali_comm = StandInYali(fuse=True, group=tp, serve_limit=8 << 20)
+        flashinfer = RangedStandInPass(cfg, max_tokens=flashinfer_max) if flashinfer_max else None
+        p = vllm_fusion.YaliAllReduceFusionPass(cfg, flashinfer=flashinfer)
+        gm = copy.deepcopy(traced)
+        assert p.is_applicable_for_range(r)
+        p(gm.graph)
+        gm.recompile()
+        got = [t.float() for t in gm(*fresh())]
+        out[name] = {
+            "targets": _node_targets(gm),
+            "routes": p.route_counts,
+            "flashinfer_calls": flashinfer.calls if flashinfer else None,
+            "equal": [torch.equal(a, b) for a, b in zip(got, expected)],
+            "fused_calls": len(comm.yali_comm.calls),
+        }
+    comm.yali_comm = None
+    out["route_names"] = [fusion_routing.YALI, fusion_routing.FLASHINFER, fusion_routing.VLLM]
     return out
 
 
@@ -622,9 +681,9 @@ def _rank_worker(rank: int, port: int, world_size: int, model_dir: str, outdir: 
     and what YALI's pass does to traced graphs."""
 
     def body() -> dict:
-        config.FUSION_BY_FLASHINFER.update(STAND_IN_FLASHINFER)
         cfg, tp = _tp_setup(rank, port, world_size, model_dir)
-        return {**_factory_choices(cfg, tp), **_rewrite_results(cfg, tp, rank), "ranges": _range_results(cfg, tp)}
+        return {**_factory_choices(cfg, tp), **_rewrite_results(cfg, tp, rank), "ranges": _range_results(cfg, tp),
+                "quant": _quant_results(cfg, tp, rank)}
 
     _record(rank, outdir, body)
 
@@ -647,37 +706,68 @@ def test_ranks_factory_follows_yali_and_yali_fusion(tp_ranks):
     n = len(tp_ranks)
     served = f"YALI serves TP group 'tp:0' ({n} ranks)"
     on_line = f"YALI fusion pass ON (replaces vLLM's FlashInfer all-reduce+RMSNorm fusion): {served}"
-    leave = _listed(vllm_fusion.flashinfer_fusion_reason, n, {})
-    assert (leave is None) == (n not in STAND_IN_FLASHINFER)
     for res in tp_ranks:
         assert res["off_decision"] == [False, "YALI all-reduce is OFF for group 'tp:0'"]
         assert res["off_pass"] == "StandInPass" and res["off_factor"] == "vllm"
         assert res["disabled_pass"] == "StandInPass" and res["disabled_factor"] == "vllm"
-        # YALI_FUSION=1 builds YALI's pass at every world size YALI serves
-        assert res["forced_decision"] == [True, served]
-        assert res["forced_pass"] == "YaliAllReduceFusionPass" and _choice(res["forced_factor"]) == "yali"
-        if leave is None:  # unset YALI_FUSION: YALI's pass
-            assert res["on_decision"] == [True, served]
-            assert res["on_pass"] == "YaliAllReduceFusionPass" and _choice(res["on_factor"]) == "yali"
-            default_line = on_line
-        else:  # unset YALI_FUSION at a FUSION_BY_FLASHINFER world size: vLLM's pass below, YALI's above
-            why = (f"TP group 'tp:0': {leave}; YALI's pass serves the compile ranges above FlashInfer's "
-                   "that YALI serves")
-            assert res["on_decision"] == [False, why] and res["on_choice"] == ["vllm+yali", why]
-            assert res["on_pass"] == "FlashInferThenYaliPass" and _choice(res["on_factor"]) == "vllm+yali"
-            default_line = ("YALI fusion pass ON above FlashInfer's compile ranges (vLLM's FlashInfer "
-                            f"all-reduce+RMSNorm fusion serves those): {why}")
-        # each distinct line once per process: at two ranks YALI_FUSION=1 repeats the ON line
+        assert res["on_decision"] == res["set_decision"] == [True, served]
+        assert res["on_pass"] == res["set_pass"] == "YaliAllReduceFusionPass"
+        assert _choice(res["on_factor"]) == _choice(res["set_factor"]) == "yali"
+        # each distinct line once per process
         assert res["log"] == [
             "YALI fusion pass OFF: YALI all-reduce is OFF for group 'tp:0'; "
             "using vLLM's FlashInfer all-reduce+RMSNorm fusion",
-            default_line,
+            on_line,
             "YALI fusion pass OFF: disabled by YALI_FUSION; "
             "using vLLM's FlashInfer all-reduce+RMSNorm fusion",
-        ] + ([on_line] if leave is not None else [])
+        ]
         assert len(res["patterns_log"]) == 1, res["patterns_log"]
         assert "all_reduce+fused_add_rms_norm[norm only]" in res["patterns_log"][0]
         assert "eps 1e-05, 1e-06" in res["patterns_log"][0]
+
+
+def test_ranks_quantised_model_gets_vllms_pass_inside_yalis(tp_ranks):
+    """A bf16 model never builds vLLM's pass (no FlashInfer workspace beside YALI's); a quantised one
+    builds it once, inside YALI's pass, and the ON line says where its quantised pairs go."""
+    n = len(tp_ranks)
+    for res in tp_ranks:
+        assert res["bf16_flashinfer"] == [True, 0]
+        assert res["fp8_flashinfer"] == ["YaliAllReduceFusionPass", True, 1]
+        assert res["fp8_log"] == [
+            f"YALI fusion pass ON (replaces vLLM's FlashInfer all-reduce+RMSNorm fusion): YALI serves TP group "
+            f"'tp:0' ({n} ranks); the model is quantised (fp8): up to 256 tokens (FlashInfer's compile ranges) a "
+            "pair whose RMSNorm output is quantised to static FP8 goes to vLLM's FlashInfer all-reduce + RMSNorm + "
+            "quant kernel and a dynamic or per-group one to YALI's fused op, then vLLM's quant; above that every "
+            "quantised pair stays with YALI's all-reduce, then vLLM's RMSNorm + quant"]
+
+
+def test_ranks_quantised_pairs_go_where_vllm_fuses_their_quantisation(tp_ranks):
+    """The FP8 decoder stretch: in FlashInfer's range the static-FP8 pair is left to vLLM's
+    FlashInfer pass (which then runs), the dynamic per-token and per-group pairs and the unquantised
+    final norm go to YALI's op; above FlashInfer's range, and without vLLM's pass, every quantised
+    pair stays unfused (the all-reduce for YALI, the norm + quant for vLLM's RMSNorm + quant pass)
+    and only the final norm goes to YALI's op. Every rewritten graph computes what the model does."""
+    op, ar = "vllm.yali_fused_allreduce_rmsnorm.default", "vllm.all_reduce.default"
+    norms = ("vllm_ir.rms_norm.default", "vllm_ir.fused_add_rms_norm.default")
+    for res in tp_ranks:
+        q = res["quant"]
+        yali, flashinfer, vllm_ = q["route_names"]
+        assert _count(q["before"], ar) == 4 and _count(q["before"], op) == 0
+        inside = q["flashinfer_range"]
+        assert inside["routes"] == {yali: 3, flashinfer: 1}
+        assert inside["flashinfer_calls"] == 1
+        assert _count(inside["targets"], op) == 3 and _count(inside["targets"], ar) == 1
+        assert _count(inside["targets"], norms[0]) == 1 and _count(inside["targets"], norms[1]) == 0
+        for name in ("above_flashinfer", "no_flashinfer"):
+            left = q[name]
+            assert left["routes"] == {yali: 1, vllm_: 3}, name
+            assert _count(left["targets"], op) == 1 and _count(left["targets"], ar) == 3, name
+            assert sum(_count(left["targets"], n) for n in norms) == 3, name
+        assert q["above_flashinfer"]["flashinfer_calls"] == 0
+        assert q["no_flashinfer"]["flashinfer_calls"] is None
+        for name in ("flashinfer_range", "above_flashinfer", "no_flashinfer"):
+            assert q[name]["equal"] == [True] * 6, name
+        assert [q[name]["fused_calls"] for name in ("flashinfer_range", "above_flashinfer")] == [3, 1]
 
 
 @pytest.fixture(scope="module")
@@ -714,9 +804,9 @@ def _choice(factor: str) -> str:
 def test_ranks_cache_factor_names_the_pass_sources(tp_ranks):
     """The compile-cache factor carries the hash of YALI's pass sources, the same on every rank,
     so a graph rewritten by another version of the passes is not reused."""
-    hashes = {res["forced_factor"].split("@")[1] for res in tp_ranks}
+    hashes = {res["on_factor"].split("@")[1] for res in tp_ranks}
     assert len(hashes) == 1 and len(hashes.pop()) == 16
-    assert all(res["on_factor"].split("@")[1] == res["forced_factor"].split("@")[1] for res in tp_ranks)
+    assert all(res["on_factor"] == res["set_factor"] for res in tp_ranks)
 
 
 def test_ranks_pass_applies_only_to_the_token_counts_yali_serves(tp_ranks):
@@ -730,32 +820,20 @@ def test_ranks_pass_applies_only_to_the_token_counts_yali_serves(tp_ranks):
     assert any("compile ranges up to" in ln or "every token count" in ln for ln in tp_ranks[0]["patterns_log"])
 
 
-def test_ranks_flashinfer_then_yali_gives_each_range_to_one_pass(tp_ranks):
-    """FlashInferThenYaliPass: FlashInfer's pass for the ranges it serves (up to 256 tokens here),
-    YALI's for the ranges above that YALI serves (up to 1024), neither above; it runs the one
-    chosen."""
+def test_ranks_vllms_pass_runs_only_in_its_own_ranges(tp_ranks):
+    """With vLLM's pass inside (up to 256 tokens here) YALI's pass applies where either serves
+    (YALI up to 1024) and runs vLLM's only in vLLM's ranges; the cache key covers both."""
     for res in tp_ranks:
-        assert res["ranges"]["composite"] == [
-            [True, "RangedStandInPass", ["flashinfer"]],      # 1-256
-            [True, "YaliAllReduceFusionPass", ["yali"]],      # 257-1024
-            [False, None, []],                                # 257-8192
-            [False, None, []],                                # 1025-8192
-        ]
-        both, flashinfer, yali = res["ranges"]["composite_uuid"]
-        # Inductor's cache key covers both passes and the routing: no cached graph of either pass
-        # alone is taken for the composite's
-        assert both.startswith(flashinfer + yali) and both not in (flashinfer, yali, flashinfer + yali)
+        assert res["ranges"]["with_flashinfer"] == [[True, 1], [True, 0], [False, 0], [False, 0]]
+        both, alone, flashinfer = res["ranges"]["uuids"]
+        assert both == alone + flashinfer and both != alone
 
 
 def test_ranks_vllm_pass_manager_builds_one_fusion_pass(tp_ranks):
-    """vLLM's pass manager builds YALI's pass, or at a FUSION_BY_FLASHINFER world size (unset
-    YALI_FUSION) the composite of vLLM's and YALI's; never two fusion passes side by side."""
-    want = ("YaliAllReduceFusionPass" if _listed(vllm_fusion.flashinfer_fusion_reason, len(tp_ranks), {}) is None
-            else "FlashInferThenYaliPass")
+    """vLLM's pass manager builds YALI's pass, never two fusion passes side by side."""
     for res in tp_ranks:
-        fusion = [p for p in res["configured"] if p in ("YaliAllReduceFusionPass", "FlashInferThenYaliPass",
-                                                         "StandInPass")]
-        assert fusion == [want], res["configured"]
+        fusion = [p for p in res["configured"] if p in ("YaliAllReduceFusionPass", "StandInPass")]
+        assert fusion == ["YaliAllReduceFusionPass"], res["configured"]
 
 
 def test_ranks_rewrite_replaces_all_reduce_and_norms(tp_ranks):

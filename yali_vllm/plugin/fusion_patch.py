@@ -3,8 +3,9 @@
 In a worker, once a CUDA TP group exists (group_setup.py), the ``AllReduceFusionPass`` name
 in vLLM's pass manager module is replaced by a factory (:func:`fusion_pass_factory`) that
 builds YALI's fusion pass (yali_vllm/vllm_fusion.py) instead of vLLM's FlashInfer one when
-YALI serves the group and ``YALI_FUSION`` is on, and vLLM's compile cache key gets the
-choice (:data:`CACHE_FACTOR`).
+YALI serves the group and ``YALI_FUSION`` is on (for a quantised model with vLLM's pass inside
+it, yali_vllm/fusion_routing.py), and vLLM's compile cache key gets the choice
+(:data:`CACHE_FACTOR`).
 """
 
 from __future__ import annotations
@@ -35,51 +36,72 @@ def _log_fusion_once(level: int, msg: str, *args: Any) -> None:
         logger.log(level, "%s", text)
 
 
+def model_quantisation(config: Any) -> str | None:
+    """The quantisation method of `config`'s model ("fp8", "compressed-tensors", "modelopt", ...),
+    or None for an unquantised model (or no model config)."""
+    model = getattr(config, "model_config", None)
+    method = getattr(model, "quantization", None)
+    return str(method) if method else None
+
+
 def fusion_pass_factory(original: Any) -> Any:
     """What PostGradPassManager.configure calls instead of vLLM's
     AllReduceFusionPass(config): YALI's pass when YALI serves the TP group
-    and YALI_FUSION is on, else vLLM's pass (``original``); at a world size of
-    FUSION_BY_FLASHINFER both, each for its own compile ranges
-    (FlashInferThenYaliPass), so no range is rewritten by both.  A bad
-    YALI_FUSION raises ValueError naming it."""
+    and YALI_FUSION is on, else vLLM's pass (``original``). For a quantised model YALI's pass
+    gets vLLM's pass too, and leaves it the pairs vLLM fuses with their quantisation
+    (yali_vllm/fusion_routing.py). A bad YALI_FUSION raises ValueError naming it."""
 
     def AllReduceFusionPass(config: Any) -> Any:
         from yali_vllm import vllm_fusion
 
-        choice, why = vllm_fusion.fusion_choice()
-        if choice == "vllm+yali":
-            flashinfer = original(config)  # once: its workspace is set up at construction
-            try:
-                pass_ = vllm_fusion.FlashInferThenYaliPass(flashinfer, vllm_fusion.YaliAllReduceFusionPass(config),
-                                                           config)
-            except Exception as e:  # deterministic, so every rank falls back alike
-                logger.warning("YALI fusion pass OFF: building it failed (%s: %s); using vLLM's FlashInfer fusion",
-                               type(e).__name__, e, exc_info=True)
-                return flashinfer
-            _log_fusion_once(logging.INFO, "YALI fusion pass ON above FlashInfer's compile ranges (vLLM's "
-                             "FlashInfer all-reduce+RMSNorm fusion serves those): %s", why)
-            return pass_
-        if choice == "yali":
-            try:
-                pass_ = vllm_fusion.YaliAllReduceFusionPass(config)
-            except Exception as e:  # deterministic, so every rank falls back alike
-                logger.warning(
-                    "YALI fusion pass OFF: building it failed (%s: %s); using vLLM's FlashInfer fusion",
-                    type(e).__name__, e, exc_info=True,
-                )
-                return original(config)
+        yali, why = vllm_fusion.fusion_decision()
+        if not yali:
             _log_fusion_once(
-                logging.INFO,
-                "YALI fusion pass ON (replaces vLLM's FlashInfer all-reduce+RMSNorm fusion): %s", why,
+                logging.INFO, "YALI fusion pass OFF: %s; using vLLM's FlashInfer all-reduce+RMSNorm fusion", why
             )
-            return pass_
+            return original(config)
+        quant = model_quantisation(config)
+        flashinfer = _build_quietly(original, config) if quant else None
+        try:
+            pass_ = vllm_fusion.YaliAllReduceFusionPass(config, flashinfer=flashinfer)
+        except Exception as e:  # deterministic, so every rank falls back alike
+            logger.warning(
+                "YALI fusion pass OFF: building it failed (%s: %s); using vLLM's FlashInfer fusion",
+                type(e).__name__, e, exc_info=True,
+            )
+            return flashinfer if flashinfer is not None else original(config)
         _log_fusion_once(
-            logging.INFO, "YALI fusion pass OFF: %s; using vLLM's FlashInfer all-reduce+RMSNorm fusion", why
+            logging.INFO,
+            "YALI fusion pass ON (replaces vLLM's FlashInfer all-reduce+RMSNorm fusion): %s%s", why,
+            "" if quant is None else "; " + quantised_routing_note(quant, flashinfer),
         )
-        return original(config)
+        return pass_
 
     setattr(AllReduceFusionPass, _FACTORY_ORIGINAL, original)
     return AllReduceFusionPass
+
+
+def _build_quietly(original: Any, config: Any) -> Any:
+    """vLLM's pass (built once: its workspace is set up at construction), or None with a warning
+    when building it fails (then every quantised pair stays unfused, as without FlashInfer)."""
+    try:
+        return original(config)
+    except Exception as e:  # deterministic, so every rank ends alike
+        logger.warning("YALI: building vLLM's FlashInfer fusion pass failed (%s: %s); the quantised pairs stay "
+                       "unfused", type(e).__name__, e, exc_info=True)
+        return None
+
+
+def quantised_routing_note(quant: str, flashinfer: Any) -> str:
+    """What the ON line adds for a quantised model: where its pairs go (fusion_routing.route)."""
+    limit = getattr(flashinfer, "max_token_num", None)
+    if getattr(flashinfer, "disabled", True) or limit is None:
+        return (f"the model is quantised ({quant}) and vLLM's FlashInfer fusion is off: a pair whose RMSNorm "
+                "output is quantised stays with YALI's all-reduce, then vLLM's RMSNorm + quant")
+    return (f"the model is quantised ({quant}): up to {limit} tokens (FlashInfer's compile ranges) a pair whose "
+            "RMSNorm output is quantised to static FP8 goes to vLLM's FlashInfer all-reduce + RMSNorm + quant "
+            "kernel and a dynamic or per-group one to YALI's fused op, then vLLM's quant; above that every "
+            "quantised pair stays with YALI's all-reduce, then vLLM's RMSNorm + quant")
 
 
 def patch_fusion_pass() -> bool:
@@ -121,13 +143,12 @@ def unpatch_fusion_pass() -> None:
 
 def fusion_cache_factor() -> str:
     """Which passes this process builds, as vLLM's compile cache key sees them: "vllm", or
-    "yali" or "vllm+yali" followed by "@" and the hash of YALI's pass sources
-    (a graph rewritten by another version of them is not reused); "invalid (...)" for a bad knob."""
+    "yali@" and the hash of YALI's pass sources (a graph rewritten by another version of them is
+    not reused); "invalid (...)" for a bad knob."""
     try:
-        from yali_vllm.vllm_fusion import fusion_choice
+        from yali_vllm.vllm_fusion import fusion_decision
 
-        choice = fusion_choice()[0]
-        return choice if choice == "vllm" else f"{choice}@{_pass_sources_hash()}"
+        return f"yali@{_pass_sources_hash()}" if fusion_decision()[0] else "vllm"
     except Exception as e:
         return f"invalid ({type(e).__name__})"
 
@@ -135,11 +156,11 @@ def fusion_cache_factor() -> str:
 @functools.lru_cache(maxsize=1)
 def _pass_sources_hash() -> str:
     """The hash of the modules that decide how vLLM's graphs are rewritten: the fusion pass and
-    what it reads (config.FUSION_BY_FLASHINFER and the limits)."""
-    from yali_vllm import config, vllm_fusion
+    what it reads (the routing of quantised pairs, the limits)."""
+    from yali_vllm import config, fusion_routing, vllm_fusion
 
     h = hashlib.sha256()
-    for module in (vllm_fusion, config):
+    for module in (vllm_fusion, fusion_routing, config):
         h.update(Path(module.__file__).read_bytes())
     return h.hexdigest()[:16]
 

@@ -53,10 +53,9 @@ def _fusion_setting() -> str:
     """This rank's YALI_FUSION as it is understood ("on"/"off", or the error), for comparison:
     the ranks must build the same compile passes."""
     try:
-        from yali_vllm.vllm_fusion import fusion_enabled, fusion_forced
+        from yali_vllm.vllm_fusion import fusion_enabled
 
-        # "on, set" (YALI_FUSION=1) differs from "on" (unset) where FUSION_BY_FLASHINFER applies
-        return ("on, set" if fusion_forced() else "on") if fusion_enabled() else "off"
+        return "on" if fusion_enabled() else "off"
     except Exception as e:
         return f"invalid ({e})"
 
