@@ -9,7 +9,7 @@ unfinished CTAs are always running and have what they wait for, and every call c
 free SM (one cluster) per rank.
 
 The model maps, per kernel, what each CTA sends and what it waits for, as the kernels compute it
-(csrc/core/yali: fused.cuh, ranks.cuh, push.cuh, stream.cuh, call_check.cuh's checker)
+(csrc/core/yali: fused.cuh fused_work, ranks.cuh, push.cuh, stream.cuh, call_check.cuh's checker)
 from the launch the library plans for the shape (config.fused_plan, config.plan), and checks the
 rule for every world size, every fused row count 1..2048 at hidden 2048..16384 in bf16, fp16 and
 fp32 (one launch and two), and the all-reduce kernels of every message size those calls use."""
@@ -38,14 +38,31 @@ def chunk_starts(vecs: int, parts: int, count: int) -> np.ndarray:
     return np.minimum(vecs, per * np.arange(count + 1, dtype=np.int64))
 
 
-def whole_row_waits(rows: int, row_vecs: int, grid: int, cluster: int) -> np.ndarray:
-    """The latest CTA each CTA of a whole-row fused launch waits for (-1: none): fused.cuh and
-    ranks.cuh cut the message into one chunk per CTA (split_range(b)), and CTA b owns rows b,
-    b + grid, ...; a CTA's latest is the sender of its last row's last vector."""
-    send_end = chunk_starts(rows * row_vecs, grid, grid)[1:]
+def whole_row_work(rows: int, row_vecs: int, grid: int, cluster: int):
+    """fused.cuh fused_work for every CTA: (send_start[b], send_end[b]) and the rows it owns
+    [row_begin[b], row_end[b]) (empty when row_begin >= row_end)."""
+    senders = grid - 1 if cluster == 1 and rows < grid else grid
+    at = chunk_starts(rows * row_vecs, senders, grid)
     b = np.arange(grid)
-    last_row = rows - 1 - (rows - 1 - b) % grid
-    return np.where(b < rows, np.searchsorted(send_end, (last_row + 1) * row_vecs - 1, side="right"), -1)
+    first = b - b % cluster
+    row_begin = np.where(b == first, at[first] // row_vecs, -(-at[b] // row_vecs))
+    row_end = np.minimum(-(-at[b + 1] // row_vecs), at[first + cluster] // row_vecs)
+    return at[:-1], at[1:], row_begin, row_end
+
+
+def whole_row_waits(rows: int, row_vecs: int, grid: int, cluster: int) -> np.ndarray:
+    """The latest CTA each CTA of a whole-row fused launch waits for (-1: none), after checking that
+    the sends cut the message and the owned rows cut the rows, each exactly once."""
+    send_start, send_end, row_begin, row_end = whole_row_work(rows, row_vecs, grid, cluster)
+    assert send_start[0] == 0 and send_end[-1] == rows * row_vecs and (send_start[1:] == send_end[:-1]).all()
+    owned = np.maximum(row_end - row_begin, 0)
+    assert owned.sum() == rows
+    starts = row_begin[owned > 0]
+    assert starts[0] == 0 and (starts[1:] == np.cumsum(owned[owned > 0])[:-1]).all()
+    # The sender of vector v is the CTA whose chunk holds it; a row range's latest is its last vector's.
+    last_vec = row_end * row_vecs - 1
+    latest = np.searchsorted(send_end, last_vec, side="right")
+    return np.where(owned > 0, latest, -1)
 
 
 def same_cta_waits(blocks: int) -> np.ndarray:
