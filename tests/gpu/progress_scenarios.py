@@ -3,12 +3,20 @@
 another order on each rank; every call must still complete, exactly (small-integer inputs, as in
 delay_scenarios), without the watchdog. Because the SMs come back after OCCUPY_NS, a kernel whose
 CTAs wait for peer CTAs that cannot run beside them completes too, only later: the call times
-(reported) show which waited for the SMs."""
+(reported) show which waited for the SMs.
+
+fused_beside_long_occupier holds the SMs longer than YALI_TIMEOUT_S instead: a call whose CTAs wait
+for CTAs that cannot get an SM then hangs into the watchdog, so completing shows forward progress
+(tests/core/test_progress_order_cpu.py checks the rule behind it over the whole launch table).
+
+Every kernel is launched once before any SM is held: with CUDA's lazy module loading, the first
+launch of a kernel waits for every kernel the process runs, the busy one included."""
 from __future__ import annotations
 
 import time
 
 import torch
+import torch.distributed as dist
 
 from yali_vllm import _ext
 from yali_vllm.communicator import YaliCommunicator
@@ -47,6 +55,13 @@ def calls_beside_busy_sms(rank, group, busy: str) -> dict:
     error = None
     t0 = time.time()
     try:
+        for kind, shape in calls:  # warm-up: every kernel instance and the busy kernel load here
+            x = small_ints(shape, dev)
+            if kind == "all_reduce":
+                comm.all_reduce(x)
+            else:
+                comm.fused_allreduce_rmsnorm(x, None, weight[: shape[1]], 1e-6)
+        load_busy_kernel(dev)
         for kind, shape in calls:
             pattern = small_ints(shape, dev)
             x, out, norm = torch.empty_like(pattern), torch.empty_like(pattern), torch.empty_like(pattern)
@@ -71,3 +86,68 @@ def calls_beside_busy_sms(rank, group, busy: str) -> dict:
         error = f"{type(e).__name__}: {e}"
     return {"error": error, "abort": comm.abort_message(), "wrong": None if error else int(wrong.item()),
             "times_ms": times, "sms": sms, "elapsed_s": time.time() - t0}
+
+
+def load_busy_kernel(dev) -> None:
+    """Launches testing_occupy once on one SM for 1 us and waits: its module is loaded after this."""
+    _ext.ops().testing_occupy(dev.index, 1, 1000)
+    torch.cuda.synchronize(dev)
+
+
+# fused_beside_long_occupier: every rank keeps FREE_SMS[world] SMs (other kernels hold the rest) for
+# LONG_OCCUPY_NS, longer than LONG_TIMEOUT_S (the test's YALI_TIMEOUT_S). The shapes, bf16, one launch
+# each: at two ranks the whole-row fused kernel at 256, 512, 1024 and 2048 rows; at four the N-rank
+# whole-row kernel at 64 x 4096 (grid 128 for 64 rows). A CTA that owned row b, b + grid, ... there
+# waited for chunks that CTA 64, 96, 112, 120 (two ranks) and 32 (four) of the peers send, so these
+# calls needed 65, 97, 113, 121 and 33 free SMs per rank.
+LONG_TIMEOUT_S = 4
+LONG_OCCUPY_NS = 12_000_000_000
+FREE_SMS = {2: 60, 4: 16}
+LONG_SHAPES = {2: ((256, 8192), (512, 8192), (1024, 4096), (2048, 2048)), 4: ((64, 4096),)}
+
+
+def fused_beside_long_occupier(rank, group) -> dict:
+    """Every shape of LONG_SHAPES once without and then once beside testing_occupy, which holds all
+    but FREE_SMS SMs of this rank's GPU for LONG_OCCUPY_NS on another stream. Returns any error (a
+    trap after YALI_TIMEOUT_S: a call waited for CTAs that had no SM), the wrong elements of the
+    residual output (the exact sum) and of the normalised output (bitwise the call without the busy
+    SMs), whether the busy kernel still ran when the calls had completed, and the calls' time."""
+    dev = _device()
+    comm = YaliCommunicator(group, dev)
+    n_ranks, bf16 = comm.world_size, torch.bfloat16
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    base = float(n_ranks * (n_ranks + 1) // 2)
+    weight = torch.ones(8192, dtype=bf16, device=dev)
+    cases = []
+    for rows, hidden in LONG_SHAPES[n_ranks]:
+        pattern = small_ints((rows, hidden), dev)
+        x = pattern + float(rank + 1)
+        ref_norm, _ = comm.fused_allreduce_rmsnorm(x, None, weight[:hidden], 1e-6)  # warm-up and reference
+        cases.append((x, pattern * n_ranks + base, ref_norm.clone(), torch.empty_like(x), torch.empty_like(x)))
+    load_busy_kernel(dev)
+    dist.barrier(group)  # every rank is warm: the busy SMs and the calls start together
+    side = torch.cuda.Stream(dev)
+    busy_done = torch.cuda.Event()
+    with torch.cuda.stream(side):
+        _ext.ops().testing_occupy(dev.index, sms - FREE_SMS[n_ranks], LONG_OCCUPY_NS)
+        busy_done.record(side)
+    torch.cuda._sleep(100_000)  # the busy kernel's CTAs reach the SMs first
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    error, busy_after_calls, wrong = None, None, None
+    t0 = time.time()
+    try:
+        start.record()
+        for x, _, ref_norm, norm, res in cases:
+            comm.fused_allreduce_rmsnorm(x, None, weight[: x.shape[1]], 1e-6, norm_out=norm, residual_out=res)
+        end.record()
+        end.synchronize()
+        busy_after_calls = not busy_done.query()
+        calls_s = time.time() - t0
+        wrong = sum(int((res != want).sum()) + int((norm.view(torch.int16) != ref_norm.view(torch.int16)).sum())
+                    for x, want, ref_norm, norm, res in cases)
+        torch.cuda.synchronize(dev)  # the busy kernel ends by itself after LONG_OCCUPY_NS
+    except Exception as e:  # noqa: BLE001 - a trap after YALI_TIMEOUT_S: the record says why
+        error, calls_s = f"{type(e).__name__}: {e}", time.time() - t0
+    return {"error": error, "abort": comm.abort_message(), "wrong": wrong, "busy_after_calls": busy_after_calls,
+            "calls_s": round(calls_s, 3), "calls_ms": None if error else round(start.elapsed_time(end), 3),
+            "sms": sms, "free_sms": FREE_SMS[n_ranks]}

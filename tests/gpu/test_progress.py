@@ -2,7 +2,12 @@
 all but one SM of every GPU (or of rank 0's only) for 2 ms while the plain all-reduce (every kernel
 of the size table) and the fused op at 16 x 8192 and 1 x 8192 run; with YALI_TIMEOUT_S=5 each must
 complete, exactly, without the watchdog. With the ranks sharing one GPU (YALI_ALLOW_SHARED_GPU=1)
-the processes take turns on it, so this checks the results, not the scheduling."""
+the processes take turns on it, so this checks the results, not the scheduling.
+
+The whole-row fused kernels beside a busy kernel that holds all but 60 SMs (16 at four ranks) of
+every rank's GPU for longer than YALI_TIMEOUT_S: each call must complete, exactly, while that
+kernel still runs. With the ranks sharing one GPU each process's busy kernel holds the SMs in its
+own time slices, in which that rank's kernels run, so this checks the scheduling too."""
 import pytest
 
 from yali_vllm import _ext
@@ -26,6 +31,24 @@ def test_calls_complete_beside_busy_sms(world_size, busy):
         assert r["wrong"] == 0, (rank, r)
         assert len(r["times_ms"]) == len(ps.span_counts(world_size)) + len(ps.FUSED_SHAPES), r
     print({rank: r["times_ms"] for rank, r in enumerate(res)})
+
+
+LONG_BOUND_S = {2: 150, 4: 200}
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(max(LONG_BOUND_S.values()) + 30)
+@pytest.mark.parametrize("world_size", sorted(ps.LONG_SHAPES), ids=lambda n: f"{n}-ranks")
+def test_whole_row_fused_calls_complete_while_other_kernels_hold_most_sms(world_size):
+    """ps.fused_beside_long_occupier: each call completes, exactly, while the busy kernel (longer
+    than YALI_TIMEOUT_S) still holds all but ps.FREE_SMS SMs of every rank's GPU."""
+    res = run_ranks(ps.fused_beside_long_occupier, world_size=world_size, timeout=LONG_BOUND_S[world_size],
+                    env={"YALI_TIMEOUT_S": str(ps.LONG_TIMEOUT_S)})
+    for rank, r in enumerate(res):
+        assert r["error"] is None and r["abort"] == "", (rank, r)
+        assert r["wrong"] == 0, (rank, r)
+        assert r["busy_after_calls"] is True, (rank, r)
+    print({rank: (r["calls_ms"], r["calls_s"]) for rank, r in enumerate(res)})
 
 
 @pytest.mark.cpu

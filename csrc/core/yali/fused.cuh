@@ -1,17 +1,31 @@
 // Fused all-reduce + residual add + RMSNorm, one launch (vLLM's
 // `all_reduce -> fused_add_rms_norm` / `all_reduce -> rms_norm` pair).
 //
-// The exchange is flash-push's (exchange.cuh), with two kinds of work per CTA:
-//  * sending: the message is cut into one contiguous chunk per CTA, as
-//    flash-push cuts it (Config::fused_cta_bytes per CTA, at most flash_ctas
-//    CTAs), and every CTA stores its chunk into the peer's push area. One SM
-//    alone cannot keep many NVLink stores in flight: a 32 KiB flash-push sent
-//    16 KiB per CTA took 4.00 us against 3.12 us at 1 KiB per CTA (tune r4),
+// The exchange is flash-push's (exchange.cuh), with two kinds of work per CTA
+// (fused_work, the same for the N-rank whole-row kernel in ranks.cuh):
+//  * sending: the message is cut into one contiguous chunk per sending CTA, as
+//    flash-push cuts it (the plan gives Config::fused_cta_bytes per CTA, at most
+//    flash_ctas CTAs), and every CTA stores its chunk into the peer's push area.
+//    One SM alone cannot keep many NVLink stores in flight: a 32 KiB flash-push
+//    sent 16 KiB per CTA took 4.00 us against 3.12 us at 1 KiB per CTA (tune r4),
 //    and this split took the fused op at 1 token from 4.12 to 3.85 us.
-//  * receiving: CTA b owns rows b, b + grid, ...: it polls the peer's copy of a
-//    whole row in its own push area (local memory), adds its input, and
-//    normalises the row while it is in registers. Only the owner reads a row's
-//    words, so it alone gives them back (clears them) after reading.
+//  * receiving: a CTA owns whole rows: it polls the peer's copy of each of its
+//    rows in its own push area (local memory), adds its input, and normalises the
+//    row while it is in registers. Only the owner reads a row's words, so it
+//    alone gives them back (clears them) after reading.
+// Forward progress with few free SMs: the CTAs of a launch reach the SMs in index
+// order (with clusters, cluster after cluster, the CTAs of one together), and
+// another kernel may hold all other SMs. So a CTA waits only for chunks that the
+// peer's CTAs of its own cluster or an earlier one send (without clusters: of an
+// index up to its own), which are running or done whenever it runs: a row belongs
+// to the cluster of the CTA that sends its last vector, within that cluster to
+// the CTA that sends its first vector, or to the cluster's first CTA when that
+// one lies in an earlier cluster. Without clusters that is the CTA of the row's
+// last vector: CTA b owns the rows that end in its chunk. The checker of the call
+// (is_call_checker: the last CTA) waits for the peer's last CTA. When a launch
+// without clusters has more CTAs than rows, its last CTA sends nothing, so that
+// it owns no row and the check delays no row. tests/core/test_progress_order_cpu.py
+// checks the rule over the whole launch table.
 // Per element, with s the all-reduce output as a plain all-reduce returns it
 // (fp32 sum rounded to T):
 //   z = float(s) + float(residual)          (z = float(s) without a residual)
@@ -115,6 +129,31 @@ __device__ __forceinline__ void load_row(Vec16 (&v)[kV], const void* base, int r
   }
 }
 
+// What one CTA of a whole-row fused kernel does (the rule is in the header):
+// `send`, the vectors of the message it sends; rows [row_begin, row_end), the
+// rows it owns (none when row_begin >= row_end). Computed once per CTA in 32-bit
+// arithmetic: a message of at most YALI_DEV_FLASH_BYTES has fewer than 2^32 vectors.
+struct FusedWork {
+  Range send;
+  int row_begin, row_end;
+};
+
+__device__ __forceinline__ FusedWork fused_work(int rows, int row_vecs) {
+  uint32_t cluster = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(cluster));  // 1 without clusters
+#endif
+  const uint32_t grid = gridDim.x, b = blockIdx.x, rv = uint32_t(row_vecs);
+  const uint32_t senders = cluster == 1 && uint32_t(rows) < grid ? grid - 1 : grid;
+  const uint32_t vecs = uint32_t(rows) * rv;
+  const uint32_t per = (vecs + senders - 1) / senders;  // split_range's cut over the senders
+  const auto at = [&](uint32_t i) { return uint32_t(min(size_t(vecs), size_t(per) * i)); };  // chunk i's start
+  const uint32_t first = b - b % cluster;  // my cluster's first CTA
+  const uint32_t row_begin = b == first ? at(first) / rv : (at(b) + rv - 1) / rv;
+  const uint32_t row_end = min((at(b + 1) + rv - 1) / rv, at(first + cluster) / rv);
+  return {{at(b), at(b + 1)}, int(row_begin), int(row_end)};
+}
+
 // kRowLoadsEarly: the weight, input and residual loads of this CTA's first row
 // go out before the epoch fetch (inside a model they come from DRAM and have the
 // whole wait to land), or after the send, so that they do not queue in front of
@@ -124,8 +163,9 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kern
   wait_prior_grids();
   constexpr int kU = 4;  // sent vectors in flight per thread
   const int t = threadIdx.x;
-  const int first = blockIdx.x;  // CTA b owns rows b, b + grid, ...
-  const Range chunk = split_range(0, a.x.nbytes / 16, gridDim.x, blockIdx.x);  // what this CTA sends
+  const FusedWork work = fused_work(a.n.rows, a.n.row_vecs);
+  const Range chunk = work.send;
+  const int first = work.row_begin < work.row_end ? work.row_begin : a.n.rows;  // a.n.rows: no row
   const Vec16* in = static_cast<const Vec16*>(a.x.in);
   const auto input = [&](size_t k) { return load_local_input(in + k); };  // rows are whole vectors: no tail
   Vec16 p[kU], w[kV], x[kV], r[kV];
@@ -151,7 +191,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kern
   if constexpr (!kRowLoadsEarly) load_first_row();  // in flight while the peer's data crosses the link
   // 2. per row of mine: receive the peer's partial sums, add mine, normalise.
   //    A later row's input and residual loads go out together with its polls.
-  for (int row = first; row < a.n.rows; row += gridDim.x) {
+  for (int row = first; row < work.row_end; ++row) {
     const size_t base = size_t(row) * a.n.row_vecs;
     if (row != first) {
       load_row(x, a.x.in, row, a.n);

@@ -197,6 +197,8 @@ FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType 
   if (c.fused_cluster >= 0) cluster = std::max(c.fused_cluster, 1);
   l.cta_bytes = cta_bytes;
   // The sending is cut into cta_bytes per CTA (at most flash_ctas CTAs); every row needs a CTA too.
+  // (Which CTA sends and owns what is the kernels' rule, fused.cuh fused_work: a launch without
+  // clusters and with more CTAs than rows sends from all CTAs but its last.)
   const size_t senders = std::min<size_t>(c.flash_ctas, std::max<size_t>(1, ceil_div(nbytes, cta_bytes)));
   l.grid = int(std::max(senders, std::min<size_t>(rows, c.flash_ctas)));
   // Clusters: the largest power of two up to the limit that divides the grid.

@@ -11,7 +11,8 @@
 //    scatter: every rank sends segment s of its input into slot `me` (phase 0) of rank s; rank s
 //    adds the N contributions and sends the sum into slot s (phase 1) of every other rank, which
 //    copies it out (all-gather). Two trips; every GPU sends about twice the message.
-//  * fused: the exchange of push one-shot; CTA b owns rows b, b + grid, ... as in fused.cuh, adds
+//  * fused: the exchange of push one-shot; a CTA owns whole rows as in fused.cuh (fused_work: it
+//    waits only for chunks that CTAs of its own cluster or an earlier one send, on every rank), adds
 //    the N copies of each row it owns and runs the fused op's epilogue (rmsnorm_row) on the sum.
 //
 // Bitwise identical on every rank: every element is the sum of the N inputs (each made
@@ -313,15 +314,17 @@ struct FusedRanksArgs {
 };
 
 // The fused all-reduce + residual add + RMSNorm for N ranks, one launch: push one-shot's exchange
-// (the message cut into one chunk per CTA, sent to every other rank), then per row of mine the
-// rank-order sum (as push one-shot returns it) and fused.cuh's epilogue. kRowLoadsEarly as there.
+// (the message cut into one chunk per sending CTA, sent to every other rank), then per row of mine
+// (fused_work) the rank-order sum (as push one-shot returns it) and fused.cuh's epilogue.
+// kRowLoadsEarly as there.
 template <typename T, int kV, bool kRowLoadsEarly, int kW>
 __global__ void __launch_bounds__(kFlashThreads, 1) fused_ranks_kernel(FusedRanksArgs a) {
   wait_prior_grids();
   constexpr int kU = 4;
   const int t = threadIdx.x;
-  const int first = blockIdx.x;  // CTA b owns rows b, b + grid, ...
-  const Range chunk = split_range(0, a.x.nbytes / 16, gridDim.x, blockIdx.x);  // what this CTA sends
+  const FusedWork work = fused_work(a.n.rows, a.n.row_vecs);
+  const Range chunk = work.send;
+  const int first = work.row_begin < work.row_end ? work.row_begin : a.n.rows;  // a.n.rows: no row
   const Vec16* in = static_cast<const Vec16*>(a.x.in);
   const auto input = [&](size_t k) { return load_local_input(in + k); };  // rows are whole vectors
   Vec16 p[kU], w[kV], x[kV], r[kV];
@@ -334,7 +337,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_ranks_kernel(FusedRank
   if constexpr (kRowLoadsEarly) load_first_row();
   const int parity = fused_ranks_exchange<T, kW>(a.x, p, chunk, input);
   if constexpr (!kRowLoadsEarly) load_first_row();
-  for (int row = first; row < a.n.rows; row += gridDim.x) {
+  for (int row = first; row < work.row_end; ++row) {
     const size_t base = size_t(row) * a.n.row_vecs;
     if (row != first) {
       load_row(x, a.x.in, row, a.n);
