@@ -77,10 +77,32 @@ def aligned(t: torch.Tensor | None) -> torch.Tensor | None:
 SHARED_GPU_VAR = "YALI_ALLOW_SHARED_GPU"
 
 
+def ranges_overlap(x: int, nx: int, y: int, ny: int) -> bool:
+    """Whether the byte ranges [x, x + nx) and [y, y + ny) share a byte (an empty range shares none)."""
+    return nx > 0 and ny > 0 and x < y + ny and y < x + nx
+
+
+def partly_overlap(x: int, nx: int, y: int, ny: int) -> bool:
+    """Whether two byte ranges share a byte without being the same range. An all-reduce's `out` may
+    be its input (in place) or apart from it, never in between: the kernels read the input again
+    after other CTAs wrote their part of `out` (csrc/core/yali/overlap.h, the same rule)."""
+    return ranges_overlap(x, nx, y, ny) and not (x == y and nx == ny)
+
+
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the bytes of contiguous tensors a and b overlap."""
-    x, y = a.data_ptr(), b.data_ptr()
-    return a.nbytes > 0 and b.nbytes > 0 and x < y + b.nbytes and y < x + a.nbytes
+    return ranges_overlap(a.data_ptr(), a.nbytes, b.data_ptr(), b.nbytes)
+
+
+def out_overlap_refusal(x: torch.Tensor, out: torch.Tensor | None) -> str | None:
+    """Why `out` cannot receive the all-reduce of `x` (a view that overlaps x without being x), or
+    None. Unknown while torch.compile traces (addresses exist only at run time; the op checks)."""
+    if out is None or torch.compiler.is_compiling():
+        return None
+    if partly_overlap(x.data_ptr(), x.nbytes, out.data_ptr(), out.nbytes):
+        return ("yali: out must be x itself or not overlap it (the kernels read x again after other CTAs "
+                "wrote out: a shifted view would give a wrong sum)")
+    return None
 
 
 def _row_bytes(t: torch.Tensor) -> int:
@@ -452,6 +474,9 @@ class YaliCommunicator:
         """
         if self._handle is None:
             raise RuntimeError("yali: all_reduce on a closed YaliCommunicator")
+        refusal = out_overlap_refusal(x, out)
+        if refusal:
+            raise ValueError(refusal)
         self._note_capture()
         if _unaligned(x, out):
             staged = ops.all_reduce(self._handle, aligned(x), None, config.MODES[mode])
@@ -742,6 +767,9 @@ class YaliPair:
                                  f"bf16 tensor on {self.devices[r]}, got {x.dtype} on {x.device}")
             if out is not None and (out.dtype != x.dtype or out.numel() != x.numel() or out.device != x.device):
                 raise ValueError(f"yali: YaliPair output {r} must match input {r}'s dtype, size and device")
+            refusal = out_overlap_refusal(x, out)
+            if refusal:
+                raise ValueError(f"{refusal} (YaliPair rank {r})")
         if xs[0].dtype != xs[1].dtype or xs[0].numel() != xs[1].numel():
             raise ValueError(f"yali: YaliPair inputs differ: {xs[0].dtype}[{xs[0].numel()}] on GPU 0, "
                              f"{xs[1].dtype}[{xs[1].numel()}] on GPU 1")
