@@ -5,11 +5,14 @@ other ranks once, and from then on every call is a single kernel launch on the c
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
 import socket
+import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -74,10 +77,32 @@ def aligned(t: torch.Tensor | None) -> torch.Tensor | None:
 SHARED_GPU_VAR = "YALI_ALLOW_SHARED_GPU"
 
 
+def ranges_overlap(x: int, nx: int, y: int, ny: int) -> bool:
+    """Whether the byte ranges [x, x + nx) and [y, y + ny) share a byte (an empty range shares none)."""
+    return nx > 0 and ny > 0 and x < y + ny and y < x + nx
+
+
+def partly_overlap(x: int, nx: int, y: int, ny: int) -> bool:
+    """Whether two byte ranges share a byte without being the same range. An all-reduce's `out` may
+    be its input (in place) or apart from it, never in between: the kernels read the input again
+    after other CTAs wrote their part of `out` (csrc/core/yali/overlap.h, the same rule)."""
+    return ranges_overlap(x, nx, y, ny) and not (x == y and nx == ny)
+
+
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the bytes of contiguous tensors a and b overlap."""
-    x, y = a.data_ptr(), b.data_ptr()
-    return a.nbytes > 0 and b.nbytes > 0 and x < y + b.nbytes and y < x + a.nbytes
+    return ranges_overlap(a.data_ptr(), a.nbytes, b.data_ptr(), b.nbytes)
+
+
+def out_overlap_refusal(x: torch.Tensor, out: torch.Tensor | None) -> str | None:
+    """Why `out` cannot receive the all-reduce of `x` (a view that overlaps x without being x), or
+    None. Unknown while torch.compile traces (addresses exist only at run time; the op checks)."""
+    if out is None or torch.compiler.is_compiling():
+        return None
+    if partly_overlap(x.data_ptr(), x.nbytes, out.data_ptr(), out.nbytes):
+        return ("yali: out must be x itself or not overlap it (the kernels read x again after other CTAs "
+                "wrote out: a shifted view would give a wrong sum)")
+    return None
 
 
 def _row_bytes(t: torch.Tensor) -> int:
@@ -106,34 +131,121 @@ class YaliError(RuntimeError):
     kernel trapped, so this process's CUDA context is lost: the process must restart."""
 
 
-# How often the abort watcher looks at the host-mapped abort record (no CUDA call, no GIL held
+# How often the abort watcher looks at the host-mapped abort records (no CUDA call, no GIL held
 # while it sleeps).
 ABORT_POLL_S = 0.2
+# A process whose YALI kernel gave up ends this long after the abort record appeared, unless the
+# host raised YaliError for it first: a trap that does not reach the host (seen with the ranks
+# sharing one GPU) would leave torch.cuda.synchronize() waiting forever. YALI_ABORT_EXIT=0 keeps
+# the process (tests that inspect the state afterwards).
+ABORT_EXIT_GRACE_S = 10.0
+ABORT_EXIT_CODE = 70  # EX_SOFTWARE: an internal error ended the process
 # close(): how long a rank waits for its peer to reach close() before it gives up coordinating.
 CLOSE_TIMEOUT_S = 10.0
 
 
+def abort_exit_due(seen_at: float | None, now: float, raised: bool, grace_s: float = ABORT_EXIT_GRACE_S) -> bool:
+    """Whether the abort watcher ends the process at `now`: an abort record first seen at `seen_at`
+    (seconds on the same clock; None: none seen), no YaliError raised for it, and `grace_s` passed."""
+    return seen_at is not None and not raised and now - seen_at >= grace_s
+
+
+@dataclasses.dataclass
+class _Watched:
+    """One communicator the abort watcher looks at."""
+    rank: int
+    end_process: bool  # YALI_ABORT_EXIT
+    seen_at: float | None = None  # when its abort record was first seen (time.monotonic())
+    message: str = ""
+    raised: bool = False  # the host raised YaliError for it
+
+
 class _AbortWatcher:
-    """Logs a kernel's abort reason the moment the watchdog records it, before anything in the
-    process trips over the lost CUDA context (which only says "unspecified launch failure")."""
+    """One daemon thread per process that looks at the abort record of every open communicator
+    every ABORT_POLL_S (host-mapped: no CUDA call, it works on a lost context). When a record
+    appears, the thread logs the reason at once ("YALI error: ..."), before anything in the process
+    trips over the lost CUDA context (which only says "unspecified launch failure"). grace_s later,
+    unless the host raised YaliError for it (raise_if_aborted), it ends the process with
+    ABORT_EXIT_CODE and one log line naming the reason, as PyTorch's NCCL watchdog does
+    (TORCH_NCCL_ASYNC_ERROR_HANDLING). The thread starts with the first communicator and stops when
+    the last one closes. `read(handle)` is the record's message ("" while there is none)."""
 
-    def __init__(self, handle: int, rank: int):
-        self._handle = handle  # not the communicator: the thread must not keep it alive
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"yali-abort-watch-r{rank}", daemon=True)
-        self._thread.start()
+    def __init__(self, grace_s: float = ABORT_EXIT_GRACE_S, read=None):
+        self._grace_s = grace_s
+        self._read = read or (lambda handle: _ext.ops().abort_message(handle))
+        self._lock = threading.Lock()
+        self._watched: dict[int, _Watched] = {}
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
 
-    def _run(self) -> None:
-        while not self._stop.wait(ABORT_POLL_S):
-            msg = _ext.ops().abort_message(self._handle)
-            if msg:
-                logger.error("YALI error: %s", msg)
+    def add(self, handle: int, rank: int, end_process: bool) -> None:
+        with self._lock:
+            self._watched[handle] = _Watched(rank, end_process)
+            if self._thread is None:
+                self._stop = threading.Event()
+                self._thread = threading.Thread(target=self._run, args=(self._stop,), name="yali-abort-watch",
+                                                daemon=True)
+                self._thread.start()
+
+    def remove(self, handle: int) -> None:
+        with self._lock:
+            self._watched.pop(handle, None)
+            if self._watched or self._thread is None:
                 return
+            thread, stop = self._thread, self._stop
+            self._thread = self._stop = None
+        stop.set()
+        if thread is not threading.current_thread():
+            thread.join(timeout=5 * ABORT_POLL_S + 1)
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5 * ABORT_POLL_S + 1)
+    def note_raised(self, handle: int) -> None:
+        """The host raised YaliError for `handle`'s abort: the caller knows, the process may stay."""
+        with self._lock:
+            w = self._watched.get(handle)
+            if w is not None:
+                w.raised = True
+
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.wait(ABORT_POLL_S):
+            self.poll(time.monotonic())
+
+    def poll(self, now: float) -> None:
+        """One look at every communicator's record, at time `now`."""
+        with self._lock:
+            watched = list(self._watched.items())
+        for handle, w in watched:
+            if w.seen_at is None:
+                try:
+                    w.message = self._read(handle)
+                except RuntimeError:  # closed meanwhile
+                    continue
+                if not w.message:
+                    continue
+                w.seen_at = now
+                logger.error("YALI error: %s", w.message)
+            if w.end_process and abort_exit_due(w.seen_at, now, w.raised, self._grace_s):
+                _end_process(w, now)
+
+    def watching(self) -> bool:
+        return self._thread is not None
+
+
+def _end_process(w: _Watched, now: float) -> None:
+    """Ends this process (ABORT_EXIT_CODE) with one log line naming the abort (see _AbortWatcher)."""
+    logger.critical("yali: rank %d ends this process (exit code %d): a YALI kernel gave up %.0f s ago and no "
+                    "YaliError reached the caller (%s=0 keeps the process): %s", w.rank, ABORT_EXIT_CODE,
+                    now - w.seen_at, config.ABORT_EXIT_VAR, w.message)
+    for h in [*logger.handlers, *logging.getLogger().handlers]:
+        try:
+            h.flush()
+        except Exception:  # noqa: BLE001 - the process ends either way
+            pass
+    sys.stderr.flush()
+    os._exit(ABORT_EXIT_CODE)
+
+
+# The process's abort watcher (one thread for every communicator).
+_WATCHER = _AbortWatcher()
 
 
 def _boot_id() -> str:
@@ -221,7 +333,7 @@ class YaliCommunicator:
     def __init__(self, group: dist.ProcessGroup, device: torch.device | int | str, max_bytes: int | None = None,
                  ep_slot_bytes: int = 0):
         self._handle: int | None = None
-        self._watcher: _AbortWatcher | None = None
+        self._watcher: _AbortWatcher | None = None  # the process's, once this communicator is watched
         # Set once a CUDA graph captured one of this communicator's kernels: the graph holds its
         # buffers' addresses, so the buffers must outlive it (see the plugin's checkpoint hook).
         self.captured = False
@@ -249,6 +361,7 @@ class YaliCommunicator:
                 self.device = torch.device("cuda", index)
                 me["uuid"] = str(torch.cuda.get_device_properties(self.device).uuid)
                 config.check_environment()
+                self._end_on_abort = config.env_flag(config.ABORT_EXIT_VAR, True)
                 build = _ext.ops().build_info()
                 unchecked = config.unchecked_refusal(build)
                 if unchecked:
@@ -292,7 +405,8 @@ class YaliCommunicator:
             self.close()
             raise
         self.buffer_bytes = int(y.buffer_bytes(self._handle))
-        self._watcher = _AbortWatcher(self._handle, self.rank)
+        self._watcher = _WATCHER
+        self._watcher.add(self._handle, self.rank, self._end_on_abort)
         logger.info("yali: rank %d %s", self.rank, self.describe())
 
     def _exchange(self, mine: dict) -> list:
@@ -360,6 +474,9 @@ class YaliCommunicator:
         """
         if self._handle is None:
             raise RuntimeError("yali: all_reduce on a closed YaliCommunicator")
+        refusal = out_overlap_refusal(x, out)
+        if refusal:
+            raise ValueError(refusal)
         self._note_capture()
         if _unaligned(x, out):
             staged = ops.all_reduce(self._handle, aligned(x), None, config.MODES[mode])
@@ -496,6 +613,9 @@ class YaliCommunicator:
         this rank gave up (reads a host-mapped record: no CUDA call, works on a lost context)."""
         msg = self.abort_message()
         if msg:
+            h = self._handle if self._handle is not None else self._kept
+            if self._watcher is not None and h is not None:
+                self._watcher.note_raised(h)  # the caller knows: the watcher leaves the process be
             raise YaliError(msg) from cause
 
     def device_calls(self) -> int:
@@ -551,13 +671,14 @@ class YaliCommunicator:
         if self._handle is None:
             return
         h, self._handle = self._handle, None
-        if self._watcher is not None:
-            self._watcher.stop()
         y = _ext.ops()
         try:
             torch.cuda.synchronize(self.device)
         except Exception:  # noqa: BLE001 - a kernel trapped: the context is lost; the abort record says why
             pass
+        # Watched until here: a synchronize that a trapped kernel leaves waiting still ends the process.
+        if self._watcher is not None:
+            self._watcher.remove(h)
         captured = self._agree(bool(self.captured), timeout_s)
         if captured is None:
             self._close_peers(h)
@@ -601,8 +722,8 @@ class YaliCommunicator:
         buffer is unmapped; this rank's own stays allocated until the process exits, since the
         peer may still map it or write into it."""
         try:
-            if self._watcher is not None:
-                self._watcher.stop()
+            if self._watcher is not None and self._handle is not None:
+                self._watcher.remove(self._handle)
             if self._handle is not None:
                 h, self._handle = self._handle, None
                 if not self.captured:
@@ -646,6 +767,9 @@ class YaliPair:
                                  f"bf16 tensor on {self.devices[r]}, got {x.dtype} on {x.device}")
             if out is not None and (out.dtype != x.dtype or out.numel() != x.numel() or out.device != x.device):
                 raise ValueError(f"yali: YaliPair output {r} must match input {r}'s dtype, size and device")
+            refusal = out_overlap_refusal(x, out)
+            if refusal:
+                raise ValueError(f"{refusal} (YaliPair rank {r})")
         if xs[0].dtype != xs[1].dtype or xs[0].numel() != xs[1].numel():
             raise ValueError(f"yali: YaliPair inputs differ: {xs[0].dtype}[{xs[0].numel()}] on GPU 0, "
                              f"{xs[1].dtype}[{xs[1].numel()}] on GPU 1")

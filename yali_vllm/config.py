@@ -76,12 +76,15 @@ SETTINGS = {
     "YALI_MAX_BYTES": "largest message YALI serves",
     "YALI_KERNEL_MODE": "auto, flash or stream",
     "YALI_TIMEOUT_S": "the kernels' watchdog",
+    "YALI_ABORT_EXIT": "1 (default): a process whose YALI kernel gave up ends 10 s after the abort record unless "
+                       "YaliError reached the caller; 0 keeps it, e.g. for tests that inspect the state",
     "YALI_ALLOW_SHARED_GPU": "both ranks on one GPU, for testing",
     "YALI_ALLOW_UNCHECKED": "use a measurement build whose kernels check no call across the ranks "
                             "(YALI_BUILD_UNCHECKED=1), e.g. to time the check",
     "YALI_EP": "1: YALI's expert-parallel dispatch / combine in vLLM's DP + EP MoE serving (default off)",
     "YALI_EP_SLOT_BYTES": "largest EP message of one rank (dispatch: all its tensors; default 2 MiB)",
 }
+ABORT_EXIT_VAR = "YALI_ABORT_EXIT"
 EP_VAR = "YALI_EP"
 EP_SLOT_VAR = "YALI_EP_SLOT_BYTES"
 # 2 MiB holds 500 tokens of a 2048-wide bf16 model with top-8 ids and weights (4160 bytes a token)

@@ -251,6 +251,8 @@ void all_reduce(int64_t handle, const Tensor& input, const Tensor& out, int64_t 
   if (nbytes == 0) return;
   YALI_CHECK_VALUE((reinterpret_cast<uintptr_t>(input.data_ptr()) | reinterpret_cast<uintptr_t>(out.data_ptr())) % 16 == 0,
                    "input and out must be 16-byte aligned (a sliced view may not be)");
+  const char* overlap = yali::all_reduce_overlap_refusal(input.data_ptr(), out.data_ptr(), nbytes);
+  YALI_CHECK_VALUE(overlap == nullptr, overlap);
   const yali::KernelMode m = to_mode(mode, *r);
   YALI_CHECK_VALUE(r->plan(nbytes, m).kernel != yali::Kernel::None, "a ", nbytes,
                    "-byte all-reduce is not served in this mode (", serve_limit(*r, m == yali::KernelMode::Flash),
@@ -281,16 +283,13 @@ void fused_allreduce_rmsnorm(int64_t handle, const Tensor& input, const std::opt
                        weight.size(0) == hidden && weight.is_contiguous(),
                    "weight must be a contiguous [", hidden, "] tensor of input's dtype and device, got ",
                    shape_of(weight), " ", weight.scalar_type());
-  YALI_CHECK_VALUE(norm_out.data_ptr() != residual_out.data_ptr() &&
-                       (!residual || norm_out.data_ptr() != residual->data_ptr()),
-                   "norm_out must not alias residual or residual_out");
   const size_t row_bytes = size_t(hidden) * input.element_size();
-  // The other ranks read this rank's input while its CTAs write the outputs (a CTA normalises rows
-  // another CTA may not have sent yet): an output over the input would send them the result.
-  YALI_CHECK_VALUE(!yali::ranges_overlap(norm_out.data_ptr(), input.data_ptr(), size_t(rows) * row_bytes),
-                   "norm_out must not overlap input (the other ranks read input while norm_out is written)");
-  YALI_CHECK_VALUE(!yali::ranges_overlap(residual_out.data_ptr(), input.data_ptr(), size_t(rows) * row_bytes),
-                   "residual_out must not overlap input (the other ranks read input while residual_out is written)");
+  // Which output may lie over which input (overlap.h): the other ranks read this rank's input while
+  // its CTAs write the outputs, and a CTA writes its rows while others still read theirs.
+  const char* overlap = yali::fused_overlap_refusal(input.data_ptr(), residual ? residual->data_ptr() : nullptr,
+                                                    weight.data_ptr(), norm_out.data_ptr(), residual_out.data_ptr(),
+                                                    size_t(rows) * row_bytes, row_bytes);
+  YALI_CHECK_VALUE(overlap == nullptr, overlap);
   if (rows == 0) return;
   YALI_CHECK_VALUE(row_bytes % 16 == 0 && row_bytes <= yali::kFusedMaxRowBytes, "a row of ", hidden, " ",
                    input.scalar_type(), " elements (", row_bytes, " bytes) is not served: it must be a multiple of ",
@@ -372,13 +371,24 @@ void ep_dispatch(int64_t handle, std::vector<Tensor> inputs, std::vector<Tensor>
     ts.push_back({in.data_ptr(), out.data_ptr(), row_bytes_of(in)});
     rb.push_back(row_bytes_of(in));
   }
+  // This rank copies its own rows into every output while it still sends its inputs, and every
+  // output receives every rank's rows: no output may overlap an input or another output.
+  for (size_t j = 0; j < ts.size(); ++j) {
+    const size_t out_bytes = size_t(total) * ts[j].row_bytes;
+    for (size_t i = 0; i < ts.size(); ++i) {
+      YALI_CHECK_VALUE(!yali::ranges_overlap(ts[j].out, out_bytes, ts[i].in, size_t(c[r->rank()]) * ts[i].row_bytes),
+                       "outputs[", j, "] must not overlap inputs[", i, "]");
+      YALI_CHECK_VALUE(i >= j || !yali::ranges_overlap(ts[j].out, out_bytes, ts[i].out, size_t(total) * ts[i].row_bytes),
+                       "outputs[", j, "] must not overlap outputs[", i, "]");
+    }
+  }
   YALI_CHECK_VALUE(r->ep_gather_serves(rb.data(), int(rb.size()), c.data()),
                    "this dispatch is not served: some rank's tokens of every input, each padded to 16 bytes, exceed "
                    "the EP slot (", r->ep_slot_bytes(), " bytes, YALI_EP_SLOT_BYTES); check ep_serves_dispatch first");
   const torch::stable::accelerator::DeviceGuard guard(r->device());
   const cudaError_t e = r->ep_gather(ts.data(), int(ts.size()), c.data(), current_stream(r->device()));
   YALI_CHECK(e == cudaSuccess, "ep_dispatch launch failed: ", cudaGetErrorString(e),
-             r->aborted() ? after_abort(*r) : std::string(" (an output overlaps an input?)"));
+             after_abort(*r));
 }
 
 // Combine: out = this rank's rows of input ([sum counts, hidden]) summed over the ranks.
@@ -397,6 +407,10 @@ void ep_combine(int64_t handle, const Tensor& input, const Tensor& out, std::vec
                    "out must be a contiguous [", c[r->rank()], ", ", hidden, "] tensor like input, got ", shape_of(out));
   YALI_CHECK_VALUE((reinterpret_cast<uintptr_t>(input.data_ptr()) | reinterpret_cast<uintptr_t>(out.data_ptr())) % 16 == 0,
                    "input and out must be 16-byte aligned (a sliced view may not be)");
+  YALI_CHECK_VALUE(!yali::ranges_overlap(out.data_ptr(), size_t(c[r->rank()]) * size_t(hidden) * input.element_size(),
+                                         input.data_ptr(), size_t(total) * size_t(hidden) * input.element_size()),
+                   "out must not overlap input (the sends read rows of input that the sums, written meanwhile, "
+                   "would overwrite)");
   YALI_CHECK_VALUE(r->ep_combine_serves(size_t(hidden), dt, c.data()),
                    "this combine is not served: rows of ", hidden, " ", input.scalar_type(),
                    " must be a multiple of 16 bytes and every rank's rows at most the EP slot (", r->ep_slot_bytes(),
@@ -405,7 +419,7 @@ void ep_combine(int64_t handle, const Tensor& input, const Tensor& out, std::vec
   const cudaError_t e = r->ep_reduce_scatter(input.data_ptr(), out.data_ptr(), size_t(hidden), dt, c.data(),
                                              current_stream(r->device()));
   YALI_CHECK(e == cudaSuccess, "ep_combine launch failed: ", cudaGetErrorString(e),
-             r->aborted() ? after_abort(*r) : std::string(" (out overlaps input?)"));
+             after_abort(*r));
 }
 
 std::vector<int64_t> plan(int64_t nbytes, int64_t mode, int64_t world) {

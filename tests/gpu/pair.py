@@ -85,12 +85,16 @@ def run_ranks(fn, *args, world_size: int = 2, timeout: float = 300.0, env: dict 
     Skips the calling test when the ranks need more GPUs than are visible (missing_gpus).
     Raises AssertionError with the worker's traceback if any rank fails, and kills every rank
     if they are not done within `timeout` seconds (a hang is a failure). Ranks in `lost` are
-    expected to die (a scenario kills them): their result is None.
+    expected to die (a scenario kills them): their result is None. The ranks run with
+    YALI_ABORT_EXIT=0 unless `env` sets it.
     """
     reason = missing_gpus(world_size)
     if reason:
         pytest.skip(reason)
-    got, timed_out = launch_ranks(_entry, (fn, args, dict(env or {}), world_size), timeout, lost=lost,
+    # The scenarios inspect the state after an abort themselves: the abort watcher keeps their
+    # processes (YALI_ABORT_EXIT=0) unless a test's env asks for it (tests/gpu/test_abort_exit.py).
+    env = {"YALI_ABORT_EXIT": "0", **(env or {})}
+    got, timed_out = launch_ranks(_entry, (fn, args, env, world_size), timeout, lost=lost,
                                   world_size=world_size)
     errors = [f"rank {rank}:\n{value}" for rank, (status, value) in sorted(got.items()) if status == "error"]
     if errors:

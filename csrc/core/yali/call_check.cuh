@@ -85,7 +85,6 @@ __device__ __forceinline__ bool call_arrived(const CallDesc& d) {
 // that the load overlaps the kernel's other start-up loads). Returns my slot of this call.
 __device__ __forceinline__ uint32_t* call_begin(const CallCheck& c, LocalState* state, uint64_t n) {
   state->call_seq = n;
-  state->current_call = c.desc;
   const int slot = int(n & 1);
   if constexpr (kCheckCalls) store_call(c.peer_slots + 4 * slot, c.desc);
   return c.my_slots + 4 * slot;
@@ -94,7 +93,7 @@ __device__ __forceinline__ uint32_t* call_begin(const CallCheck& c, LocalState* 
 // Waits for the descriptor in `slot` (the peer's, or rank `peer`'s with N ranks; `v` holds a first
 // load of it), compares it with mine, and gives the slot back.
 __device__ __forceinline__ void verify_loaded(const CallDesc& mine, uint32_t* slot, CallDesc v, uint64_t timeout_ns,
-                                              AbortInfo* abort, Kernel kernel, int peer) {
+                                              const AbortRef& abort, Kernel kernel, int peer) {
   if (!call_arrived(v)) {
     const uint64_t start = global_timer_ns();
     for (uint32_t spins = 1;; ++spins) {
@@ -110,13 +109,13 @@ __device__ __forceinline__ void verify_loaded(const CallDesc& mine, uint32_t* sl
 }
 
 __device__ __forceinline__ void verify_slot(const CallDesc& mine, uint32_t* slot, uint64_t timeout_ns,
-                                            AbortInfo* abort, Kernel kernel, int peer) {
+                                            const AbortRef& abort, Kernel kernel, int peer) {
   if constexpr (kCheckCalls) verify_loaded(mine, slot, load_call(slot), timeout_ns, abort, kernel, peer);
 }
 
 // Step 2, by the same thread (or one that synchronised with it since).
-__device__ __forceinline__ void call_verify(const CallCheck& c, uint32_t* slot, uint64_t timeout_ns, AbortInfo* abort,
-                                            Kernel kernel) {
+__device__ __forceinline__ void call_verify(const CallCheck& c, uint32_t* slot, uint64_t timeout_ns,
+                                            const AbortRef& abort, Kernel kernel) {
   verify_slot(c.desc, slot, timeout_ns, abort, kernel, -1);
 }
 
@@ -133,7 +132,6 @@ __device__ __forceinline__ uint32_t* ranks_call_slot(char* buf, size_t off, int 
 __device__ __forceinline__ uint32_t* ranks_call_begin(const CallDesc& d, char* const* bufs, size_t off, int me,
                                                       int world, LocalState* state, uint64_t n) {
   state->call_seq = n;
-  state->current_call = d;
   const int parity = int(n & 1);
   if constexpr (kCheckCalls)
     for (int p = 0; p < world; ++p)
@@ -144,7 +142,7 @@ __device__ __forceinline__ uint32_t* ranks_call_begin(const CallDesc& d, char* c
 // Step 2 for N ranks: every other rank's slot is loaded first, so that the N - 1 loads of memory
 // the peers wrote overlap (one round trip, not N - 1), then each is checked in rank order.
 __device__ __forceinline__ void ranks_call_verify(const CallDesc& d, uint32_t* mine, int me, int world,
-                                                  uint64_t timeout_ns, AbortInfo* abort, Kernel kernel) {
+                                                  uint64_t timeout_ns, const AbortRef& abort, Kernel kernel) {
   if constexpr (kCheckCalls) {
     CallDesc v[kMaxRanks];
 #pragma unroll

@@ -59,7 +59,7 @@ EpArgs Rank::ep_args(const uint32_t* counts, const CallDesc& desc) const {
   for (int r = 0; r < world_; ++r) a.bufs[r] = bufs_[r];
   a.state = state_;
   a.timeout_ns = uint64_t(config_.timeout_s * 1e9);
-  a.abort = abort_dev_;
+  a.abort = AbortRef{abort_dev_, desc};
   a.call = desc;
   return a;
 }
@@ -104,8 +104,13 @@ cudaError_t Rank::ep_gather(const EpTensor* tensors, int n, const uint32_t* coun
     const EpTensor& t = tensors[i];
     const size_t mine = size_t(counts[rank_]) * t.row_bytes;
     if (!aligned(t.in, 4) || !aligned(t.out, 4) || (mine != 0 && t.in == nullptr) || t.out == nullptr) return cudaErrorInvalidValue;
-    for (int j = 0; j < n; ++j)  // my own copy must not overwrite an input it has still to send
-      if (ranges_overlap(t.in, mine, tensors[j].out, size_t(total) * tensors[j].row_bytes)) return cudaErrorInvalidValue;
+    for (int j = 0; j < n; ++j) {
+      const size_t out_bytes = size_t(total) * tensors[j].row_bytes;
+      // my own copy must not overwrite an input it has still to send, nor one output another
+      if (ranges_overlap(t.in, mine, tensors[j].out, out_bytes) ||
+          (j < i && ranges_overlap(t.out, size_t(total) * t.row_bytes, tensors[j].out, out_bytes)))
+        return cudaErrorInvalidValue;
+    }
   }
   const int grid = push_ctas(config_, largest);  // as flash-push: 1 KiB of the largest rank's message per CTA
   EpArgs a = ep_args(counts, call_desc(CallOp::Ep, Kernel::EpGather, nbytes, DType::F32, grid,

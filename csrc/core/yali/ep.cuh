@@ -60,7 +60,7 @@ struct EpArgs {
   char* bufs[kMaxRanks];       // every rank's shared buffer as mapped here
   LocalState* state;
   uint64_t timeout_ns;
-  AbortInfo* abort;
+  AbortRef abort;  // the abort record and this call's descriptor (layout.h)
   CallDesc call;
 };
 

@@ -40,7 +40,7 @@ struct ExchangeArgs {
   char* peer_push;
   LocalState* state;
   uint64_t timeout_ns;   // YALI_TIMEOUT_S (0 = no watchdog)
-  AbortInfo* abort;
+  AbortRef abort;        // the abort record and this call's descriptor (layout.h)
   CallCheck call;        // this call, checked against the peer's (call_check.cuh)
 };
 
@@ -99,8 +99,6 @@ __device__ __forceinline__ void store_output_vector(void* out, size_t k, size_t 
     if (j < n) dst[j] = src[j];
 }
 
-constexpr uint32_t kPushEmpty = 0x80008000u;
-
 template <typename T>
 __device__ __forceinline__ uint32_t canonical_word(uint32_t w) {
   return w != kPushEmpty ? w : (sizeof(T) == 4 ? 0x80000000u : 0u);
@@ -134,7 +132,7 @@ __device__ __forceinline__ void clear_push(Vec16* p) { store_vec(p, Vec16{kPushE
 
 // Spins until every word of *p arrived (v holds a first load already).
 // `peer`: the rank that writes *p (N ranks; -1: the peer of a two-rank communicator).
-__device__ __forceinline__ void wait_push(const Vec16* p, Vec16& v, uint64_t timeout_ns, AbortInfo* abort,
+__device__ __forceinline__ void wait_push(const Vec16* p, Vec16& v, uint64_t timeout_ns, const AbortRef& abort,
                                           Kernel kernel, int peer = -1) {
   if (push_arrived(v)) return;
   const uint64_t start = global_timer_ns();
@@ -173,7 +171,7 @@ __device__ __forceinline__ void push_send(Vec16* to_peer, Vec16 (&v)[kU], Range 
 // Config::fused_batch_poll_min on; flash-push waits one vector at a time,
 // which measured faster at 2 KiB-1 MiB and 8 MiB (current/tune/20261122-batch-poll).
 template <int kU, typename At>
-__device__ __forceinline__ void wait_push_batch(Vec16 (&v)[kU], At at, uint64_t timeout_ns, AbortInfo* abort,
+__device__ __forceinline__ void wait_push_batch(Vec16 (&v)[kU], At at, uint64_t timeout_ns, const AbortRef& abort,
                                                 Kernel kernel) {
   const auto all_arrived = [&] {
     bool all = true;
@@ -193,7 +191,7 @@ __device__ __forceinline__ void wait_push_batch(Vec16 (&v)[kU], At at, uint64_t 
 #pragma unroll
       for (int u = kU - 1; u >= 0; --u)
         if (at(u) != nullptr && !push_arrived(v[u])) seen = v[u].x;
-      abort_kernel(abort, kernel, 6, kPushEmpty, seen);
+      abort_waiting(abort, kernel, 6, kPushEmpty, seen);
     }
   }
 }

@@ -12,8 +12,9 @@ namespace yali {
 
 // Records why this kernel gives up (in host-mapped memory, so the host can read
 // it after the context is lost) and traps.
-// `theirs` (what = 9, a call mismatch): the peer's descriptor; otherwise the record takes this
-// rank's current call from LocalState and the peer's unread descriptor, if any, from its slots.
+// `mine`: this call's descriptor (AbortRef::call, from the launch's arguments).
+// `theirs` (what = 9, a call mismatch): the peer's descriptor; otherwise the record takes the
+// peer's unread descriptor, if any, from its slots.
 // `peer`: the rank waited for or disagreeing (N ranks; -1: the peer of a two-rank communicator).
 // One record per communicator: the first thread to give up claims it (an atomic on this GPU's
 // LocalState), so with several waiters timing out at once (every CTA, N ranks) its fields all
@@ -21,15 +22,15 @@ namespace yali {
 // ends the whole grid at once, so a thread that lost the claim and trapped at once would end the
 // writer before its fields and magic reached the host (seen on two H100s: an EP combine's waiters
 // timing out together left no record, only the launch failure).
-__device__ __noinline__ static void abort_from(AbortInfo* abort, Kernel kernel, int what, uint64_t expected,
-                                        uint64_t seen, const CallDesc* theirs, int peer) {
+__device__ __noinline__ static void abort_from(AbortInfo* abort, CallDesc mine, Kernel kernel, int what,
+                                               uint64_t expected, uint64_t seen, const CallDesc* theirs, int peer) {
   volatile AbortInfo* a = abort;
   const volatile LocalState* st = abort->state;
   if (st && atomicCAS(const_cast<uint32_t*>(&st->abort_claim), 0u, 1u) != 0u) {
     while (a->magic != kAbortMagic) __nanosleep(1000);  // the writer traps right after the magic
     __trap();
   }
-  for (int i = 0; i < 4; ++i) a->mine.w[i] = st ? st->current_call.w[i] : kCallEmpty;
+  for (int i = 0; i < 4; ++i) a->mine.w[i] = mine.w[i];
   for (int i = 0; i < 4; ++i) a->theirs.w[i] = theirs ? theirs->w[i] : kCallEmpty;
   // The unread descriptor of the peer: two slots with two ranks, slot [parity][peer] with more.
   const int stride = abort->world > 2 ? 4 * abort->world : 4;
@@ -53,16 +54,17 @@ __device__ __noinline__ static void abort_from(AbortInfo* abort, Kernel kernel, 
 }
 
 // The two-rank kernels' entry (their call sites stay as they were before N ranks existed).
-__device__ __noinline__ static void abort_kernel(AbortInfo* abort, Kernel kernel, int what, uint64_t expected,
-                                          uint64_t seen, const CallDesc* theirs = nullptr) {
-  abort_from(abort, kernel, what, expected, seen, theirs, -1);
+__device__ __noinline__ static void abort_kernel(AbortInfo* abort, CallDesc mine, Kernel kernel, int what,
+                                                 uint64_t expected, uint64_t seen, const CallDesc* theirs) {
+  abort_from(abort, mine, kernel, what, expected, seen, theirs, -1);
 }
 
-// Either entry: `peer` is a compile-time -1 in the two-rank kernels.
-__device__ __forceinline__ void abort_waiting(AbortInfo* abort, Kernel kernel, int what, uint64_t expected,
-                                              uint64_t seen, const CallDesc* theirs, int peer) {
-  if (peer < 0) abort_kernel(abort, kernel, what, expected, seen, theirs);
-  else abort_from(abort, kernel, what, expected, seen, theirs, peer);
+// Every wait's entry: `peer` is a compile-time -1 in the two-rank kernels. The descriptor's words
+// are read from the launch's arguments here, on the path that gives up only.
+__device__ __forceinline__ void abort_waiting(const AbortRef& abort, Kernel kernel, int what, uint64_t expected,
+                                              uint64_t seen, const CallDesc* theirs = nullptr, int peer = -1) {
+  if (peer < 0) abort_kernel(abort.record, abort.call, kernel, what, expected, seen, theirs);
+  else abort_from(abort.record, abort.call, kernel, what, expected, seen, theirs, peer);
 }
 
 // Spins until *flag >= target. A peer that never arrives (crashed process,
@@ -70,7 +72,7 @@ __device__ __forceinline__ void abort_waiting(AbortInfo* abort, Kernel kernel, i
 // kernel records why in host-mapped memory and traps, so the host sees a launch
 // failure and can report the AbortInfo instead of hanging.
 __device__ __forceinline__ void wait_flag(const uint64_t* flag, uint64_t target, uint64_t timeout_ns,
-                                          AbortInfo* abort, Kernel kernel, int what) {
+                                          const AbortRef& abort, Kernel kernel, int what) {
   uint64_t seen = load_acquire_sys(flag);
   if (seen >= target) return;
   const uint64_t start = global_timer_ns();
@@ -78,7 +80,7 @@ __device__ __forceinline__ void wait_flag(const uint64_t* flag, uint64_t target,
     seen = load_acquire_sys(flag);
     if (seen >= target) return;
     if (timeout_ns != 0 && (spins & 1023u) == 0 && global_timer_ns() - start > timeout_ns)
-      abort_kernel(abort, kernel, what, target, seen);
+      abort_waiting(abort, kernel, what, target, seen);
   }
 }
 

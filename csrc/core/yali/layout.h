@@ -101,7 +101,6 @@ struct LocalState {
   uint64_t calls;                       // YALI kernel launches that ran (graph replays included)
   uint64_t fused_calls;                 // fused all-reduce + RMSNorm operations that ran
   uint64_t call_seq;      // calls made so far (every kernel that checks its call advances it)
-  CallDesc current_call;  // the call running now, for the abort record of any CTA
   uint32_t abort_claim;   // 0 until a thread claims the abort record (one writer per record)
 };
 
@@ -115,15 +114,27 @@ struct AbortInfo {
                    // 6 = flash-push data, 8 = the peer's call descriptor, 9 = the ranks' calls differ
   uint64_t expected;
   uint64_t seen;
-  CallDesc mine;    // this rank's call (what = 9), or the call running when the kernel gave up
+  CallDesc mine;    // this rank's call: the one whose kernel gave up (AbortRef::call)
   CallDesc theirs;  // the peer's call (what = 9), or its unread descriptor; kCallEmpty words: none seen
-  // Set by the host before any launch: where abort_kernel finds the call running now and the
-  // peer's descriptors (device pointers), and the communicator's size.
+  // Set by the host before any launch: where abort_kernel finds the abort claim and the peer's
+  // descriptors (device pointers), and the communicator's size.
   const LocalState* state;
   const uint32_t* call_slots;
   int32_t world;
   int32_t peer;  // the rank waited for or disagreeing (-1: the peer of a two-rank communicator)
 };
 constexpr uint32_t kAbortMagic = 0x59414c49;  // "YALI"
+
+// What every wait of a kernel carries for the case it gives up: the record to fill and this call's
+// descriptor, from the launch's own arguments. Whichever CTA gives up names this call, whether or
+// not the CTA that checks the call (call_check.cuh: the last one) has run.
+struct AbortRef {
+  AbortInfo* record;
+  CallDesc call;
+};
+
+// An empty 32-bit word of a push area (exchange.cuh): what a wait for pushed data sees until the
+// data arrives.
+constexpr uint32_t kPushEmpty = 0x80008000u;
 
 }  // namespace yali

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "abort_text.h"
 #include "cuda_check.h"
 #include "fused.cuh"
 #include "launch.cuh"
@@ -162,32 +163,12 @@ Plan Rank::plan(size_t nbytes, KernelMode mode) const {
   return plan_for(c, nbytes, world_);
 }
 
-namespace {
-
-std::string describe_call(const CallDesc& d) {
-  if (d.w[0] == kCallEmpty) return "not seen (it has not issued this call)";
-  static const char* dtypes[] = {"fp32", "fp16", "bf16", "?"};
-  const uint64_t nbytes = uint64_t(d.w[0]) | uint64_t(d.w[1]) << 31;
-  const uint32_t op = d.w[2] & 0x3u, dtype = (d.w[2] >> 6) & 0x3u, ctas = (d.w[2] >> 8) & 0xfffu;
-  const Kernel kernel = Kernel((d.w[2] >> 2) & 0xfu);
-  const std::string what =
-      op == uint32_t(CallOp::Fused)       ? "fused all-reduce + RMSNorm of hidden " + std::to_string(d.w[3]) + ", "
-      : op == uint32_t(CallOp::AllReduce) ? std::string("all_reduce of ")
-      : op == uint32_t(CallOp::Ep)        ? (kernel == Kernel::EpGather ? "EP dispatch (tokens and layout " : "EP combine (tokens and layout ") +
-                                                std::to_string(d.w[3]) + ") of "
-                                          : std::string("? of ");
-  const std::string type = kernel == Kernel::EpGather ? "" : std::string(" ") + dtypes[dtype];  // a gather moves bytes
-  return what + std::to_string(nbytes) + " bytes" + type + " by " + kernel_name(kernel) + " on " +
-         std::to_string(ctas) + (kernel == Kernel::Stream ? " lanes" : " CTAs");
-}
-
-}  // namespace
-
 cudaError_t Rank::all_reduce(const void* in, void* out, size_t nbytes, DType dtype, cudaStream_t stream,
                              KernelMode mode, const CallDesc* fused) const {
   const Plan p = plan(nbytes, mode);
   if (p.kernel == Kernel::None || !connected() || nbytes % dtype_size(dtype) != 0 ||
-      (reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(out)) % 16 != 0)
+      (reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(out)) % 16 != 0 ||
+      all_reduce_overlap_refusal(in, out, nbytes) != nullptr)
     return cudaErrorInvalidValue;
   const bool pdl = config_.pdl != 0;
   // The call the peer checks: this all-reduce, or the fused op whose first launch it is (then with
@@ -200,16 +181,10 @@ cudaError_t Rank::all_reduce(const void* in, void* out, size_t nbytes, DType dty
   return with_element_type(dtype, [&](auto zero) {
     using T = decltype(zero);
     switch (p.kernel) {
-      case Kernel::FlashPush: {
-        ExchangeArgs x = exchange_args(in, out, nbytes);
-        x.call = call_check(desc);
-        return launch(flash_push_kernel<T>, p.blocks, kFlashThreads, stream, pdl, x);
-      }
-      case Kernel::Stream: {
-        StreamArgs sa = stream_args(in, out, nbytes, p);
-        sa.call = call_check(desc);
-        return launch(stream_kernel<T>, p.blocks, kStreamThreads, stream, pdl, sa);
-      }
+      case Kernel::FlashPush:
+        return launch(flash_push_kernel<T>, p.blocks, kFlashThreads, stream, pdl, exchange_args(in, out, nbytes, desc));
+      case Kernel::Stream:
+        return launch(stream_kernel<T>, p.blocks, kStreamThreads, stream, pdl, stream_args(in, out, nbytes, p, desc));
       case Kernel::PushOneShot:
         return with_world(world_, [&](auto w) {
           return launch(push_oneshot_kernel<T, decltype(w)::value>, p.blocks, kFlashThreads, stream, pdl,
@@ -222,18 +197,18 @@ cudaError_t Rank::all_reduce(const void* in, void* out, size_t nbytes, DType dty
         });
 #ifdef YALI_LEGACY_KERNELS
       case Kernel::FlashLL:
-        return launch(flash_ll_kernel<T>, p.blocks, kFlashThreads, stream, pdl, legacy_args(in, out, nbytes));
+        return launch(flash_ll_kernel<T>, p.blocks, kFlashThreads, stream, pdl, legacy_args(in, out, nbytes, desc));
       case Kernel::FlashOneShot:
-        return launch(flash_oneshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, legacy_args(in, out, nbytes));
+        return launch(flash_oneshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, legacy_args(in, out, nbytes, desc));
       case Kernel::FlashTwoShot:
-        return launch(flash_twoshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, legacy_args(in, out, nbytes));
+        return launch(flash_twoshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, legacy_args(in, out, nbytes, desc));
 #endif
       default: return cudaErrorInvalidValue;
     }
   });
 }
 
-ExchangeArgs Rank::exchange_args(const void* in, void* out, size_t nbytes) const {
+ExchangeArgs Rank::exchange_args(const void* in, void* out, size_t nbytes, const CallDesc& desc) const {
   ExchangeArgs x{};
   x.in = in;
   x.out = out;
@@ -244,7 +219,8 @@ ExchangeArgs Rank::exchange_args(const void* in, void* out, size_t nbytes) const
   x.peer_push = peer_buf() + layout_.flash_push;
   x.state = state_;
   x.timeout_ns = uint64_t(config_.timeout_s * 1e9);
-  x.abort = abort_dev_;
+  x.abort = AbortRef{abort_dev_, desc};
+  x.call = call_check(desc);
   return x;
 }
 
@@ -270,24 +246,24 @@ RanksArgs Rank::ranks_args(const void* in, void* out, size_t nbytes, const CallD
   for (int r = 0; r < world_; ++r) a.bufs[r] = bufs_[r];
   a.state = state_;
   a.timeout_ns = uint64_t(config_.timeout_s * 1e9);
-  a.abort = abort_dev_;
+  a.abort = AbortRef{abort_dev_, desc};
   a.call = desc;
   a.round_vecs = config_.ranks_two_shot_round / 16;
   return a;
 }
 
-StreamArgs Rank::stream_args(const void* in, void* out, size_t nbytes, const Plan& p) const {
+StreamArgs Rank::stream_args(const void* in, void* out, size_t nbytes, const Plan& p, const CallDesc& desc) const {
   return StreamArgs{in, out, nbytes, p.chunk_bytes, p.blocks, config_.slots, config_.slot_bytes,
                     shared_ + layout_.stream_slots, peer_buf() + layout_.stream_slots,
                     flag_words(shared_, layout_.stream_ready), flag_words(peer_buf(), layout_.stream_ready),
                     flag_words(shared_, layout_.stream_credit), flag_words(peer_buf(), layout_.stream_credit),
-                    state_, uint64_t(config_.timeout_s * 1e9), abort_dev_};
+                    state_, uint64_t(config_.timeout_s * 1e9), AbortRef{abort_dev_, desc}, call_check(desc)};
 }
 
 #ifdef YALI_LEGACY_KERNELS
-LegacyArgs Rank::legacy_args(const void* in, void* out, size_t nbytes) const {
+LegacyArgs Rank::legacy_args(const void* in, void* out, size_t nbytes, const CallDesc& desc) const {
   LegacyArgs f{};
-  f.x = exchange_args(in, out, nbytes);
+  f.x = exchange_args(in, out, nbytes, desc);
   f.rank = rank_;
   f.my_arrive = flag_words(shared_, layout_.flash_arrive);
   f.peer_arrive = flag_words(peer_buf(), layout_.flash_arrive);
@@ -348,13 +324,15 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
                         reinterpret_cast<uintptr_t>(weight) | reinterpret_cast<uintptr_t>(norm_out) |
                         reinterpret_cast<uintptr_t>(residual_out);
   if (!connected() || rows == 0 || hidden == 0 || row_bytes % 16 != 0 || row_bytes > kFusedMaxRowBytes ||
-      any % 16 != 0 || rows > size_t(INT32_MAX) || ranges_overlap(norm_out, in, rows * row_bytes) ||
-      ranges_overlap(residual_out, in, rows * row_bytes))  // the peers would read the result
+      any % 16 != 0 || rows > size_t(INT32_MAX) ||
+      fused_overlap_refusal(in, residual, weight, norm_out, residual_out, rows * row_bytes, row_bytes) != nullptr)
     return cudaErrorInvalidValue;
   if (world_ > 2) return ranks_fused(in, residual, weight, eps, norm_out, residual_out, rows, hidden, dtype, stream);
   const size_t nbytes = rows * row_bytes;
+  const FusedLaunch l = fused_launch(rows, hidden, dtype);
+  const CallDesc desc = call_desc(CallOp::Fused, Kernel::FlashPush, nbytes, dtype, l.grid, hidden);
   FusedArgs a{};
-  a.x = exchange_args(in, nullptr, nbytes);
+  a.x = exchange_args(in, nullptr, nbytes, desc);
   a.n.residual = residual;
   a.n.weight = weight;
   a.n.norm_out = norm_out;
@@ -363,11 +341,7 @@ cudaError_t Rank::fused_allreduce_rmsnorm(const void* in, const void* residual, 
   a.n.row_vecs = int(row_bytes / 16);
   a.n.hidden = int(hidden);
   a.n.eps = eps;
-  const FusedLaunch l = fused_launch(rows, hidden, dtype);
-  const CallDesc desc = call_desc(CallOp::Fused, Kernel::FlashPush, nbytes, dtype, l.grid, hidden);
-  if (l.one_launch) {
-    a.x.call = call_check(desc);
-  } else {
+  if (!l.one_launch) {
     // All-reduce into norm_out (never residual, which may alias residual_out),
     // then the epilogue reads the sum from there, row by row.
     const cudaError_t e = all_reduce(in, norm_out, nbytes, dtype, stream, config_.mode, &desc);
@@ -443,28 +417,22 @@ uint64_t Rank::device_calls() const {
 bool Rank::aborted() const { return static_cast<const volatile AbortInfo*>(abort_host_)->magic == kAbortMagic; }
 
 std::string Rank::abort_message() const {
-  const volatile AbortInfo* a = abort_host_;
-  if (a->magic != kAbortMagic) return "";
-  CallDesc mine, theirs;
+  const volatile AbortInfo* v = abort_host_;
+  if (v->magic != kAbortMagic) return "";
+  AbortInfo a{};  // a plain copy of the record the kernel wrote
+  a.magic = v->magic;
+  a.kernel = v->kernel;
+  a.block = v->block;
+  a.what = v->what;
+  a.expected = v->expected;
+  a.seen = v->seen;
   for (int i = 0; i < 4; ++i) {
-    mine.w[i] = a->mine.w[i];
-    theirs.w[i] = a->theirs.w[i];
+    a.mine.w[i] = v->mine.w[i];
+    a.theirs.w[i] = v->theirs.w[i];
   }
-  // With N ranks the record names the rank it waited for or disagreed with.
-  const int peer = a->peer;
-  const std::string them = peer >= 0 ? "rank " + std::to_string(peer) : std::string("peer");
-  const std::string calls = "this rank: " + describe_call(mine) + "; " + them + ": " + describe_call(theirs);
-  const std::string who = "yali: rank " + std::to_string(rank_) + (world_ > 2 ? " of " + std::to_string(world_) : "") +
-                          " " + kernel_name(Kernel(a->kernel)) + " kernel, block " + std::to_string(a->block);
-  if (a->what == 9)
-    return who + ": the ranks issued different calls (" + calls +
-           "): every rank must issue the same YALI calls, in the same order";
-  static const char* whats[] = {"?", "flash arrive flag", "flash gather flag", "stream credit", "stream ready",
-                                "flash-ll data", "push data", "?", "call descriptor"};
-  const int w = (a->what >= 1 && a->what <= 8) ? a->what : 0;
-  return who + ", gave up after YALI_TIMEOUT_S=" + std::to_string(config_.timeout_s) + "s waiting for the " + them +
-         "'s " + whats[w] + " (expected >= " + std::to_string(a->expected) + ", saw " + std::to_string(a->seen) + "; " +
-         calls + "): the " + them + "'s process died or the ranks issued different calls";
+  a.world = v->world;
+  a.peer = v->peer;
+  return abort_text(a, rank_, world_, config_.timeout_s);
 }
 
 }  // namespace yali

@@ -10,6 +10,7 @@
 
 #include "config.h"
 #include "layout.h"
+#include "overlap.h"
 #include "plan.h"
 
 namespace yali {
@@ -30,15 +31,6 @@ struct EpTensor {
 };
 
 using IpcHandleBytes = std::array<uint8_t, sizeof(cudaIpcMemHandle_t)>;
-
-// Whether [a, a + na) and [b, b + nb) share a byte (an empty range shares none): the fused op and
-// the EP ops refuse outputs over their inputs.
-inline bool ranges_overlap(const void* a, size_t na, const void* b, size_t nb) {
-  const uintptr_t x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
-  return na != 0 && nb != 0 && x < y + nb && y < x + na;
-}
-// Ranges of the same length `n`.
-inline bool ranges_overlap(const void* a, const void* b, size_t n) { return ranges_overlap(a, n, b, n); }
 
 class Rank {
  public:
@@ -63,8 +55,9 @@ class Rank {
 
   // Launches one all-reduce of `nbytes` bytes of `dtype` on `stream`.
   // `mode` overrides Config::mode for this call (benchmarks force a kernel).
+  // `out` may be `in` (in place) or apart from it (all_reduce_overlap_refusal).
   // Returns cudaErrorInvalidValue for inputs this rank cannot serve (check
-  // plan() and alignment first), or the launch error.
+  // plan(), alignment and overlap first), or the launch error.
   // `fused`: the fused op's descriptor, when this all-reduce is its first launch (the peer checks
   // the call as a whole).
   cudaError_t all_reduce(const void* in, void* out, size_t nbytes, DType dtype, cudaStream_t stream,
@@ -73,8 +66,8 @@ class Rank {
 
   // Fused all-reduce + residual add + RMSNorm over rows of `hidden` elements
   // (see fused.cuh for the exact arithmetic). `residual` may be nullptr and may
-  // alias `residual_out`; neither output may overlap `in` (the other ranks read
-  // `in` while the outputs are written). One launch while fused_one_launch (two
+  // alias `residual_out`; no other output may overlap an input or the other
+  // output (fused_overlap_refusal, overlap.h). One launch while fused_one_launch (two
   // ranks: up to Config::flash_bytes; more: ranks_fused_one_launch_max), else a YALI
   // all-reduce into norm_out followed by the add + norm kernel. Rows must be
   // 16-byte multiples of at most kFusedMaxRowBytes and pointers 16-byte aligned;
@@ -112,16 +105,16 @@ class Rank {
   bool connected() const;  // every other rank's buffer is mapped
 
  private:
-  ExchangeArgs exchange_args(const void* in, void* out, size_t nbytes) const;
+  ExchangeArgs exchange_args(const void* in, void* out, size_t nbytes, const CallDesc& desc) const;
   CallCheck call_check(const CallDesc& desc) const;
-  StreamArgs stream_args(const void* in, void* out, size_t nbytes, const Plan& p) const;
+  StreamArgs stream_args(const void* in, void* out, size_t nbytes, const Plan& p, const CallDesc& desc) const;
   char* peer_buf() const { return bufs_[1 - rank_]; }  // two ranks: the peer's buffer, mapped
   RanksArgs ranks_args(const void* in, void* out, size_t nbytes, const CallDesc& desc) const;
   EpArgs ep_args(const uint32_t* counts, const CallDesc& desc) const;
   cudaError_t ranks_fused(const void* in, const void* residual, const void* weight, float eps, void* norm_out,
                           void* residual_out, size_t rows, size_t hidden, DType dtype, cudaStream_t stream) const;
 #ifdef YALI_LEGACY_KERNELS
-  LegacyArgs legacy_args(const void* in, void* out, size_t nbytes) const;
+  LegacyArgs legacy_args(const void* in, void* out, size_t nbytes, const CallDesc& desc) const;
 #endif
 
   int device_;

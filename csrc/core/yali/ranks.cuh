@@ -45,7 +45,7 @@ struct RanksArgs {
   char* bufs[kMaxRanks];  // every rank's shared buffer as mapped in this process (bufs[rank]: mine)
   LocalState* state;
   uint64_t timeout_ns;    // YALI_TIMEOUT_S (0 = no watchdog)
-  AbortInfo* abort;
+  AbortRef abort;         // the abort record and this call's descriptor (layout.h)
   CallDesc call;          // this call, checked against every other rank's (call_check.cuh)
   size_t round_vecs;      // push two-shot: vectors of a CTA's share of a segment per round (0 = all)
 };
@@ -126,7 +126,7 @@ __device__ __forceinline__ void send_to_ranks(const RanksArgs& a, int parity, Ve
 // 17-128 tokens of hidden 8192) spills 64 bytes, as it does not here.
 template <typename At>
 __device__ __forceinline__ void wait_ranks(Vec16 (&got)[kMaxRanks], int me, int world, At at, uint64_t timeout_ns,
-                                           AbortInfo* abort, Kernel kernel) {
+                                           const AbortRef& abort, Kernel kernel) {
   const auto missing = [&] {  // the first rank whose vector has not arrived, or -1
     int m = -1;
 #pragma unroll

@@ -33,7 +33,7 @@ struct StreamArgs {
   uint64_t* peer_credit;
   LocalState* state;
   uint64_t timeout_ns;
-  AbortInfo* abort;
+  AbortRef abort;  // the abort record and this call's descriptor (layout.h)
   CallCheck call;  // lane 0 checks the call against the peer's before it adds any chunk (call_check.cuh)
 };
 

@@ -43,7 +43,7 @@ template <> constexpr DType dtype_of<__half>() { return DType::F16; }
 template <> constexpr DType dtype_of<__nv_bfloat16>() { return DType::BF16; }
 
 // Sums send0 and send1 element-wise into recv0 (on GPU 0) and recv1 (on GPU 1).
-// In-place (recvN == sendN) is allowed. Throws std::runtime_error on failure.
+// In-place (recvN == sendN) is allowed, any other overlap is not. Throws std::runtime_error on failure.
 template <typename T>
 void allreduce(Comm& comm, const T* send0, T* recv0, const T* send1, T* recv1, size_t count,
                cudaStream_t stream0 = nullptr, cudaStream_t stream1 = nullptr) {
@@ -60,6 +60,8 @@ void allreduce(Comm& comm, const T* send0, T* recv0, const T* send1, T* recv1, s
     if ((reinterpret_cast<uintptr_t>(sends[r]) | reinterpret_cast<uintptr_t>(recvs[r])) % 16 != 0)
       throw std::runtime_error("yali::allreduce: rank " + std::to_string(r) +
                                "'s pointers are not 16-byte aligned");
+    if (const char* overlap = all_reduce_overlap_refusal(sends[r], recvs[r], nbytes))
+      throw std::runtime_error("yali::allreduce: rank " + std::to_string(r) + ": " + overlap);
   }
   for (int r = 0; r < 2; ++r) {
     Rank& rank = comm.rank(r);

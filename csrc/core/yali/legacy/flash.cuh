@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) flash_ll_kernel(LegacyArgs a
             ((w[0] | w[1] | w[2] | w[3]) >> 32) == (f >> 32))
           break;
         if (a.x.timeout_ns != 0 && (spins & 1023u) == 0 && global_timer_ns() - start > a.x.timeout_ns)
-          abort_kernel(a.x.abort, Kernel::FlashLL, 5, f >> 32, w[0] >> 32);
+          abort_waiting(a.x.abort, Kernel::FlashLL, 5, f >> 32, w[0] >> 32);
       }
       const Vec16 theirs{uint32_t(w[0]), uint32_t(w[1]), uint32_t(w[2]), uint32_t(w[3])};
       store_output_vector<T>(a.x.out, k, a.x.nbytes, add_vec<T>(v[u], theirs));
