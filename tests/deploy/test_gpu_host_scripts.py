@@ -128,7 +128,7 @@ def test_shared_gpu_refuses_an_unknown_part_with_its_usage(tmp_path):
     r = subprocess.run(["bash", str(SHARED_GPU), "no-such-part"], cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert "usage:" in r.stderr and "|ranks|ep|delays]" in r.stderr, r.stderr
+    assert "usage:" in r.stderr and "|ranks|ep|delays|progress|abort]" in r.stderr, r.stderr
     assert not list((tmp_path / "out").glob("gpu-tests-shared-*")), "an unknown part wrote a result"
 
 
