@@ -89,8 +89,12 @@ def calls_beside_busy_sms(rank, group, busy: str) -> dict:
 
 
 def load_busy_kernel(dev) -> None:
-    """Launches testing_occupy once on one SM for 1 us and waits: its module is loaded after this."""
+    """Launches testing_occupy once on one SM for 1 us, and torch's sleep kernel (which the scenarios
+    run behind the busy kernel), and waits: their modules are loaded after this. (With CUDA's lazy
+    loading the first launch of torch.cuda._sleep beside the busy kernel waited for it to end, so
+    the calls behind it ran on an idle GPU.)"""
     _ext.ops().testing_occupy(dev.index, 1, 1000)
+    torch.cuda._sleep(1000)
     torch.cuda.synchronize(dev)
 
 
