@@ -26,6 +26,7 @@ from typing import Any
 
 from yali_vllm.vllm_log import LOGGER, log_first_call
 
+from .collective import all_gather, close_quietly, p2p_from_info
 from .gate import ep_gate
 
 logger = logging.getLogger(LOGGER)
@@ -136,8 +137,6 @@ def manager_class(base: type) -> type:
         def destroy(self) -> None:
             yc, self.yali_comm = self.yali_comm, None
             if yc is not None:
-                from .group_setup import close_quietly
-
                 close_quietly(yc)
             super().destroy()
 
@@ -199,7 +198,7 @@ def _ep_info(comm: Any, manager: Any) -> dict[str, Any]:
     info["dp_world_size"] = int(getattr(manager, "dp_world_size", 0))
     device = getattr(comm, "device", None)
     info["device"] = device.index if getattr(device, "type", None) == "cuda" else None
-    info["visible"] = os.environ.get("CUDA_VISIBLE_DEVICES")  # group_setup._p2p_from_info compares them
+    info["visible"] = os.environ.get("CUDA_VISIBLE_DEVICES")  # collective.p2p_from_info compares them
     return info
 
 
@@ -234,8 +233,6 @@ def setup_ep(comm: Any, *, platform_is_cuda: bool, stateless: bool = False) -> s
 
 
 def _decide_and_build(comm: Any, manager: Any, platform_is_cuda: bool, stateless: bool) -> tuple[bool, str, Any]:
-    from .group_setup import _all_gather, _p2p_from_info, close_quietly
-
     cls = type(manager).__name__
     world = int(comm.world_size)
     # Rank-uniform checks first: they need no exchange.
@@ -244,7 +241,7 @@ def _decide_and_build(comm: Any, manager: Any, platform_is_cuda: bool, stateless
                          platform_is_cuda, True, stateless=stateless, hook_problem=problem)
     if not ok:
         return False, reason, None
-    infos = _all_gather(_ep_info(comm, manager), comm.cpu_group)
+    infos = all_gather(_ep_info(comm, manager), comm.cpu_group)
     errors = [i["error"] for i in infos if i["error"]]
     if errors:
         return False, f"invalid YALI_* setting: {errors[0]}", None
@@ -252,7 +249,7 @@ def _decide_and_build(comm: Any, manager: Any, platform_is_cuda: bool, stateless
         return False, f"invalid YALI_* setting: the ranks' YALI_EP_SLOT_BYTES differ: {[i['slot_bytes'] for i in infos]}", None
     ok, reason = ep_gate(str(comm.unique_name), cls, world, infos[0]["dp_world_size"],
                          all(i["same_ranks"] for i in infos), [i["host"] for i in infos], platform_is_cuda,
-                         all(i["enabled"] for i in infos), stateless=stateless, p2p=_p2p_from_info(infos),
+                         all(i["enabled"] for i in infos), stateless=stateless, p2p=p2p_from_info(infos),
                          hook_problem=problem)
     if not ok:
         return False, reason, None
@@ -263,7 +260,7 @@ def _decide_and_build(comm: Any, manager: Any, platform_is_cuda: bool, stateless
         yc = YaliCommunicator(group=comm.cpu_group, device=comm.device, ep_slot_bytes=infos[0]["slot_bytes"])
     except Exception as e:  # noqa: BLE001 - YaliUnavailable and every set-up failure alike
         why = f"{type(e).__name__}: {e}"
-    results = _all_gather((yc is not None, why), comm.cpu_group)
+    results = all_gather((yc is not None, why), comm.cpu_group)
     failed = [(r, w) for r, (good, w) in enumerate(results) if not good]
     if failed:
         if yc is not None:
