@@ -28,11 +28,12 @@ from yali_vllm.vllm_log import LOGGER, log_first_call
 
 from .collective import all_gather, close_quietly, p2p_from_info
 from .gate import ep_gate
+from .touch_points import ALL2ALL_MANAGER, on
 
 logger = logging.getLogger(LOGGER)
 
 # vLLM's manager class YALI takes over (vllm.distributed.device_communicators.all2all).
-AGRS_CLASS = "AgRsAll2AllManager"
+AGRS_CLASS = ALL2ALL_MANAGER.partition(":")[2]
 _classes: dict[type, type] = {}
 
 
@@ -145,29 +146,28 @@ def manager_class(base: type) -> type:
     return YaliAgRsAll2AllManager
 
 
-# The methods YALI overrides and the ones it calls, with the parameters it relies on (after self):
-# those of vLLM 0.26 through 0.33.
-_AGRS_METHODS = {
+# The parameters (after self) YALI relies on, of the methods it overrides (the class's rows in
+# touch_points.py) and of those the overrides call, which every supported vLLM has.
+_PARAMS = {
     "dispatch": ("hidden_states", "topk_weights", "topk_ids", "is_sequence_parallel", "extra_tensors"),
     "dispatch_router_logits": ("hidden_states", "router_logits", "is_sequence_parallel", "extra_tensors"),
     "combine": ("hidden_states", "is_sequence_parallel"),
+    "allocate_combine_input": ("shape", "dtype", "device", "is_sequence_parallel"),
+    "combine_into_output": ("hidden_states", "output", "is_sequence_parallel"),
+    "destroy": (),
     "_get_comm_group": ("is_sequence_parallel",),
     "_get_sizes": ("num_local_tokens", "comm_group"),
 }
-# vLLM 0.33+ only: checked where the class has them.
-_AGRS_OPTIONAL = {
-    "allocate_combine_input": ("shape", "dtype", "device", "is_sequence_parallel"),
-    "combine_into_output": ("hidden_states", "output", "is_sequence_parallel"),
-}
+CALLED = ("_get_comm_group", "_get_sizes")
 
 
 def agrs_hook_problem(cls: type) -> str | None:
-    """None if ``cls`` (vLLM's AgRsAll2AllManager) has the methods YALI overrides and calls, with
-    the parameters it passes, else what differs."""
+    """None if ``cls`` (vLLM's AgRsAll2AllManager) has the methods YALI overrides (an optional one
+    only where the class has it) and calls, with the parameters it passes, else what differs."""
     import inspect
 
-    optional = {n: p for n, p in _AGRS_OPTIONAL.items() if hasattr(cls, n)}
-    for name, params in {**_AGRS_METHODS, **optional}.items():
+    overridden = [p.symbol for p in on(ALL2ALL_MANAGER) if not p.optional or hasattr(cls, p.symbol)]
+    for name in (*overridden, *CALLED):
         fn = getattr(cls, name, None)
         if not callable(fn):
             return f"{cls.__name__}.{name} is missing"
@@ -175,8 +175,8 @@ def agrs_hook_problem(cls: type) -> str | None:
             have = list(inspect.signature(fn).parameters)[1:]
         except (TypeError, ValueError) as e:
             return f"cannot read {cls.__name__}.{name}'s signature: {e}"
-        if have != list(params):
-            return f"{cls.__name__}.{name}{tuple(have)} is not {name}{params}"
+        if have != list(_PARAMS[name]):
+            return f"{cls.__name__}.{name}{tuple(have)} is not {name}{_PARAMS[name]}"
     return None
 
 
