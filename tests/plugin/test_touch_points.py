@@ -1,6 +1,7 @@
 """CPU tests of the list of vLLM touch points (yali_vllm/plugin/touch_points.py) against the real,
 installed vLLM: every listed symbol exists where its row says, exactly in the releases the row
-names; the patching code changes exactly the listed symbols of vLLM and nothing else.
+names; the patching code changes exactly the listed symbols of vLLM and nothing else; the page
+docs/VLLM_INTEGRATION.md shows the list as it is.
 
 One stand-in, as in test_vllm_fusion.py: ``StandInPass`` in place of vLLM's AllReduceFusionPass,
 which vLLM's pass manager imports on a CUDA platform only."""
@@ -11,6 +12,7 @@ import importlib
 import inspect
 import logging
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +27,9 @@ from yali_vllm.plugin.touch_points import (  # noqa: E402
     ALL2ALL_MANAGER, CACHE_FACTOR, CLASS_SWAP, COMMUNICATOR, METHOD, MODULE_SYMBOL, TECHNIQUES, TOUCH_POINTS,
     TouchPoint, on, release,
 )
+
+REPO = Path(__file__).resolve().parents[2]
+PAGE = REPO / "docs" / "VLLM_INTEGRATION.md"
 
 
 class StandInPass:
@@ -194,3 +199,8 @@ def test_the_class_swap_overrides_exactly_the_managers_rows():
     assert set(ep_manager._PARAMS) == overrides | set(ep_manager.CALLED)
     assert ep_manager.AGRS_CLASS == AgRsAll2AllManager.__name__
 
+
+# ----------------------------------------------------------------- the page
+def test_the_integration_page_shows_the_touch_points_as_listed():
+    table = touch_points.markdown_table()
+    assert table in PAGE.read_text(), "docs/VLLM_INTEGRATION.md's touch-point table differs from:\n" + table
