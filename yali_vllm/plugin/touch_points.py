@@ -122,14 +122,6 @@ def on(owner: str) -> tuple[TouchPoint, ...]:
     return rows
 
 
-def one(owner: str, symbol: str) -> TouchPoint:
-    """The row of `owner`'s `symbol`; ValueError naming both when it is not listed."""
-    for t in TOUCH_POINTS:
-        if (t.owner, t.symbol) == (owner, symbol):
-            return t
-    raise ValueError(f"{owner}.{symbol} is not a touch point listed in yali_vllm/plugin/touch_points.py")
-
-
 def markdown_table() -> str:
     """The rows as the Markdown table of docs/VLLM_INTEGRATION.md."""
     lines = ["| vLLM class or module | symbol | vLLM | technique | what YALI does there |",
