@@ -7,13 +7,15 @@ its logging configuration (``vllm.logger._configure_vllm_root_logger``), and the
 server and ``LLM(...)`` load plugins before that: INFO lines logged then would be
 dropped (an unconfigured logger passes only warnings).
 
-``hold_until_configured()`` keeps the plugin's records in that window and hands them
-to vLLM's handlers right after vLLM configures logging; where vLLM's handler is
-already attached (0.26-0.30, and 0.31+ engine cores and workers) it does nothing.
+``hold_until_configured(module, name)``, given that function's row of
+yali_vllm/plugin/touch_points.py, keeps the plugin's records in that window and hands them to
+vLLM's handlers right after vLLM configures logging; where vLLM's handler is already attached
+(0.26-0.30, and 0.31+ engine cores and workers) it does nothing.
 """
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 
 LOGGER = "vllm.yali"
@@ -62,19 +64,20 @@ def release() -> None:
             parent.handle(again)
 
 
-def hold_until_configured() -> bool:
-    """Hold "vllm.yali" records until vLLM configures logging in this process, when it has not yet.
-    Returns True when holding. Idempotent; never raises."""
+def hold_until_configured(module: str, name: str) -> bool:
+    """Hold "vllm.yali" records until vLLM configures logging in this process, when it has not yet:
+    `module`.`name` is vLLM's function that configures it (vllm.logger._configure_vllm_root_logger),
+    wrapped to release them. Returns True when holding. Idempotent; never raises."""
     global _held
     if _held is not None:
         return True
     if logging.getLogger("vllm").handlers:
         return False  # vLLM's handler is attached: lines go straight to it
     try:
-        import vllm.logger as vllm_logger
+        vllm_logger = importlib.import_module(module)
     except Exception:
         return False
-    configure = getattr(vllm_logger, "_configure_vllm_root_logger", None)
+    configure = getattr(vllm_logger, name, None)
     if configure is None:
         return False  # not a hook point this module knows: lines go where the logger sends them
     if logging.getLogger("vllm").handlers:  # importing vllm.logger configured it (0.26-0.30)
@@ -89,7 +92,7 @@ def hold_until_configured() -> bool:
                 release()
 
         setattr(configure_then_release, _WRAPPED, True)
-        vllm_logger._configure_vllm_root_logger = configure_then_release
+        setattr(vllm_logger, name, configure_then_release)
     _held = _Held()
     log = logging.getLogger(LOGGER)
     log.addHandler(_held)

@@ -122,14 +122,14 @@ def test_ep_slot_bytes_setting():
 def test_ep_info_carries_what_the_p2p_check_reads():
     """On GPUs every rank's info names its CUDA device, and the P2P check then compares the ranks'
     CUDA_VISIBLE_DEVICES: the info must carry it (a KeyError there left EP off on every GPU host)."""
-    from yali_vllm.plugin.group_setup import _p2p_from_info
+    from yali_vllm.plugin.collective import p2p_from_info
 
     comm = types.SimpleNamespace(ranks=[0, 1], device=torch.device("cuda", 0))
     infos = [ep_manager._ep_info(comm, _manager([0, 1])) for _ in range(2)]
     infos[1]["device"] = 1
     assert all("visible" in i for i in infos)
-    expected = None if torch.cuda.device_count() < 2 else _p2p_from_info(infos)
-    assert _p2p_from_info(infos) == expected
+    expected = None if torch.cuda.device_count() < 2 else p2p_from_info(infos)
+    assert p2p_from_info(infos) == expected
 
 
 # ------------------------------------------- N real ranks on CPU (gloo)

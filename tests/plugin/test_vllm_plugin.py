@@ -30,7 +30,7 @@ from vllm.distributed.device_communicators.cuda_communicator import (  # noqa: E
 
 from benchmarks.common.processes import free_port  # noqa: E402
 from yali_vllm import config, plugin  # noqa: E402
-from yali_vllm.plugin import fusion_patch, gate, group_setup, patch, stats  # noqa: E402
+from yali_vllm.plugin import fusion_patch, gate, group_setup, patch, stats, touch_points  # noqa: E402
 from yali_vllm.plugin.gate import yali_gate  # noqa: E402
 from .cpu_ranks import cpu_rank, run_cpu_ranks  # noqa: E402
 
@@ -211,7 +211,9 @@ def test_installed_vllm_is_in_the_supported_range():
 
 def test_optional_hooks_follow_the_installed_vllm(unpatched):
     # suspend (0.30+) and checkpoint_prepare (0.27+) are wrapped where vLLM's class defines them.
-    shipped = {n: unpatched.__dict__.get(n) for n in patch._OPTIONAL_HOOKS}
+    shipped = {t.symbol: unpatched.__dict__.get(t.symbol) for t in touch_points.on(touch_points.COMMUNICATOR)
+               if t.optional}
+    assert set(shipped) == {"suspend", "checkpoint_prepare"}
     plugin.register()
     for name, fn in shipped.items():
         if callable(fn):

@@ -17,6 +17,8 @@ and registers YALI's fused all-reduce+RMSNorm op (yali_vllm/vllm_fusion.py).
   expert-parallel group (``--data-parallel-size N --enable-expert-parallel``).
 * patch.py: applying the hook to the class, once.
 * stats.py: the dispatch log line and :func:`yali_tp_stats`.
+* touch_points.py: every place where YALI changes vLLM, as data the patching code reads.
+* collective.py: the helpers over a group's CPU group that group_setup.py and ep_manager.py share.
 
 Nothing here may take the server down: unknown vLLM internals, a missing
 extension, or a communicator that refuses (``YaliUnavailable``) only leave
@@ -33,6 +35,7 @@ from yali_vllm.vllm_log import LOGGER
 from .fusion_patch import register_fusion_op
 from .patch import is_patched, patch_class
 from .stats import yali_tp_stats
+from .touch_points import COMMUNICATOR, VLLM_LOGGER, on, release
 
 __all__ = ["register", "yali_tp_stats"]
 
@@ -40,24 +43,14 @@ __all__ = ["register", "yali_tp_stats"]
 # per-process prefix (e.g. "(Worker_TP0 pid=...)") in server logs.
 logger = logging.getLogger(LOGGER)
 
-_COMM_MODULE = "vllm.distributed.device_communicators.cuda_communicator"
-_COMM_CLASS = "CudaCommunicator"
-
-
-def _release(version: str) -> tuple[int, int]:
-    """(major, minor) of a version string such as "0.33.0" or "0.31.1.dev3+g..."; (0, 0) if unreadable."""
-    try:
-        major, minor = version.split(".")[:2]
-        return int(major), int("".join(ch for ch in minor if ch.isdigit()) or "x")
-    except ValueError:
-        return (0, 0)
+_COMM_MODULE, _, _COMM_CLASS = COMMUNICATOR.partition(":")
 
 
 def in_supported_range(version: str) -> bool:
     """Whether `version` is a vLLM release series yali-vllm is tested against (0.26 through 0.33)."""
     from yali_vllm._version import OLDEST_VLLM_VERSION, TESTED_VLLM_VERSION
 
-    return _release(OLDEST_VLLM_VERSION) <= _release(version) <= _release(TESTED_VLLM_VERSION)
+    return release(OLDEST_VLLM_VERSION) <= release(version) <= release(TESTED_VLLM_VERSION)
 
 
 def _vllm_version() -> str:
@@ -74,7 +67,9 @@ def register() -> None:
     try:
         from yali_vllm import vllm_log
 
-        vllm_log.hold_until_configured()  # the lines below reach vLLM's log on 0.31+ too
+        # The lines below reach vLLM's log on 0.31+ too.
+        (configure,) = on(VLLM_LOGGER)
+        vllm_log.hold_until_configured(configure.module, configure.symbol)
     except Exception:
         pass
     try:

@@ -26,12 +26,14 @@ from typing import Any
 
 from yali_vllm.vllm_log import LOGGER, log_first_call
 
+from .collective import all_gather, close_quietly, p2p_from_info
 from .gate import ep_gate
+from .touch_points import ALL2ALL_MANAGER, on
 
 logger = logging.getLogger(LOGGER)
 
 # vLLM's manager class YALI takes over (vllm.distributed.device_communicators.all2all).
-AGRS_CLASS = "AgRsAll2AllManager"
+AGRS_CLASS = ALL2ALL_MANAGER.partition(":")[2]
 _classes: dict[type, type] = {}
 
 
@@ -136,8 +138,6 @@ def manager_class(base: type) -> type:
         def destroy(self) -> None:
             yc, self.yali_comm = self.yali_comm, None
             if yc is not None:
-                from .group_setup import close_quietly
-
                 close_quietly(yc)
             super().destroy()
 
@@ -146,29 +146,28 @@ def manager_class(base: type) -> type:
     return YaliAgRsAll2AllManager
 
 
-# The methods YALI overrides and the ones it calls, with the parameters it relies on (after self):
-# those of vLLM 0.26 through 0.33.
-_AGRS_METHODS = {
+# The parameters (after self) YALI relies on, of the methods it overrides (the class's rows in
+# touch_points.py) and of those the overrides call, which every supported vLLM has.
+_PARAMS = {
     "dispatch": ("hidden_states", "topk_weights", "topk_ids", "is_sequence_parallel", "extra_tensors"),
     "dispatch_router_logits": ("hidden_states", "router_logits", "is_sequence_parallel", "extra_tensors"),
     "combine": ("hidden_states", "is_sequence_parallel"),
+    "allocate_combine_input": ("shape", "dtype", "device", "is_sequence_parallel"),
+    "combine_into_output": ("hidden_states", "output", "is_sequence_parallel"),
+    "destroy": (),
     "_get_comm_group": ("is_sequence_parallel",),
     "_get_sizes": ("num_local_tokens", "comm_group"),
 }
-# vLLM 0.33+ only: checked where the class has them.
-_AGRS_OPTIONAL = {
-    "allocate_combine_input": ("shape", "dtype", "device", "is_sequence_parallel"),
-    "combine_into_output": ("hidden_states", "output", "is_sequence_parallel"),
-}
+CALLED = ("_get_comm_group", "_get_sizes")
 
 
 def agrs_hook_problem(cls: type) -> str | None:
-    """None if ``cls`` (vLLM's AgRsAll2AllManager) has the methods YALI overrides and calls, with
-    the parameters it passes, else what differs."""
+    """None if ``cls`` (vLLM's AgRsAll2AllManager) has the methods YALI overrides (an optional one
+    only where the class has it) and calls, with the parameters it passes, else what differs."""
     import inspect
 
-    optional = {n: p for n, p in _AGRS_OPTIONAL.items() if hasattr(cls, n)}
-    for name, params in {**_AGRS_METHODS, **optional}.items():
+    overridden = [p.symbol for p in on(ALL2ALL_MANAGER) if not p.optional or hasattr(cls, p.symbol)]
+    for name in (*overridden, *CALLED):
         fn = getattr(cls, name, None)
         if not callable(fn):
             return f"{cls.__name__}.{name} is missing"
@@ -176,8 +175,8 @@ def agrs_hook_problem(cls: type) -> str | None:
             have = list(inspect.signature(fn).parameters)[1:]
         except (TypeError, ValueError) as e:
             return f"cannot read {cls.__name__}.{name}'s signature: {e}"
-        if have != list(params):
-            return f"{cls.__name__}.{name}{tuple(have)} is not {name}{params}"
+        if have != list(_PARAMS[name]):
+            return f"{cls.__name__}.{name}{tuple(have)} is not {name}{_PARAMS[name]}"
     return None
 
 
@@ -199,7 +198,7 @@ def _ep_info(comm: Any, manager: Any) -> dict[str, Any]:
     info["dp_world_size"] = int(getattr(manager, "dp_world_size", 0))
     device = getattr(comm, "device", None)
     info["device"] = device.index if getattr(device, "type", None) == "cuda" else None
-    info["visible"] = os.environ.get("CUDA_VISIBLE_DEVICES")  # group_setup._p2p_from_info compares them
+    info["visible"] = os.environ.get("CUDA_VISIBLE_DEVICES")  # collective.p2p_from_info compares them
     return info
 
 
@@ -234,8 +233,6 @@ def setup_ep(comm: Any, *, platform_is_cuda: bool, stateless: bool = False) -> s
 
 
 def _decide_and_build(comm: Any, manager: Any, platform_is_cuda: bool, stateless: bool) -> tuple[bool, str, Any]:
-    from .group_setup import _all_gather, _p2p_from_info, close_quietly
-
     cls = type(manager).__name__
     world = int(comm.world_size)
     # Rank-uniform checks first: they need no exchange.
@@ -244,7 +241,7 @@ def _decide_and_build(comm: Any, manager: Any, platform_is_cuda: bool, stateless
                          platform_is_cuda, True, stateless=stateless, hook_problem=problem)
     if not ok:
         return False, reason, None
-    infos = _all_gather(_ep_info(comm, manager), comm.cpu_group)
+    infos = all_gather(_ep_info(comm, manager), comm.cpu_group)
     errors = [i["error"] for i in infos if i["error"]]
     if errors:
         return False, f"invalid YALI_* setting: {errors[0]}", None
@@ -252,7 +249,7 @@ def _decide_and_build(comm: Any, manager: Any, platform_is_cuda: bool, stateless
         return False, f"invalid YALI_* setting: the ranks' YALI_EP_SLOT_BYTES differ: {[i['slot_bytes'] for i in infos]}", None
     ok, reason = ep_gate(str(comm.unique_name), cls, world, infos[0]["dp_world_size"],
                          all(i["same_ranks"] for i in infos), [i["host"] for i in infos], platform_is_cuda,
-                         all(i["enabled"] for i in infos), stateless=stateless, p2p=_p2p_from_info(infos),
+                         all(i["enabled"] for i in infos), stateless=stateless, p2p=p2p_from_info(infos),
                          hook_problem=problem)
     if not ok:
         return False, reason, None
@@ -263,7 +260,7 @@ def _decide_and_build(comm: Any, manager: Any, platform_is_cuda: bool, stateless
         yc = YaliCommunicator(group=comm.cpu_group, device=comm.device, ep_slot_bytes=infos[0]["slot_bytes"])
     except Exception as e:  # noqa: BLE001 - YaliUnavailable and every set-up failure alike
         why = f"{type(e).__name__}: {e}"
-    results = _all_gather((yc is not None, why), comm.cpu_group)
+    results = all_gather((yc is not None, why), comm.cpu_group)
     failed = [(r, w) for r, (good, w) in enumerate(results) if not good]
     if failed:
         if yc is not None:

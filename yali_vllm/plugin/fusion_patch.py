@@ -18,10 +18,13 @@ from typing import Any
 
 from yali_vllm.vllm_log import LOGGER
 
+from .touch_points import ENVS, PASS_MANAGER, on
+
 logger = logging.getLogger(LOGGER)
 
-_PM_MODULE = "vllm.compilation.passes.pass_manager"
-_PM_SYMBOL = "AllReduceFusionPass"
+(_PASS,) = on(PASS_MANAGER)
+_PM_MODULE, _PM_SYMBOL = _PASS.module, _PASS.symbol
+(_CACHE_KEY,) = on(ENVS)
 # Attribute of the factory holding the class it stands in for (marks the patch).
 _FACTORY_ORIGINAL = "_yali_original"
 # Compile-cache factor (see _register_cache_factor).
@@ -175,9 +178,10 @@ def _register_cache_factor() -> None:
     Without this entry a run with YALI's pass would load a graph compiled with
     FlashInfer's fusion by an earlier run without YALI (or the reverse).  The entry's getter is evaluated when vLLM
     computes the key, in the worker, after the TP group is set up."""
-    import vllm.envs as envs
+    import importlib
 
-    envs.environment_variables.setdefault(CACHE_FACTOR, fusion_cache_factor)
+    table = getattr(importlib.import_module(_CACHE_KEY.module), _CACHE_KEY.symbol)
+    table.setdefault(CACHE_FACTOR, fusion_cache_factor)
 
 
 def install_fusion_hooks() -> None:

@@ -7,7 +7,6 @@ Nothing here raises into vLLM: a communicator that cannot be built leaves YALI o
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import socket
@@ -15,19 +14,13 @@ from typing import Any, NamedTuple
 
 from yali_vllm.vllm_log import LOGGER
 
+from .collective import all_gather, close_quietly, p2p_from_info
+from .ep_manager import setup_ep
 from .fusion_patch import fusion_note, install_fusion_hooks, yali_fusion_wanted
 from .gate import is_tp_group, parse_enable, yali_gate
 from .stats import describe
 
 logger = logging.getLogger(LOGGER)
-
-
-def _all_gather(obj: Any, group: Any) -> list[Any]:
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
 
 
 def _local_info(comm: Any) -> dict[str, Any]:
@@ -72,22 +65,7 @@ def _batch_invariant() -> bool:
 def gather_group_info(comm: Any) -> list[dict[str, Any]]:
     """Each rank's gating inputs, identical on every rank (collective over the
     group's CPU/gloo group)."""
-    return _all_gather(_local_info(comm), comm.cpu_group)
-
-
-def _p2p_from_info(infos: list[dict[str, Any]]) -> bool | None:
-    """CUDA peer access between every pair of the ranks' GPUs, in both directions; None when it
-    cannot be told here (YaliCommunicator checks it again)."""
-    devices = [i["device"] for i in infos]
-    if None in devices or len({i["visible"] for i in infos}) != 1:
-        return None  # the ranks see different device sets: cannot tell here
-    import torch
-
-    if max(devices) >= torch.cuda.device_count():
-        return None
-    if len(set(devices)) != len(devices):
-        return None  # ranks share a GPU: YaliCommunicator refuses it unless YALI_ALLOW_SHARED_GPU=1
-    return all(torch.cuda.can_device_access_peer(a, b) for a, b in itertools.permutations(devices, 2))
+    return all_gather(_local_info(comm), comm.cpu_group)
 
 
 def _create_communicator(comm: Any) -> tuple[Any, str]:
@@ -103,14 +81,6 @@ def _create_communicator(comm: Any) -> tuple[Any, str]:
     except Exception as e:
         logger.debug("YaliCommunicator set-up failed", exc_info=True)
         return None, f"YALI set-up failed ({type(e).__name__}: {e})"
-
-
-def close_quietly(yc: Any) -> None:
-    """Close a YaliCommunicator; a failure is logged, never raised."""
-    try:
-        yc.close()
-    except Exception:
-        logger.warning("YALI: closing the communicator failed", exc_info=True)
 
 
 class Decision(NamedTuple):
@@ -159,7 +129,7 @@ def setup_yali(comm: Any, *, platform_is_cuda: bool, stateless: bool = False) ->
         platform_is_cuda,
         all(i["enabled"] for i in infos),
         custom_ar_enabled=all(i["custom_ar"] for i in infos),
-        p2p=_p2p_from_info(infos),
+        p2p=p2p_from_info(infos),
         batch_invariant=any(i.get("batch_invariant") for i in infos),
     )
     if not ok:
@@ -177,7 +147,7 @@ def setup_yali(comm: Any, *, platform_is_cuda: bool, stateless: bool = False) ->
     yc, why = _create_communicator(comm)
     # Agree: YALI is used only if every rank has it, otherwise a rank would
     # wait in a YALI kernel for a peer that went to NCCL.
-    results = _all_gather((yc is not None, why), comm.cpu_group)
+    results = all_gather((yc is not None, why), comm.cpu_group)
     failed = [(r, w) for r, (good, w) in enumerate(results) if not good]
     if failed:
         if yc is not None:
@@ -214,8 +184,6 @@ def after_init(comm: Any, stateless: bool) -> None:
         # built is decided when vLLM's pass manager asks for it.
         install_fusion_hooks()
     # The expert-parallel group's all-to-all manager (DP + EP MoE serving): ep_manager.py.
-    from .ep_manager import setup_ep
-
     setup_ep(comm, platform_is_cuda=current_platform.is_cuda(), stateless=stateless)
 
 
@@ -257,7 +225,7 @@ def checkpoint_release(comm: Any) -> str:
         return "YALI is off for this group"
     yc.synchronize()  # no YALI kernel of this rank in flight
     # All ranks have synchronised once this returns: no peer kernel still writes into my buffer.
-    captured = any(_all_gather(bool(yc.captured), comm.cpu_group))
+    captured = any(all_gather(bool(yc.captured), comm.cpu_group))
     if captured:
         return ("CUDA graphs captured YALI's kernels, so its buffers and peer mapping stay "
                 "(a checkpoint tool that cannot save CUDA IPC mappings refuses this process)")

@@ -15,7 +15,8 @@ from typing import Any
 
 from yali_vllm.vllm_log import LOGGER
 
-from .group_setup import after_init, checkpoint_release, close_quietly, log_off
+from .collective import close_quietly
+from .group_setup import after_init, checkpoint_release, log_off
 from .stats import buffer_size, log_dispatch
 
 logger = logging.getLogger(LOGGER)

@@ -1,5 +1,7 @@
 """Patching vLLM's CudaCommunicator class in place with the hook (hook.py), once, and only
-when its hook points look as expected.
+when its hook points look as expected. The methods patched are the class's rows in
+touch_points.py: those every supported vLLM has are required, the others wrapped where the class
+defines them.
 
 The patch is applied to the class rather than by subclassing because vLLM resolves the
 class by its qualified name and checks ``isinstance`` against it in
@@ -14,6 +16,7 @@ import logging
 from yali_vllm.vllm_log import LOGGER
 
 from .hook import wrap_all_reduce, wrap_checkpoint_prepare, wrap_destroy, wrap_init, wrap_suspend
+from .touch_points import COMMUNICATOR, on
 
 logger = logging.getLogger(LOGGER)
 
@@ -24,14 +27,22 @@ _MARK = "_yali_vllm_patched"
 _ORIGINALS = "_yali_vllm_originals"
 # Parameters of CudaCommunicator.__init__ (after self) the hook relies on.
 _INIT_PARAMS = ("cpu_group", "device", "unique_name")
+# The wrapper of each method of CudaCommunicator that touch_points.py lists, by name.
+WRAPPERS = {
+    "__init__": wrap_init,
+    "all_reduce": wrap_all_reduce,
+    "destroy": wrap_destroy,
+    "checkpoint_prepare": wrap_checkpoint_prepare,
+    "suspend": wrap_suspend,
+}
 
 
 def check_hook_points(cls: type) -> str | None:
     """None if ``cls`` looks like the CudaCommunicator this hook was written
     for, else a description of what differs."""
-    for name in ("__init__", "all_reduce", "destroy"):
-        if not callable(cls.__dict__.get(name)):
-            return f"{cls.__qualname__}.{name} is not defined by the class"
+    for point in on(COMMUNICATOR):
+        if not point.optional and not callable(cls.__dict__.get(point.symbol)):
+            return f"{cls.__qualname__}.{point.symbol} is not defined by the class"
     try:
         init = inspect.signature(cls.__init__)
         ar = inspect.signature(cls.all_reduce)
@@ -46,10 +57,6 @@ def check_hook_points(cls: type) -> str | None:
     if len(destroy.parameters) != 1:
         return f"{cls.__qualname__}.destroy{destroy} is not (self)"
     return None
-
-
-# Methods patched when the class defines them (vLLM 0.27+ / 0.30+), with their wrappers.
-_OPTIONAL_HOOKS = {"suspend": wrap_suspend, "checkpoint_prepare": wrap_checkpoint_prepare}
 
 
 def is_patched(cls: type) -> bool:
@@ -72,14 +79,10 @@ def patch_class(cls: type) -> bool:
             problem,
         )
         return False
-    originals = {n: cls.__dict__[n] for n in ("__init__", "all_reduce", "destroy")}
-    cls.__init__ = wrap_init(originals["__init__"])
-    cls.all_reduce = wrap_all_reduce(originals["all_reduce"])
-    cls.destroy = wrap_destroy(originals["destroy"])
-    for name, wrap in _OPTIONAL_HOOKS.items():
-        if callable(cls.__dict__.get(name)):
-            originals[name] = cls.__dict__[name]
-            setattr(cls, name, wrap(originals[name]))
+    # check_hook_points found every required method; an optional one is wrapped where defined.
+    originals = {p.symbol: cls.__dict__[p.symbol] for p in on(COMMUNICATOR) if callable(cls.__dict__.get(p.symbol))}
+    for name, fn in originals.items():
+        setattr(cls, name, WRAPPERS[name](fn))
     setattr(cls, _ORIGINALS, originals)
     setattr(cls, _MARK, True)
     return True
