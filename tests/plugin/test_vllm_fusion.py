@@ -592,9 +592,9 @@ def _quant_model():
     from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
 
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
-        static = QuantFP8(True, GroupShape.PER_TENSOR)
-        token = QuantFP8(False, GroupShape.PER_TOKEN)
-        group = QuantFP8(False, GroupShape(1, 128))
+        static = QuantFP8(True, GroupShape.PER_TENSOR, compile_native=False)
+        token = QuantFP8(False, GroupShape.PER_TOKEN, compile_native=False)
+        group = QuantFP8(False, GroupShape(1, 128), compile_native=False)
 
     def model(x, w, scale):
         a = ar(x)
