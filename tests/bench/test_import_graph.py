@@ -1,4 +1,4 @@
-"""The benchmark library's layout holds: every module of benchmarks/, research/ and examples/
+"""The benchmark library's layout holds: every module of benchmarks/ and examples/
 imports on a machine without a GPU, the imports between the repository's own modules (function-
 local ones included) form no circle, and no file edits sys.path."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("benchmarks", "research", "examples", "tests")
+PACKAGES = ("benchmarks", "examples", "tests")
 LOCUSTFILE = "benchmarks.locustfile"  # locust patches the process it is imported in (gevent)
 
 
@@ -70,7 +70,7 @@ def test_the_repositorys_imports_form_no_circle():
 
 
 def test_every_library_module_imports_without_a_gpu():
-    names = sorted(n for n in modules() if n.split(".")[0] in ("benchmarks", "research", "examples")
+    names = sorted(n for n in modules() if n.split(".")[0] in ("benchmarks", "examples")
                    and n != LOCUSTFILE)
     assert len(names) >= 20, names
     code = "import importlib, sys\nfor n in sys.argv[1:]:\n    importlib.import_module(n)\nprint('ok', len(sys.argv) - 1)"
