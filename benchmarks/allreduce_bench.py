@@ -122,7 +122,7 @@ class Backends:
                 self._make(name, rank, dev, gloo, max_bytes, torch, dist)
             except Exception as e:  # record why a comparison backend is missing
                 self.skipped[name] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-                if os.environ.get("YALI_BENCH_DEBUG"):
+                if os.environ.get("BENCH_DEBUG"):
                     traceback.print_exc()
 
     def _make(self, name, rank, dev, gloo, max_bytes, torch, dist):

@@ -362,13 +362,6 @@ class YaliCommunicator:
                 me["uuid"] = str(torch.cuda.get_device_properties(self.device).uuid)
                 config.check_environment()
                 self._end_on_abort = config.env_flag(config.ABORT_EXIT_VAR, True)
-                build = _ext.ops().build_info()
-                unchecked = config.unchecked_refusal(build)
-                if unchecked:
-                    raise ValueError(unchecked)
-                if config.UNCHECKED_BUILD_MARK in build and self.rank == 0:  # allowed by YALI_ALLOW_UNCHECKED=1
-                    logger.warning("yali: measurement build (YALI_BUILD_UNCHECKED=1, allowed by %s=1): the kernels "
-                                   "check no call across the ranks", config.ALLOW_UNCHECKED_VAR)
                 me["config"] = _ext.ops().config_string()  # raises ValueError naming a bad YALI_* variable
         except Exception as e:
             me["error"] = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)

@@ -7,20 +7,16 @@ ValueError naming the variable and the accepted range.
 """
 from __future__ import annotations
 
-import logging
 import os
 
 from . import _ext
-from .vllm_log import LOGGER
-
-logger = logging.getLogger(LOGGER)
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 # Kernel ids as returned by plan() (csrc/core/yali/config.h: enum class Kernel).
-KERNEL_NAMES = {0: None, 1: "flash-oneshot", 2: "flash-twoshot", 3: "stream", 4: "flash-ll", 5: "flash-push",
-                6: "push-oneshot", 7: "push-twoshot", 8: "ep-gather", 9: "ep-reduce-scatter"}
+KERNEL_NAMES = {0: None, 3: "stream", 5: "flash-push", 6: "push-oneshot", 7: "push-twoshot", 8: "ep-gather",
+                9: "ep-reduce-scatter"}
 # The world sizes (ranks of a tensor-parallel group) YALI serves: 2 with the two-rank kernels
 # (flash-push, stream), 4, 6 and 8 with the N-rank push one-shot and two-shot (csrc/core/yali/ranks.cuh).
 WORLD_SIZES = (2, 4, 6, 8)
@@ -41,13 +37,6 @@ OFF_BY_DEFAULT = {
     8: "no serving run at TP=8 yet",
 }
 WORLD_SIZES_VAR = "YALI_WORLD_SIZES"
-# The end of build_info() of a library built with the legacy flash kernels (YALI_BUILD_LEGACY=1;
-# csrc/bindings/torch_ops.cpp: YALI_BUILD_KERNELS).
-LEGACY_BUILD_MARK = ", with the legacy flash kernels"
-# In build_info() of a measurement build whose kernels check no call across the ranks
-# (YALI_BUILD_UNCHECKED=1; csrc/bindings/torch_ops.cpp: YALI_BUILD_CHECKS).
-UNCHECKED_BUILD_MARK = ", without the cross-rank call check"
-ALLOW_UNCHECKED_VAR = "YALI_ALLOW_UNCHECKED"
 # Kernel modes accepted by all_reduce(mode=...) (enum class KernelMode); -1 = the configured one.
 MODES = {"config": -1, "auto": 0, "flash": 1, "stream": 2}
 
@@ -79,8 +68,6 @@ SETTINGS = {
     "YALI_ABORT_EXIT": "1 (default): a process whose YALI kernel gave up ends 10 s after the abort record unless "
                        "YaliError reached the caller; 0 keeps it, e.g. for tests that inspect the state",
     "YALI_ALLOW_SHARED_GPU": "both ranks on one GPU, for testing",
-    "YALI_ALLOW_UNCHECKED": "use a measurement build whose kernels check no call across the ranks "
-                            "(YALI_BUILD_UNCHECKED=1), e.g. to time the check",
     "YALI_EP": "1: YALI's expert-parallel dispatch / combine in vLLM's DP + EP MoE serving (default off)",
     "YALI_EP_SLOT_BYTES": "largest EP message of one rank (dispatch: all its tensors; default 2 MiB)",
 }
@@ -91,22 +78,6 @@ EP_SLOT_VAR = "YALI_EP_SLOT_BYTES"
 # and 256 of a 4096-wide one: every decode batch and small prefill chunks; larger ones go to vLLM.
 EP_SLOT_DEFAULT = 2 << 20
 EP_SLOT_RANGE = (4096, 256 << 20)
-# Read by the project's scripts and tests, not by the library; accepted so they can be exported.
-TOOL_VARIABLES = (
-    "YALI_SKIP_INSTALL", "YALI_VLLM_VERSION",  # scripts/quickstart.sh
-    "YALI_LOAD_MODEL", "YALI_LOAD_MAX_TOKENS", "YALI_LOAD_PROMPT_WORDS", "YALI_LOAD_CHAT_WEIGHT",
-    "YALI_LOAD_COMPLETIONS_WEIGHT", "YALI_LOAD_TIMEOUT_S", "YALI_LOAD_WAIT_S", "YALI_LOAD_IGNORE_EOS",  # locustfile
-    "YALI_BENCH_DEBUG", "YALI_RAY_TEST_TIMEOUT", "YALI_EXPECT_OTHER_BUILD_TORCH",  # benchmarks, tests
-    "YALI_GIT_COMMIT",  # result files: the source commit of a copied work tree
-    "YALI_BUILD_LEGACY", "YALI_BUILD_UNCHECKED",  # setup.py
-)
-# Names yali-vllm no longer reads: accepted with a warning (once per process) instead of refused, so
-# an environment that still exports one keeps YALI on.
-RETIRED = {
-    "YALI_OVERLAP": "the prefill GEMM + all-reduce overlap is not part of yali-vllm (measured slower in serving: "
-                    "docs/DESIGN_LOG.md section 5)",
-}
-_warned_retired: set[str] = set()
 # Tuning knobs: validated, with the list of known names, by the C++ core (csrc/core/yali/config.cpp).
 DEV_PREFIX = "YALI_DEV_"
 
@@ -114,17 +85,12 @@ DEV_PREFIX = "YALI_DEV_"
 def unknown_variables(environ=None) -> list[str]:
     """The YALI_* names of `environ` (default os.environ) that yali-vllm does not read."""
     env = os.environ if environ is None else environ
-    return sorted(k for k in env if k.startswith("YALI_") and not k.startswith(DEV_PREFIX)
-                  and k not in SETTINGS and k not in TOOL_VARIABLES and k not in RETIRED)
+    return sorted(k for k in env if k.startswith("YALI_") and not k.startswith(DEV_PREFIX) and k not in SETTINGS)
 
 
 def check_environment(environ=None) -> None:
-    """ValueError naming every unknown YALI_* variable and listing the known settings; a warning
-    (once) for a retired one."""
+    """ValueError naming every unknown YALI_* variable and listing the known settings."""
     env = os.environ if environ is None else environ
-    for name in sorted(set(RETIRED) & set(env) - _warned_retired):
-        _warned_retired.add(name)
-        logger.warning("yali: %s=%r is ignored: %s", name, env[name], RETIRED[name])
     unknown = unknown_variables(environ)
     if unknown:
         given = ", ".join(f"{k}={env[k]!r}" for k in unknown)
@@ -167,23 +133,6 @@ def parse_config_string(s: str) -> dict:
             except ValueError:
                 out[k] = v
     return out
-
-
-def legacy_kernels() -> bool:
-    """Whether the library has the legacy flash kernels (flash-ll, one-shot, two-shot), built with
-    YALI_BUILD_LEGACY=1: only then are YALI_DEV_PUSH_MAX below YALI_DEV_FLASH_BYTES and the
-    YALI_DEV_LL_* / ONESHOT_MAX / FLASH_CTA_BYTES knobs accepted."""
-    return LEGACY_BUILD_MARK in _ext.ops().build_info()
-
-
-def unchecked_refusal(build_info: str, env=None) -> str | None:
-    """Why a communicator refuses this library (None: it does not): a measurement build whose kernels
-    check no call across the ranks (YALI_BUILD_UNCHECKED=1) serves only under YALI_ALLOW_UNCHECKED=1."""
-    if UNCHECKED_BUILD_MARK not in build_info or env_flag(ALLOW_UNCHECKED_VAR, False, env):
-        return None
-    return (f"this library was built with YALI_BUILD_UNCHECKED=1: its kernels check no call across the ranks "
-            f"(a measurement build; calls that differ would give wrong sums); set {ALLOW_UNCHECKED_VAR}=1 to "
-            f"use it anyway")
 
 
 def world_size_refusal(world_size: int) -> str | None:

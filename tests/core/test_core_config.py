@@ -34,7 +34,7 @@ def test_import_without_gpu_reports_reason():
 
 
 def test_default_table_is_monotone_and_covers_all_sizes():
-    order = {"flash-push": 0, "flash-ll": 1, "flash-oneshot": 2, "flash-twoshot": 3, "stream": 4}
+    order = {"flash-push": 0, "stream": 1}
     last = -1
     for nbytes in [2, 16, 2 * KiB, 64 * KiB, 128 * KiB, 128 * KiB + 16, 1 * MiB, 8 * MiB, 8 * MiB + 16, 1 * GiB,
                    2 * GiB]:
@@ -57,63 +57,37 @@ def test_default_table_pushes_up_to_flash_size():
 
 
 def test_push_boundary_follows_env(monkeypatch):
-    monkeypatch.setenv("YALI_DEV_FLASH_BYTES", "64K")  # YALI_DEV_PUSH_MAX follows it when unset
+    monkeypatch.setenv("YALI_DEV_FLASH_BYTES", "64K")
     monkeypatch.setenv("YALI_DEV_PUSH_CTA_BYTES", "4K")
     assert config.plan(64 * KiB) == ("flash-push", 16, 0)
     assert config.plan(64 * KiB + 16)[0] == "stream"
     monkeypatch.setenv("YALI_DEV_FLASH_BYTES", "16M")
     monkeypatch.setenv("YALI_KERNEL_MODE", "flash")
     assert config.plan(16 * MiB)[0] == "flash-push"
-    monkeypatch.delenv("YALI_KERNEL_MODE")
-    monkeypatch.delenv("YALI_DEV_FLASH_BYTES")
-    monkeypatch.setenv("YALI_DEV_PUSH_MAX", "16M")  # above YALI_DEV_FLASH_BYTES (8M)
-    with pytest.raises(ValueError, match="YALI_DEV_PUSH_MAX"):
-        config.plan(1)
 
 
-needs_legacy = pytest.mark.skipif(_ext.library_error() is not None or not config.legacy_kernels(),
-                                  reason="selects the legacy flash kernels: the library was built without "
-                                         "YALI_BUILD_LEGACY=1")
-
-
-@needs_legacy
-def test_legacy_table_boundaries_follow_env(monkeypatch):
-    monkeypatch.setenv("YALI_DEV_PUSH_MAX", "64K")
-    assert config.plan(64 * KiB)[0] == "flash-push"
-    assert config.plan(64 * KiB + 16)[0] == "flash-ll"
-
-
-@needs_legacy
-def test_table_boundaries_follow_env(monkeypatch):
-    monkeypatch.setenv("YALI_DEV_PUSH_MAX", "0")
-    monkeypatch.setenv("YALI_DEV_LL_MAX", "4K")
+def test_stream_boundary_follows_env(monkeypatch):
     monkeypatch.setenv("YALI_DEV_STREAM_MIN", "1M")
-    assert config.plan(4 * KiB)[0] == "flash-ll"
-    assert config.plan(4 * KiB + 16)[0] == "flash-oneshot"
-    assert config.plan(1 * MiB)[0] == "flash-oneshot"
+    assert config.plan(1 * MiB)[0] == "flash-push"
     assert config.plan(1 * MiB + 16)[0] == "stream"
 
 
-@pytest.mark.parametrize("var,value", [("YALI_DEV_PUSH_MAX", "0"), ("YALI_DEV_PUSH_MAX", "64K"),
-                                       ("YALI_DEV_LL_MAX", "4K"), ("YALI_DEV_LL_CTA_BYTES", "2K"),
-                                       ("YALI_DEV_ONESHOT_MAX", "0"), ("YALI_DEV_FLASH_CTA_BYTES", "4K")])
-def test_legacy_settings_refused_without_legacy_build(monkeypatch, var, value):
-    if config.legacy_kernels():
-        pytest.skip("the library was built with YALI_BUILD_LEGACY=1: the legacy settings apply")
-    monkeypatch.setenv(var, value)
-    with pytest.raises(ValueError) as e:
+@pytest.mark.parametrize("var", ["YALI_DEV_PUSH_MAX", "YALI_DEV_LL_MAX", "YALI_DEV_LL_CTA_BYTES",
+                                 "YALI_DEV_ONESHOT_MAX", "YALI_DEV_FLASH_CTA_BYTES"])
+def test_the_retired_kernels_knobs_are_refused(monkeypatch, var):
+    # The retired flash-ll, one-shot and two-shot kernels' knobs: refused as unknown, not ignored.
+    monkeypatch.setenv(var, "4K")
+    with pytest.raises(ValueError, match=f"{var}=4K is invalid: no such YALI_DEV_\\* knob"):
         config.kernel_config()
-    assert f"{var}=" in str(e.value) and "YALI_BUILD_LEGACY=1" in str(e.value) and "legacy" in str(e.value)
 
 
 def test_buffer_holds_only_what_the_config_selects(monkeypatch):
     # stream ready + credit flags (2 x 128 lanes x 16 slots x 8 B), the call descriptor slots (2 x 16 B,
     # one 256-byte-aligned area), the push area (2 parities x 8 MiB), the stream ring (128 lanes x 8 slots
-    # x 64 KiB): no area of the legacy kernels.
+    # x 64 KiB).
     assert torch.ops.yali.shared_bytes_for_env() == 32 * KiB + 256 + 16 * MiB + 64 * MiB
-    if config.legacy_kernels():  # their arrive / gather flags, LL words (2 x 2 x 128 KiB), stage, reduced
-        monkeypatch.setenv("YALI_DEV_PUSH_MAX", "0")
-        assert torch.ops.yali.shared_bytes_for_env() == 34 * KiB + 256 + 512 * KiB + 48 * MiB + 64 * MiB
+    monkeypatch.setenv("YALI_DEV_FLASH_BYTES", "1M")
+    assert torch.ops.yali.shared_bytes_for_env() == 32 * KiB + 256 + 2 * MiB + 64 * MiB
 
 
 def test_kernel_mode_forces_family(monkeypatch):
@@ -144,7 +118,6 @@ def test_stream_chunks_fit_slots(monkeypatch):
     ("YALI_DEV_SLOTS", "1", "[2, 16]"),
     ("YALI_DEV_SLOT_BYTES", "5000", "multiple of 4096"),
     ("YALI_DEV_FLASH_CTAS", "x", "integer"),
-    ("YALI_DEV_LL_MAX", "64M", "byte count"),
     ("YALI_DEV_PUSH_CTA_BYTES", "100", "byte count"),
     ("YALI_DEV_PDL", "2", "integer in [0, 1]"),
     ("YALI_DEV_FUSED_BATCH_POLL_MIN", "-1", "byte count"),
@@ -225,20 +198,20 @@ def test_unknown_yali_variables_are_refused_by_name(monkeypatch):
     assert "YALI_MAX_BYTES" in msg and "YALI_TIMEOUT_S" in msg and "YALI_DEV_*" in msg
     monkeypatch.delenv("YALI_MAX_BYTE")
     monkeypatch.delenv("YALI_TIMEOUT")
-    monkeypatch.setenv("YALI_SKIP_INSTALL", "1")  # the scripts' own variables pass
-    monkeypatch.setenv("YALI_LOAD_MODEL", "m")
+    # The YALI_* names belong to the settings: the scripts' variables are named otherwise (LOAD_*,
+    # BENCH_DEBUG), and a former setting or a script's old name is refused like a typo.
+    for name in ("YALI_OVERLAP", "YALI_LOAD_MODEL", "YALI_ALLOW_UNCHECKED", "YALI_BUILD_LEGACY"):
+        with pytest.raises(ValueError, match=f"{name}='1'"):
+            config.check_environment({name: "1"})
+    monkeypatch.setenv("LOAD_MODEL", "m")
     assert config.kernel_config()["max_bytes"] == 2 * GiB
 
 
-def test_limits_that_depend_on_the_flash_buffer(monkeypatch):
-    # A smaller flash buffer alone: the defaults below it follow, no error about a variable not set.
+def test_the_smallest_flash_buffer(monkeypatch):
     monkeypatch.setenv("YALI_DEV_FLASH_BYTES", "4K")
-    c = config.kernel_config()
-    assert c["flash_bytes"] == c["ll_max"] == c["push_max"] == 4 * KiB
-    # Set by the user and too large: refused naming both variables.
-    monkeypatch.setenv("YALI_DEV_LL_MAX", "64K")
-    with pytest.raises(ValueError, match=r"YALI_DEV_LL_MAX=64K is invalid: .*at most YALI_DEV_FLASH_BYTES \(4096\)"):
-        config.kernel_config()
+    assert config.kernel_config()["flash_bytes"] == 4 * KiB
+    assert config.plan(4 * KiB) == ("flash-push", 4, 0)
+    assert config.plan(4 * KiB + 16)[0] == "stream"
 
 
 @pytest.mark.parametrize("value,ok", [("0", True), ("0.001", True), ("86400", True), ("1e-12", False),
@@ -334,30 +307,3 @@ def test_fused_launch_knobs_refused(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError, match=var):
         config.kernel_config()
-
-
-def test_a_retired_setting_is_ignored_with_one_warning_and_a_typo_still_refused():
-    import logging
-
-    lines: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            lines.append(record.getMessage())
-
-    log = logging.getLogger("vllm.yali")
-    handler, level = Keep(), log.level
-    log.addHandler(handler)
-    log.setLevel(logging.WARNING)
-    config._warned_retired.discard("YALI_OVERLAP")
-    try:
-        config.check_environment({"YALI_OVERLAP": "1"})
-        config.check_environment({"YALI_OVERLAP": "0"})  # once per process
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
-    assert [ln for ln in lines if "YALI_OVERLAP" in ln] == [
-        "yali: YALI_OVERLAP='1' is ignored: " + config.RETIRED["YALI_OVERLAP"]]
-    assert config.unknown_variables({"YALI_OVERLAP": "1"}) == []
-    with pytest.raises(ValueError, match="YALI_OVERLAPS='1'"):
-        config.check_environment({"YALI_OVERLAPS": "1"})

@@ -16,10 +16,7 @@ namespace yali {
 
 const char* kernel_name(Kernel k) {
   switch (k) {
-    case Kernel::FlashOneShot: return "flash-oneshot";
-    case Kernel::FlashTwoShot: return "flash-twoshot";
     case Kernel::Stream: return "stream";
-    case Kernel::FlashLL: return "flash-ll";
     case Kernel::FlashPush: return "flash-push";
     case Kernel::PushOneShot: return "push-oneshot";
     case Kernel::PushTwoShot: return "push-twoshot";
@@ -124,14 +121,9 @@ Config Config::from_env() {
   }
   env_bytes("YALI_MAX_BYTES", 16, size_t(1) << 40, 1, &c.max_bytes);
   dev_bytes("YALI_DEV_FLASH_BYTES", 4096, size_t(1) << 30, 4096, &c.flash_bytes);
-  dev_bytes("YALI_DEV_LL_MAX", 0, size_t(16) << 20, 16, &c.ll_max);
-  dev_bytes("YALI_DEV_LL_CTA_BYTES", 512, size_t(16) << 20, 16, &c.ll_cta_bytes);
-  dev_bytes("YALI_DEV_PUSH_MAX", 0, size_t(1) << 30, 16, &c.push_max);
   dev_bytes("YALI_DEV_PUSH_CTA_BYTES", 256, size_t(16) << 20, 16, &c.push_cta_bytes);
-  dev_bytes("YALI_DEV_ONESHOT_MAX", 0, size_t(1) << 30, 1, &c.oneshot_max);
   dev_bytes("YALI_DEV_STREAM_MIN", 0, size_t(1) << 40, 1, &c.stream_min);
   dev_int("YALI_DEV_FLASH_CTAS", 1, kMaxFlashCtas, &c.flash_ctas);
-  dev_bytes("YALI_DEV_FLASH_CTA_BYTES", 512, size_t(64) << 20, 16, &c.flash_cta_bytes);
   dev_int("YALI_DEV_LANES", 1, kMaxLanes, &c.lanes);
   dev_int("YALI_DEV_SLOTS", 2, kMaxSlots, &c.slots);
   dev_bytes("YALI_DEV_SLOT_BYTES", 4096, size_t(16) << 20, 4096, &c.slot_bytes);
@@ -147,22 +139,6 @@ Config Config::from_env() {
   // a multiple of one vector per thread of a CTA (kFlashThreads x 16 bytes): no thread idles in a round
   dev_bytes("YALI_DEV_RANKS_TWO_SHOT_ROUND", 0, size_t(16) << 20, size_t(kFlashThreads) * 16, &c.ranks_two_shot_round);
   refuse_unknown_dev_knobs(dev_knobs);
-  // Limits that depend on the flash buffer: a default follows a smaller YALI_DEV_FLASH_BYTES; a
-  // value the user set that does not fit is refused naming both variables.
-  const auto fit_flash = [&](const char* var, size_t* v) {
-    if (*v <= c.flash_bytes) return;
-    if (const char* s = std::getenv(var); s && *s)
-      bad(var, s, "a byte count at most YALI_DEV_FLASH_BYTES (" + std::to_string(c.flash_bytes) + ")");
-    *v = c.flash_bytes;
-  };
-  fit_flash("YALI_DEV_LL_MAX", &c.ll_max);
-  fit_flash("YALI_DEV_PUSH_MAX", &c.push_max);
-  // Unset, YALI_DEV_PUSH_MAX follows the flash buffer: flash-push takes every flash message.
-  if (const char* s = std::getenv("YALI_DEV_PUSH_MAX"); !s || !*s) c.push_max = c.flash_bytes;
-  // The legacy kernels' own knobs do nothing on a default build: refused, not ignored.
-  if (!kLegacyKernels)
-    for (const char* var : {"YALI_DEV_LL_MAX", "YALI_DEV_LL_CTA_BYTES", "YALI_DEV_ONESHOT_MAX", "YALI_DEV_FLASH_CTA_BYTES"})
-      if (const char* s = std::getenv(var); s && *s) bad(var, s, std::string("it unset: a knob of ") + kLegacyBuildHint);
   if (const char* t = std::getenv("YALI_TIMEOUT_S"); t && *t) {
     char* end = nullptr;
     double v = std::strtod(t, &end);
@@ -178,12 +154,8 @@ Config Config::from_env() {
 void Config::validate() const {
   check_range("YALI_MAX_BYTES", max_bytes, 16, size_t(1) << 40, 1);
   check_range("YALI_DEV_FLASH_BYTES", flash_bytes, 4096, size_t(1) << 30, 4096);
-  check_range("YALI_DEV_LL_MAX", ll_max, 0, std::min(flash_bytes, size_t(16) << 20), 16);
-  check_range("YALI_DEV_LL_CTA_BYTES", ll_cta_bytes, 512, size_t(16) << 20, 16);
-  check_range("YALI_DEV_PUSH_MAX", push_max, 0, flash_bytes, 16);
   check_range("YALI_DEV_PUSH_CTA_BYTES", push_cta_bytes, 256, size_t(16) << 20, 16);
   check_int("YALI_DEV_FLASH_CTAS", flash_ctas, 1, kMaxFlashCtas);
-  check_range("YALI_DEV_FLASH_CTA_BYTES", flash_cta_bytes, 512, size_t(64) << 20, 16);
   check_int("YALI_DEV_LANES", lanes, 1, kMaxLanes);
   check_int("YALI_DEV_SLOTS", slots, 2, kMaxSlots);
   check_range("YALI_DEV_SLOT_BYTES", slot_bytes, 4096, size_t(16) << 20, 4096);
@@ -209,20 +181,13 @@ void Config::validate() const {
   if (ep_slot_bytes != 0) check_range("YALI_EP_SLOT_BYTES", ep_slot_bytes, 4096, size_t(256) << 20, 4096);
   if (!(timeout_s == 0.0 || (timeout_s >= kMinTimeoutS && timeout_s <= 86400.0)))
     bad("YALI_TIMEOUT_S", std::to_string(timeout_s), "0 (no watchdog) or seconds in [0.001, 86400]");
-  if (!kLegacyKernels && selects_legacy_kernels(*this))
-    bad("YALI_DEV_PUSH_MAX", std::to_string(push_max),
-        "at least the largest message a flash kernel takes (" + std::to_string(std::min(flash_bytes, max_bytes)) +
-            " bytes: YALI_DEV_FLASH_BYTES or YALI_MAX_BYTES if smaller): the "
-            "messages above it would run " + kLegacyBuildHint);
 }
 
 std::string Config::to_string() const {
   std::ostringstream o;
   o << "mode=" << (mode == KernelMode::Auto ? "auto" : mode == KernelMode::Flash ? "flash" : "stream")
-    << " max_bytes=" << max_bytes << " flash_bytes=" << flash_bytes << " ll_max=" << ll_max
-    << " ll_cta_bytes=" << ll_cta_bytes << " push_max=" << push_max << " push_cta_bytes=" << push_cta_bytes
-    << " oneshot_max=" << oneshot_max
-    << " stream_min=" << stream_min << " flash_ctas=" << flash_ctas << " flash_cta_bytes=" << flash_cta_bytes
+    << " max_bytes=" << max_bytes << " flash_bytes=" << flash_bytes << " push_cta_bytes=" << push_cta_bytes
+    << " stream_min=" << stream_min << " flash_ctas=" << flash_ctas
     << " lanes=" << lanes << " slots=" << slots << " slot_bytes=" << slot_bytes << " pdl=" << pdl << " fused_batch_poll_min=" << fused_batch_poll_min
     << " fused_cta_bytes=" << fused_cta_bytes
     << " fused_row_loads_early=" << fused_row_loads_early << " fused_cluster=" << fused_cluster

@@ -13,8 +13,9 @@
 namespace yali {
 
 enum class KernelMode : int { Auto = 0, Flash = 1, Stream = 2 };
+// Ids 1, 2 and 4 were the retired flash one-shot, two-shot and flash-ll kernels (docs/DESIGN_LOG.md).
 enum class Kernel : int {
-  None = 0, FlashOneShot = 1, FlashTwoShot = 2, Stream = 3, FlashLL = 4, FlashPush = 5,
+  None = 0, Stream = 3, FlashPush = 5,
   PushOneShot = 6, PushTwoShot = 7,  // N ranks (ranks.cuh)
   EpGather = 8, EpReduceScatter = 9   // expert parallelism, 2 to kMaxRanks ranks (ep.cuh)
 };
@@ -39,17 +40,6 @@ constexpr int kStreamThreads = 512;  // half senders, half receivers
 // The fused all-reduce + RMSNorm kernel keeps one row in registers: at most
 // kFlashThreads threads x 8 vectors x 16 bytes (hidden 32768 in 16-bit types).
 constexpr size_t kFusedMaxRowBytes = size_t(kFlashThreads) * 8 * 16;
-// Whether the build has the legacy flash kernels (flash-ll, one-shot, two-shot:
-// legacy/flash.cuh), compiled only with -DYALI_LEGACY_KERNELS (YALI_BUILD_LEGACY=1).
-#ifdef YALI_LEGACY_KERNELS
-constexpr bool kLegacyKernels = true;
-#else
-constexpr bool kLegacyKernels = false;
-#endif
-// Names the build flag in the errors that refuse a legacy setting on a default build.
-constexpr char kLegacyBuildHint[] =
-    "the legacy flash kernels (flash-ll, one-shot, two-shot), which this build does not include "
-    "(build with YALI_BUILD_LEGACY=1, which compiles with -DYALI_LEGACY_KERNELS)";
 // Shortest watchdog YALI_TIMEOUT_S accepts (0 = none): below it a slow peer looks like a missing one.
 constexpr double kMinTimeoutS = 1e-3;
 
@@ -58,15 +48,9 @@ struct Config {
   KernelMode mode = KernelMode::Auto;  // YALI_KERNEL_MODE
   size_t max_bytes = size_t(2) << 30;  // YALI_MAX_BYTES: largest message served
   size_t flash_bytes = 8u << 20;       // YALI_DEV_FLASH_BYTES: largest message flash can take
-  size_t ll_max = 128u << 10;          // YALI_DEV_LL_MAX (legacy): flash-ll (flag-in-data) up to here
-  size_t ll_cta_bytes = 1u << 10;      // YALI_DEV_LL_CTA_BYTES (legacy): bytes per active flash-ll CTA
-  size_t push_max = 8u << 20;          // YALI_DEV_PUSH_MAX: flash-push (sentinel-in-data) up to here
-                                       // (from_env: YALI_DEV_FLASH_BYTES unless set); above it the legacy kernels
   size_t push_cta_bytes = 1u << 10;    // YALI_DEV_PUSH_CTA_BYTES: bytes per active flash-push CTA
-  size_t oneshot_max = 8u << 20;       // YALI_DEV_ONESHOT_MAX (legacy): one-shot up to here, then two-shot
   size_t stream_min = 8u << 20;        // YALI_DEV_STREAM_MIN: auto picks stream above this
   int flash_ctas = 128;                // YALI_DEV_FLASH_CTAS: most CTAs of a flash launch
-  size_t flash_cta_bytes = 16u << 10;  // YALI_DEV_FLASH_CTA_BYTES (legacy): bytes per active one-/two-shot CTA
   int lanes = 128;                     // YALI_DEV_LANES: stream lanes (one CTA each)
   int slots = 8;                       // YALI_DEV_SLOTS: ring slots per lane
   size_t slot_bytes = 64u << 10;       // YALI_DEV_SLOT_BYTES

@@ -11,10 +11,6 @@ namespace {
 
 size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
 
-// The largest message plan_for gives a flash kernel in some mode (a call may
-// override Config::mode: Rank::all_reduce).
-size_t largest_flash_message(const Config& c) { return std::min(c.flash_bytes, c.max_bytes); }
-
 // N ranks: the largest one-launch fused message (YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX sets another,
 // within one rank's slot). At 4 ranks, hidden 8192 bf16, the two-launch path is faster from 48
 // tokens on: 10.44 against 12.56 us at 48, 11.48 against 14.66 at 64, 17.21 against 23.40 at 128;
@@ -128,27 +124,11 @@ Plan plan_for(const Config& c, size_t nbytes, int world) {
     return p;
   }
   // flash-push: one one-way NVLink trip with no flag words and no staging copy
-  // (sentinel-in-data, exchange.cuh). The legacy flash-ll / one-shot / two-shot
-  // take what is above YALI_DEV_PUSH_MAX, on a build that has them
-  // (YALI_BUILD_LEGACY=1; Config::validate refuses such a Config on any other).
-  if (nbytes <= c.push_max) {
-    p.kernel = Kernel::FlashPush;
-    p.blocks = push_ctas(c, nbytes);
-    return p;
-  }
-  // The first table's boundaries: flash-ll up to 128 KiB with 1 KiB per CTA, one-shot up to
-  // 8 MiB with 16 KiB per CTA, never two-shot (current/tune/20261122-configs-first, current/tune/20261122-configs-second).
-  if (nbytes <= c.ll_max) {
-    p.kernel = Kernel::FlashLL;
-    p.blocks = int(std::min<size_t>(c.flash_ctas, ceil_div(nbytes, c.ll_cta_bytes)));
-    return p;
-  }
-  p.kernel = nbytes <= c.oneshot_max ? Kernel::FlashOneShot : Kernel::FlashTwoShot;
-  p.blocks = int(std::min<size_t>(c.flash_ctas, ceil_div(nbytes, c.flash_cta_bytes)));
+  // (sentinel-in-data, exchange.cuh).
+  p.kernel = Kernel::FlashPush;
+  p.blocks = push_ctas(c, nbytes);
   return p;
 }
-
-bool selects_legacy_kernels(const Config& c) { return c.push_max < largest_flash_message(c); }
 
 FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType dtype, int world) {
   FusedLaunch l;

@@ -35,10 +35,6 @@ size_t ranks_slot_bytes(const Config& c, int world);
 // else 512 KiB (plan.cpp says why); never above ranks_slot_bytes.
 size_t ranks_fused_one_launch_max(const Config& c, int world);
 
-// Whether the table can pick a legacy flash kernel for some message and mode:
-// flash messages above push_max exist. A default build refuses such a Config.
-bool selects_legacy_kernels(const Config& c);
-
 // How the fused op runs for one shape; Rank::fused_allreduce_rmsnorm launches
 // exactly this (launch_fused in rank.cu maps it to a kernel instance).
 struct FusedLaunch {

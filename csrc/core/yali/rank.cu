@@ -11,9 +11,6 @@
 #include "push.cuh"
 #include "ranks.cuh"
 #include "stream.cuh"
-#ifdef YALI_LEGACY_KERNELS
-#include "legacy/flash.cuh"
-#endif
 
 namespace yali {
 
@@ -54,7 +51,7 @@ Rank::Rank(int device, int rank, int world, const Config& config)
   check_cuda(cudaMemset(shared_ + layout_.call_slots, 0xff, layout_.call_slots_bytes), "cudaMemset(call slots)");
   // The push areas (flash-push's with two ranks, the N-rank one with more, the EP area) start empty
   // (exchange.cuh).
-  for (const auto& [off, bytes] : {std::pair<size_t, size_t>{layout_.flash_push, layout_.flash_stage - layout_.flash_push},
+  for (const auto& [off, bytes] : {std::pair<size_t, size_t>{layout_.flash_push, layout_.stream_slots - layout_.flash_push},
                                    std::pair<size_t, size_t>{layout_.ranks_push, layout_.total - layout_.ranks_push}})
     if (bytes > 0) fill_words<<<256, 256>>>(reinterpret_cast<uint32_t*>(shared_ + off), bytes / 4, kPushEmpty);
   check_cuda(cudaGetLastError(), "fill(push area)");
@@ -195,14 +192,6 @@ cudaError_t Rank::all_reduce(const void* in, void* out, size_t nbytes, DType dty
           return launch(push_twoshot_kernel<T, decltype(w)::value>, p.blocks, kFlashThreads, stream, pdl,
                         ranks_args(in, out, nbytes, desc));
         });
-#ifdef YALI_LEGACY_KERNELS
-      case Kernel::FlashLL:
-        return launch(flash_ll_kernel<T>, p.blocks, kFlashThreads, stream, pdl, legacy_args(in, out, nbytes, desc));
-      case Kernel::FlashOneShot:
-        return launch(flash_oneshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, legacy_args(in, out, nbytes, desc));
-      case Kernel::FlashTwoShot:
-        return launch(flash_twoshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, legacy_args(in, out, nbytes, desc));
-#endif
       default: return cudaErrorInvalidValue;
     }
   });
@@ -260,25 +249,6 @@ StreamArgs Rank::stream_args(const void* in, void* out, size_t nbytes, const Pla
                     state_, uint64_t(config_.timeout_s * 1e9), AbortRef{abort_dev_, desc}, call_check(desc)};
 }
 
-#ifdef YALI_LEGACY_KERNELS
-LegacyArgs Rank::legacy_args(const void* in, void* out, size_t nbytes, const CallDesc& desc) const {
-  LegacyArgs f{};
-  f.x = exchange_args(in, out, nbytes, desc);
-  f.rank = rank_;
-  f.my_arrive = flag_words(shared_, layout_.flash_arrive);
-  f.peer_arrive = flag_words(peer_buf(), layout_.flash_arrive);
-  f.my_gather = flag_words(shared_, layout_.flash_gather);
-  f.peer_gather = flag_words(peer_buf(), layout_.flash_gather);
-  f.my_stage = shared_ + layout_.flash_stage;
-  f.peer_stage = peer_buf() + layout_.flash_stage;
-  f.my_reduced = shared_ + layout_.flash_reduced;
-  f.peer_reduced = peer_buf() + layout_.flash_reduced;
-  f.my_ll = shared_ + layout_.flash_ll;
-  f.peer_ll = peer_buf() + layout_.flash_ll;
-  f.ll_parity_bytes = 2 * config_.ll_max;
-  return f;
-}
-#endif
 
 namespace {
 
