@@ -27,21 +27,14 @@ SMALL = "2K,8K,32K,64K,128K,256K,512K"
 MID = "256K,512K,1M,2M,4M,8M,16M"
 LARGE = "16M,32M,64M,256M,1G"
 # label -> (env, mode, sizes)
-# (Rounds 1-3 also measured the flash-ll and one-shot kernels, since removed:
-# current/tune/20261122-configs-first, current/tune/20261122-configs-second.)
+# Rounds 1-3 also measured the flash-ll and one-shot kernels (since removed) and the stream ring's
+# shape, now fixed at 128 lanes x 8 slots (current/tune/20261122-configs-first,
+# current/tune/20261122-configs-second); its slot size stays a knob.
 VARIANTS = {
-    "stream-l128-s8-64K": ({"YALI_DEV_LANES": "128", "YALI_DEV_SLOTS": "8", "YALI_DEV_SLOT_BYTES": "64K"},
-                           "stream", MID + "," + LARGE),
-    "stream-l128-s8-32K": ({"YALI_DEV_LANES": "128", "YALI_DEV_SLOTS": "8", "YALI_DEV_SLOT_BYTES": "32K"},
-                           "stream", MID + "," + LARGE),
-    "stream-l128-s16-32K": ({"YALI_DEV_LANES": "128", "YALI_DEV_SLOTS": "16", "YALI_DEV_SLOT_BYTES": "32K"},
-                            "stream", MID + "," + LARGE),
-    "stream-l128-s4-128K": ({"YALI_DEV_LANES": "128", "YALI_DEV_SLOTS": "4", "YALI_DEV_SLOT_BYTES": "128K"},
-                            "stream", MID + "," + LARGE),
-    "stream-l64-s8-64K": ({"YALI_DEV_LANES": "64", "YALI_DEV_SLOTS": "8", "YALI_DEV_SLOT_BYTES": "64K"},
-                          "stream", MID + "," + LARGE),
-    "stream-l128-s8-16K": ({"YALI_DEV_LANES": "128", "YALI_DEV_SLOTS": "8", "YALI_DEV_SLOT_BYTES": "16K"},
-                           "stream", MID),
+    "stream-64K": ({"YALI_DEV_SLOT_BYTES": "64K"}, "stream", MID + "," + LARGE),
+    "stream-32K": ({"YALI_DEV_SLOT_BYTES": "32K"}, "stream", MID + "," + LARGE),
+    "stream-128K": ({"YALI_DEV_SLOT_BYTES": "128K"}, "stream", MID + "," + LARGE),
+    "stream-16K": ({"YALI_DEV_SLOT_BYTES": "16K"}, "stream", MID),
     # Round 4: flash-push CTA size. (Round 4 also compared a sentinel-in-data stream,
     # YALI_DEV_STREAM_FLAGS=0, with the ready-flag one: 219 vs 199 us at 64 MiB, so it
     # was removed; current/tune/20261122-push-cta-bytes/tune.md has those rows.)

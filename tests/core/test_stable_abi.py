@@ -52,8 +52,8 @@ def test_tagged_errors_come_back_as_their_python_types(monkeypatch):
         torch.ops.yali.plan(4096, 7)  # the raw op: the stable ABI raises RuntimeError
     with pytest.raises(ValueError, match=r"^yali: kernel mode 7 is not -1, 0, 1 or 2$"):
         _ext.ops().plan(4096, 7)
-    monkeypatch.setenv("YALI_DEV_LANES", "0")
-    with pytest.raises(ValueError, match=r"^yali: YALI_DEV_LANES=0 is invalid"):
+    monkeypatch.setenv("YALI_DEV_SLOT_BYTES", "0")
+    with pytest.raises(ValueError, match=r"^yali: YALI_DEV_SLOT_BYTES=0 is invalid"):
         _ext.ops().config_string()
 
 

@@ -43,7 +43,7 @@ namespace yali {
 // of row 0, which CTA 0 normalises together, and as that thread the check cost the two-rank fused
 // op 0.5-1.3 us at 1-16 tokens, here 0-0.25 us (current/fused/20261128-tp2-h200-call-check). A
 // flash-push CTA holds fewer vectors than its kFlashThreads threads below 1 MiB (Config::
-// push_cta_bytes, 1 KiB per CTA up to flash_ctas CTAs), and so does a slice of the N-rank spread
+// push_cta_bytes, 1 KiB per CTA up to kMaxFlashCtas CTAs), and so does a slice of the N-rank spread
 // kernel at hidden 8192 and 4 CTAs a row (256 vectors): there the last thread holds none.
 __device__ __forceinline__ bool is_call_checker() {
   return blockIdx.x == gridDim.x - 1 && threadIdx.x == blockDim.x - 1;

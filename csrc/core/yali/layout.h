@@ -69,7 +69,7 @@ struct SharedLayout {
     call_slots = take(call_slots_bytes);
     flags_end = off;
     flash_push = take(pair * 2 * c.flash_bytes);
-    stream_slots = take(pair * size_t(c.lanes) * c.slots * c.slot_bytes);
+    stream_slots = take(pair * size_t(kStreamLanes) * kStreamSlots * c.slot_bytes);
     ranks_slot = pair ? 0 : ranks_slot_bytes(c, world);
     ranks_push = take(2 * 2 * size_t(world) * ranks_slot);
     ep_slot = c.ep_slot_bytes;

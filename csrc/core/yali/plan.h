@@ -21,7 +21,7 @@ struct Plan {
 Plan plan_for(const Config& c, size_t nbytes, int world = 2);
 
 // CTAs of a push launch whose largest per-rank share is `bytes`: Config::push_cta_bytes each, at most
-// Config::flash_ctas (flash-push, push one-shot / two-shot, the EP kernels).
+// kMaxFlashCtas (flash-push, push one-shot / two-shot, the EP kernels).
 int push_ctas(const Config& c, size_t bytes);
 
 // N ranks: the largest message the N-rank kernels serve (Config::ranks_max, or the world size's default).

@@ -202,7 +202,7 @@ ExchangeArgs Rank::exchange_args(const void* in, void* out, size_t nbytes, const
   x.in = in;
   x.out = out;
   x.nbytes = nbytes;
-  x.total_ctas = config_.flash_ctas;
+  x.total_ctas = kMaxFlashCtas;
   x.parity_bytes = config_.flash_bytes;
   x.my_push = shared_ + layout_.flash_push;
   x.peer_push = peer_buf() + layout_.flash_push;
@@ -228,7 +228,7 @@ RanksArgs Rank::ranks_args(const void* in, void* out, size_t nbytes, const CallD
   a.nbytes = nbytes;
   a.rank = rank_;
   a.world = world_;
-  a.total_ctas = config_.flash_ctas;
+  a.total_ctas = kMaxFlashCtas;
   a.slot_bytes = layout_.ranks_slot;
   a.push_off = layout_.ranks_push;
   a.call_off = layout_.call_slots;
@@ -242,7 +242,7 @@ RanksArgs Rank::ranks_args(const void* in, void* out, size_t nbytes, const CallD
 }
 
 StreamArgs Rank::stream_args(const void* in, void* out, size_t nbytes, const Plan& p, const CallDesc& desc) const {
-  return StreamArgs{in, out, nbytes, p.chunk_bytes, p.blocks, config_.slots, config_.slot_bytes,
+  return StreamArgs{in, out, nbytes, p.chunk_bytes, p.blocks, kStreamSlots, config_.slot_bytes,
                     shared_ + layout_.stream_slots, peer_buf() + layout_.stream_slots,
                     flag_words(shared_, layout_.stream_ready), flag_words(peer_buf(), layout_.stream_ready),
                     flag_words(shared_, layout_.stream_credit), flag_words(peer_buf(), layout_.stream_credit),
