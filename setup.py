@@ -6,11 +6,6 @@ Python symbol, so one build loads in every supported torch (2.11 through 2.14) a
 every Python. It is compiled against whatever torch is installed (pip's
 --no-build-isolation), which must be 2.11 or newer.
 Hopper: TORCH_CUDA_ARCH_LIST defaults to 9.0a (sm_90a).
-YALI_BUILD_LEGACY=1 also compiles the legacy flash kernels (flash-ll, one-shot,
-two-shot: csrc/core/yali/legacy/), which the default size table never picks.
-YALI_BUILD_UNCHECKED=1 builds kernels that send and check no cross-rank call descriptor
-(csrc/core/yali/call_check.cuh): a measurement build for the check's cost, never for serving
-(the communicator refuses it unless YALI_ALLOW_UNCHECKED=1).
 """
 import glob
 import os
@@ -31,12 +26,6 @@ _built_against = tuple(int(p) for p in torch.__version__.split("+")[0].split("."
 if _built_against < TARGET:
     raise SystemExit(f"yali-vllm builds against torch >= {TARGET[0]}.{TARGET[1]}; torch {torch.__version__} is installed")
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() in {"1", "true", "yes", "on"}
-
-
-LEGACY = _flag("YALI_BUILD_LEGACY")
-UNCHECKED = _flag("YALI_BUILD_UNCHECKED")
 sources = sorted(glob.glob("csrc/core/yali/*.cu") + glob.glob("csrc/core/yali/*.cpp")) + [
     "csrc/bindings/torch_ops.cpp"
 ]
@@ -46,8 +35,6 @@ defines = [
     f'-DYALI_BUILD_TORCH="{torch.__version__}"',
     f'-DYALI_TORCH_TARGET="{TARGET[0]}.{TARGET[1]}"',
 ]
-legacy = ["-DYALI_LEGACY_KERNELS"] if LEGACY else []  # for the .cu and the .cpp files alike
-legacy += ["-DYALI_UNCHECKED_CALLS"] if UNCHECKED else []
 
 setup(
     ext_modules=[
@@ -55,8 +42,7 @@ setup(
             name="yali_vllm._C",
             sources=sources,
             include_dirs=[os.path.abspath("csrc/core")],
-            extra_compile_args={"cxx": ["-O3", "-std=c++20", *defines, *legacy],
-                                "nvcc": ["-O3", "-std=c++17", *legacy]},
+            extra_compile_args={"cxx": ["-O3", "-std=c++20", *defines], "nvcc": ["-O3", "-std=c++17"]},
             py_limited_api=True,
         )
     ],

@@ -15,8 +15,9 @@ For every backend x dtype x size it records
 and busBW in NCCL's convention (bytes / time x 2(N-1)/N: bytes / time at 2 ranks), with the
 peer-copy bandwidth GPU0->GPU1 measured in the same run as the link ceiling. Every backend's
 output is checked against the fp32 sum of every rank's input once per size before it is timed.
-YALI's flash, stream and legacy modes (yali-flash, yali-stream, yali-prev) are its 2-rank
-kernels; at N > 2 ranks the backend yali runs the N-rank kernels.
+YALI's flash and stream modes (yali-flash, yali-stream) are its 2-rank kernels; at N > 2 ranks
+the backend yali runs the N-rank kernels. (Result files of 2026-11-22 also hold yali-prev, the
+first kernels flash-ll and one-shot, since removed.)
 
 Writes <out>/<name>.json (kind allreduce-microbench), a markdown
 table and PNG plots, each naming the world size.
@@ -52,10 +53,10 @@ from benchmarks.common.timing import pct, sleep_cycles_per_us, time_graph
 
 os.environ.update(MULTICAST_OFF_ENV)
 
-ALL_BACKENDS = ["yali", "yali-flash", "yali-stream", "yali-prev", "nccl", "vllm-custom", "vllm-pynccl", "symm-one-shot",
+ALL_BACKENDS = ["yali", "yali-flash", "yali-stream", "nccl", "vllm-custom", "vllm-pynccl", "symm-one-shot",
                 "symm-two-shot"]
 # YALI's 2-rank kernel modes: at N > 2 ranks the backend yali runs the N-rank kernels.
-TWO_RANK_BACKENDS = ("yali-flash", "yali-stream", "yali-prev")
+TWO_RANK_BACKENDS = ("yali-flash", "yali-stream")
 DTYPE_NAMES = ["bf16", "fp16", "fp32"]
 DEFAULT_SIZES = "2K,16K,64K,256K,1M,4M,16M,64M,256M,1G"
 QUICK_SIZES = "2K,64K,1M,4M,64M"
@@ -88,21 +89,6 @@ def backend_refusal(name: str, world_size: int, shared: bool) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def _env_set(overrides: dict):
-    """os.environ with `overrides` inside the block, restored after."""
-    saved = {k: os.environ.get(k) for k in overrides}
-    os.environ.update(overrides)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
-
-
 class Backends:
     """Creates each backend once per rank; .ops[name](x) launches one all-reduce
     of x on the current stream and returns the output tensor."""
@@ -122,27 +108,17 @@ class Backends:
                 self._make(name, rank, dev, gloo, max_bytes, torch, dist)
             except Exception as e:  # record why a comparison backend is missing
                 self.skipped[name] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-                if os.environ.get("YALI_BENCH_DEBUG"):
+                if os.environ.get("BENCH_DEBUG"):
                     traceback.print_exc()
 
     def _make(self, name, rank, dev, gloo, max_bytes, torch, dist):
         if name.startswith("yali"):
             from yali_vllm.communicator import YaliCommunicator
 
-            if name == "yali-prev":
-                # YALI's first small/mid-size kernels (flash-ll, then one-shot) on a
-                # communicator of their own, so the same run shows what flash-push changed.
-                # They exist only in a build with YALI_BUILD_LEGACY=1; elsewhere the config
-                # refuses YALI_DEV_PUSH_MAX=0 naming that flag and the backend is skipped.
-                # (The run of 2026-11-22 also set YALI_DEV_STREAM_FLAGS=1, a switch of a
-                # sentinel-in-data stream variant that measured slower and was removed.)
-                with _env_set({"YALI_DEV_PUSH_MAX": "0"}):
-                    self._yali_old = comm = YaliCommunicator(gloo, dev)
-            else:
-                if not hasattr(self, "_yali"):
-                    self._yali = YaliCommunicator(gloo, dev)
-                comm = self._yali
-            mode = {"yali": "config", "yali-prev": "config", "yali-flash": "flash", "yali-stream": "stream"}[name]
+            if not hasattr(self, "_yali"):
+                self._yali = YaliCommunicator(gloo, dev)
+            comm = self._yali
+            mode = {"yali": "config", "yali-flash": "flash", "yali-stream": "stream"}[name]
             outs = {}
 
             def op(x, comm=comm, mode=mode, outs=outs):
@@ -366,9 +342,8 @@ def worker(rank, port, args, q):
             del base, ref
             torch.cuda.empty_cache()
     q.put((rank, {"rows": rows, "link_gbps": link, "skipped": be.skipped}))
-    for attr in ("_yali", "_yali_old"):
-        if hasattr(be, attr):
-            getattr(be, attr).close()
+    if hasattr(be, "_yali"):
+        be._yali.close()
     dist.barrier(group=gloo)
     dist.destroy_process_group()
 

@@ -440,7 +440,7 @@ class Backends:
                 getattr(self, "_init_" + name.replace("-", "_"))()
             except Exception as e:
                 reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-                if os.environ.get("YALI_BENCH_DEBUG"):
+                if os.environ.get("BENCH_DEBUG"):
                     traceback.print_exc()
             if not agree(reason is None):  # the ranks keep a backend only if every rank could create it
                 self.skipped[name] = reason or "another rank could not create it"
@@ -769,7 +769,7 @@ def worker(rank, port, args, q):
             del made, op
         except Exception as e:
             err = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-            if os.environ.get("YALI_BENCH_DEBUG"):
+            if os.environ.get("BENCH_DEBUG"):
                 traceback.print_exc()
         all_ok = agree(row is not None)
         all_correct = agree(row is not None and row["correct"])

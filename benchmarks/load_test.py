@@ -69,7 +69,7 @@ def merge_main(paths: Sequence[Path], out: Path) -> int:
 
 
 # ===================================================================== run
-# The ranges benchmarks/locustfile.py accepts for its YALI_LOAD_* settings (it clamps other values).
+# The ranges benchmarks/locustfile.py accepts for its LOAD_* settings (it clamps other values).
 MAX_TOKENS = int_range(1, 4096)
 PROMPT_WORDS = int_range(1, 8192)
 WEIGHT = int_range(0, 1000)

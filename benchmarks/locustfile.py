@@ -18,15 +18,15 @@ timeout) or an empty completion (no token chunk, or ``completion_tokens == 0``).
 Environment (all optional):
 
 =============================== ============================================ =======
-YALI_LOAD_MODEL                 model name; default: first id of /v1/models
-YALI_LOAD_MAX_TOKENS            max_tokens per request (clamped 1..4096)     64
-YALI_LOAD_PROMPT_WORDS          prompt length in words (clamped 1..8192)     128
-YALI_LOAD_CHAT_WEIGHT           weight of the chat user (0 = off)            1
-YALI_LOAD_COMPLETIONS_WEIGHT    weight of the completions user (0 = off)     1
-YALI_LOAD_IGNORE_EOS            1: generate exactly max_tokens               1
-YALI_LOAD_TIMEOUT_S             read timeout per request, seconds            120
-YALI_LOAD_WAIT_S                max think time between requests, seconds     0
-YALI_LOAD_API_KEY               sent as ``Authorization: Bearer <key>``;
+LOAD_MODEL                      model name; default: first id of /v1/models
+LOAD_MAX_TOKENS                 max_tokens per request (clamped 1..4096)     64
+LOAD_PROMPT_WORDS               prompt length in words (clamped 1..8192)     128
+LOAD_CHAT_WEIGHT                weight of the chat user (0 = off)            1
+LOAD_COMPLETIONS_WEIGHT         weight of the completions user (0 = off)     1
+LOAD_IGNORE_EOS                 1: generate exactly max_tokens               1
+LOAD_TIMEOUT_S                  read timeout per request, seconds            120
+LOAD_WAIT_S                     max think time between requests, seconds     0
+LOAD_API_KEY                    sent as ``Authorization: Bearer <key>``;
                                 unset or empty: no header
 =============================== ============================================ =======
 
@@ -71,17 +71,17 @@ def _env_float(name: str, default: float, lo: float, hi: float) -> float:
     return max(lo, min(hi, val))
 
 
-MAX_TOKENS = _env_int("YALI_LOAD_MAX_TOKENS", 64, 1, 4096)
-PROMPT_WORDS = _env_int("YALI_LOAD_PROMPT_WORDS", 128, 1, 8192)
-CHAT_WEIGHT = _env_int("YALI_LOAD_CHAT_WEIGHT", 1, 0, 1000)
-COMPLETIONS_WEIGHT = _env_int("YALI_LOAD_COMPLETIONS_WEIGHT", 1, 0, 1000)
-IGNORE_EOS = os.environ.get("YALI_LOAD_IGNORE_EOS", "1").strip().lower() not in ("0", "false", "no", "")
-REQUEST_TIMEOUT_S = _env_float("YALI_LOAD_TIMEOUT_S", 120.0, 1.0, 3600.0)
-WAIT_S = _env_float("YALI_LOAD_WAIT_S", 0.0, 0.0, 60.0)
-API_KEY = os.environ.get("YALI_LOAD_API_KEY", "")  # = vLLM's --api-key / VLLM_API_KEY
+MAX_TOKENS = _env_int("LOAD_MAX_TOKENS", 64, 1, 4096)
+PROMPT_WORDS = _env_int("LOAD_PROMPT_WORDS", 128, 1, 8192)
+CHAT_WEIGHT = _env_int("LOAD_CHAT_WEIGHT", 1, 0, 1000)
+COMPLETIONS_WEIGHT = _env_int("LOAD_COMPLETIONS_WEIGHT", 1, 0, 1000)
+IGNORE_EOS = os.environ.get("LOAD_IGNORE_EOS", "1").strip().lower() not in ("0", "false", "no", "")
+REQUEST_TIMEOUT_S = _env_float("LOAD_TIMEOUT_S", 120.0, 1.0, 3600.0)
+WAIT_S = _env_float("LOAD_WAIT_S", 0.0, 0.0, 60.0)
+API_KEY = os.environ.get("LOAD_API_KEY", "")  # = vLLM's --api-key / VLLM_API_KEY
 
 if CHAT_WEIGHT == 0 and COMPLETIONS_WEIGHT == 0:
-    raise ValueError("YALI_LOAD_CHAT_WEIGHT and YALI_LOAD_COMPLETIONS_WEIGHT are both 0: no user to run")
+    raise ValueError("LOAD_CHAT_WEIGHT and LOAD_COMPLETIONS_WEIGHT are both 0: no user to run")
 
 _WORDS = (
     "the quick brown fox jumps over a lazy dog while seven wizards quietly "
@@ -142,7 +142,7 @@ class _StreamingUser(User):
     endpoint = ""
     wait_time = constant(0) if WAIT_S <= 0 else between(0, WAIT_S)
 
-    _model_name: str | None = os.environ.get("YALI_LOAD_MODEL") or None
+    _model_name: str | None = os.environ.get("LOAD_MODEL") or None
 
     def on_start(self) -> None:
         self.session = requests.Session()

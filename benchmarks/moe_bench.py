@@ -166,7 +166,7 @@ def worker(rank, port, args, q):
             closers.append(close)
         except Exception as e:
             skipped[name] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-            if os.environ.get("YALI_BENCH_DEBUG"):
+            if os.environ.get("BENCH_DEBUG"):
                 traceback.print_exc()
     rows, t0 = [], time.time()
     plan = len(args.shapes) * len(args.tokens) * len(backends)

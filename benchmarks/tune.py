@@ -27,28 +27,14 @@ SMALL = "2K,8K,32K,64K,128K,256K,512K"
 MID = "256K,512K,1M,2M,4M,8M,16M"
 LARGE = "16M,32M,64M,256M,1G"
 # label -> (env, mode, sizes)
+# Rounds 1-3 also measured the flash-ll and one-shot kernels (since removed) and the stream ring's
+# shape, now fixed at 128 lanes x 8 slots (current/tune/20261122-configs-first,
+# current/tune/20261122-configs-second); its slot size stays a knob.
 VARIANTS = {
-    "ll-cta512": ({"YALI_DEV_LL_MAX": "256K", "YALI_DEV_LL_CTA_BYTES": "512", "YALI_DEV_FLASH_CTAS": "128"}, "flash",
-                  "2K,16K,32K,64K,128K,256K"),
-    "ll-cta1K": ({"YALI_DEV_LL_MAX": "256K", "YALI_DEV_LL_CTA_BYTES": "1K", "YALI_DEV_FLASH_CTAS": "128"}, "flash",
-                 "2K,16K,32K,64K,128K,256K"),
-    "ll-cta2K": ({"YALI_DEV_LL_MAX": "256K", "YALI_DEV_LL_CTA_BYTES": "2K", "YALI_DEV_FLASH_CTAS": "128"}, "flash",
-                 "2K,16K,32K,64K,128K,256K"),
-    "oneshot-c128-16K": ({"YALI_DEV_LL_MAX": "0", "YALI_DEV_FLASH_CTAS": "128"}, "flash", MID),
-    "oneshot-c128-8K": ({"YALI_DEV_LL_MAX": "0", "YALI_DEV_FLASH_CTAS": "128", "YALI_DEV_FLASH_CTA_BYTES": "8K"},
-                        "flash", MID),
-    "stream-l128-s8-64K": ({"YALI_DEV_LANES": "128", "YALI_DEV_SLOTS": "8", "YALI_DEV_SLOT_BYTES": "64K"},
-                           "stream", MID + "," + LARGE),
-    "stream-l128-s8-32K": ({"YALI_DEV_LANES": "128", "YALI_DEV_SLOTS": "8", "YALI_DEV_SLOT_BYTES": "32K"},
-                           "stream", MID + "," + LARGE),
-    "stream-l128-s16-32K": ({"YALI_DEV_LANES": "128", "YALI_DEV_SLOTS": "16", "YALI_DEV_SLOT_BYTES": "32K"},
-                            "stream", MID + "," + LARGE),
-    "stream-l128-s4-128K": ({"YALI_DEV_LANES": "128", "YALI_DEV_SLOTS": "4", "YALI_DEV_SLOT_BYTES": "128K"},
-                            "stream", MID + "," + LARGE),
-    "stream-l64-s8-64K": ({"YALI_DEV_LANES": "64", "YALI_DEV_SLOTS": "8", "YALI_DEV_SLOT_BYTES": "64K"},
-                          "stream", MID + "," + LARGE),
-    "stream-l128-s8-16K": ({"YALI_DEV_LANES": "128", "YALI_DEV_SLOTS": "8", "YALI_DEV_SLOT_BYTES": "16K"},
-                           "stream", MID),
+    "stream-64K": ({"YALI_DEV_SLOT_BYTES": "64K"}, "stream", MID + "," + LARGE),
+    "stream-32K": ({"YALI_DEV_SLOT_BYTES": "32K"}, "stream", MID + "," + LARGE),
+    "stream-128K": ({"YALI_DEV_SLOT_BYTES": "128K"}, "stream", MID + "," + LARGE),
+    "stream-16K": ({"YALI_DEV_SLOT_BYTES": "16K"}, "stream", MID),
     # Round 4: flash-push CTA size. (Round 4 also compared a sentinel-in-data stream,
     # YALI_DEV_STREAM_FLAGS=0, with the ready-flag one: 219 vs 199 us at 64 MiB, so it
     # was removed; current/tune/20261122-push-cta-bytes/tune.md has those rows.)
@@ -103,7 +89,7 @@ def worker(rank, port, args, q):
         os.environ.update(env)
         try:
             comm = YaliCommunicator(dist.group.WORLD, dev)
-        except YaliUnavailable as e:  # both ranks: e.g. a legacy-kernel variant on a build without YALI_BUILD_LEGACY=1
+        except YaliUnavailable as e:  # both ranks: e.g. a variant this machine's GPUs cannot hold
             rows += [{"variant": label, "bytes": parse_size(s), "error": str(e)[:200]} for s in sizes.split(",")]
             if rank == 0:
                 print(f"[tune {vi + 1}/{len(names)}] {label:22s} refused: {e}", flush=True)

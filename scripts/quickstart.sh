@@ -15,7 +15,10 @@ cd "$(dirname "$0")/.."
 MULTICAST_OFF="$("${PYTHON:-python3}" -m benchmarks.common.gpu_env)"
 eval "$MULTICAST_OFF"
 VLLM_VERSION="${YALI_VLLM_VERSION:-0.33.0}"
-if [ "${YALI_SKIP_INSTALL:-0}" != 1 ]; then
+SKIP_INSTALL="${YALI_SKIP_INSTALL:-0}"
+# This script's own variables, not yali-vllm settings: the plugin refuses unknown YALI_* names.
+unset YALI_VLLM_VERSION YALI_SKIP_INSTALL
+if [ "$SKIP_INSTALL" != 1 ]; then
   [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
   . .venv/bin/activate
   python -m pip install -q --upgrade pip

@@ -114,11 +114,8 @@ def _row_bytes(t: torch.Tensor) -> int:
 
 
 def shared_gpu_allowed() -> bool:
-    """True when YALI_ALLOW_SHARED_GPU=1; any other value than unset, "", "0" or "1" is refused."""
-    v = os.environ.get(SHARED_GPU_VAR, "")
-    if v not in ("", "0", "1"):
-        raise ValueError(f"{SHARED_GPU_VAR}={v!r} is invalid: expected 0 or 1")
-    return v == "1"
+    """True when YALI_ALLOW_SHARED_GPU=1; a value other than 0 or 1 is refused (settings.def)."""
+    return config.setting(SHARED_GPU_VAR) == 1
 
 
 class YaliUnavailable(RuntimeError):
@@ -361,14 +358,7 @@ class YaliCommunicator:
                 self.device = torch.device("cuda", index)
                 me["uuid"] = str(torch.cuda.get_device_properties(self.device).uuid)
                 config.check_environment()
-                self._end_on_abort = config.env_flag(config.ABORT_EXIT_VAR, True)
-                build = _ext.ops().build_info()
-                unchecked = config.unchecked_refusal(build)
-                if unchecked:
-                    raise ValueError(unchecked)
-                if config.UNCHECKED_BUILD_MARK in build and self.rank == 0:  # allowed by YALI_ALLOW_UNCHECKED=1
-                    logger.warning("yali: measurement build (YALI_BUILD_UNCHECKED=1, allowed by %s=1): the kernels "
-                                   "check no call across the ranks", config.ALLOW_UNCHECKED_VAR)
+                self._end_on_abort = config.env_flag(config.ABORT_EXIT_VAR)
                 me["config"] = _ext.ops().config_string()  # raises ValueError naming a bad YALI_* variable
         except Exception as e:
             me["error"] = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)

@@ -1,26 +1,28 @@
-"""User switches (environment variables) and the resolved kernel configuration.
+"""The YALI_* settings (environment variables) and the resolved kernel configuration.
 
-The kernel configuration itself (YALI_KERNEL_MODE, YALI_MAX_BYTES, YALI_DEV_*,
-YALI_TIMEOUT_S) is parsed and validated in one place, the C++ core
-(csrc/core/yali/config.cpp), so the C++ API and Python agree; a bad value raises
-ValueError naming the variable and the accepted range.
+Every setting is declared once, in settings.def (csrc/core/yali/settings.def, shipped in the
+package as yali_vllm/settings.def): name, type, default and bounds, one line each. The C++ core
+reads the kernel configuration from it (YALI_KERNEL_MODE, YALI_MAX_BYTES, YALI_TIMEOUT_S,
+YALI_DEV_*: csrc/core/yali/config.cpp), so the C++ API and Python agree; this module reads the
+plugin's settings from it (setting) and refuses every YALI_* name it does not declare
+(check_environment). A bad value raises ValueError naming the variable and what it accepts.
 """
 from __future__ import annotations
 
-import logging
 import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
 
 from . import _ext
-from .vllm_log import LOGGER
-
-logger = logging.getLogger(LOGGER)
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 # Kernel ids as returned by plan() (csrc/core/yali/config.h: enum class Kernel).
-KERNEL_NAMES = {0: None, 1: "flash-oneshot", 2: "flash-twoshot", 3: "stream", 4: "flash-ll", 5: "flash-push",
-                6: "push-oneshot", 7: "push-twoshot", 8: "ep-gather", 9: "ep-reduce-scatter"}
+KERNEL_NAMES = {0: None, 3: "stream", 5: "flash-push", 6: "push-oneshot", 7: "push-twoshot", 8: "ep-gather",
+                9: "ep-reduce-scatter"}
 # The world sizes (ranks of a tensor-parallel group) YALI serves: 2 with the two-rank kernels
 # (flash-push, stream), 4, 6 and 8 with the N-rank push one-shot and two-shot (csrc/core/yali/ranks.cuh).
 WORLD_SIZES = (2, 4, 6, 8)
@@ -34,118 +36,195 @@ ON_BY_DEFAULT = {
        "concurrency-32 tokens/s and every TTFT no different "
        "(benchmarks/results/current/serving/20261128-70b-tp4-h200-alternated)",
 }
-DEFAULT_WORLD_SIZES = tuple(sorted(ON_BY_DEFAULT))
 # Why each other world size the kernels serve is off by default (its result file, where one exists).
 OFF_BY_DEFAULT = {
     6: "no serving run at TP=6 yet",
     8: "no serving run at TP=8 yet",
 }
 WORLD_SIZES_VAR = "YALI_WORLD_SIZES"
-# The end of build_info() of a library built with the legacy flash kernels (YALI_BUILD_LEGACY=1;
-# csrc/bindings/torch_ops.cpp: YALI_BUILD_KERNELS).
-LEGACY_BUILD_MARK = ", with the legacy flash kernels"
-# In build_info() of a measurement build whose kernels check no call across the ranks
-# (YALI_BUILD_UNCHECKED=1; csrc/bindings/torch_ops.cpp: YALI_BUILD_CHECKS).
-UNCHECKED_BUILD_MARK = ", without the cross-rank call check"
-ALLOW_UNCHECKED_VAR = "YALI_ALLOW_UNCHECKED"
 # Kernel modes accepted by all_reduce(mode=...) (enum class KernelMode); -1 = the configured one.
 MODES = {"config": -1, "auto": 0, "flash": 1, "stream": 2}
 
 
-def env_flag(name: str, default: bool, environ=None) -> bool:
-    """Reads a boolean switch such as YALI_ENABLE from `environ` (default os.environ);
-    raises ValueError naming it on bad input."""
-    raw = (os.environ if environ is None else environ).get(name)
-    if raw is None or raw.strip() == "":
-        return default
+def parse_bytes(text: str) -> int | None:
+    """A byte count as the C++ core reads it ("123", "64K", "16M", "2G": binary), or None."""
+    m = re.fullmatch(r"\s*(\d+)([KkMmGg]?)", text)
+    return int(m.group(1)) * _UNITS[m.group(2).lower()] if m else None
+
+
+def parse_int(text: str) -> int | None:
+    m = re.fullmatch(r"\s*([+-]?\d+)", text)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One line of settings.def: a YALI_* variable, its type, default and bounds (as a user writes
+    them), and what it does. `field` is the C++ Config member; None for a setting this package
+    reads."""
+    name: str
+    field: str | None
+    type: str
+    default: str
+    low: str
+    high: str
+    step: str
+    help: str
+
+    def accepted(self) -> str:
+        """What a value must be, as the error for a bad one says it."""
+        if self.type == "bytes":
+            step = parse_bytes(self.step) if self.step else 1
+            multiple = f" and a multiple of {step}" if step > 1 else ""
+            return (f"a byte count in [{parse_bytes(self.low)}, {parse_bytes(self.high)}]{multiple} "
+                    f"(suffixes K, M, G allowed)")
+        if self.type == "int":
+            return f"an integer in [{self.low}, {self.high}]"
+        if self.type == "flag":
+            return "one of 1/0, true/false, yes/no, on/off"
+        if self.type == "seconds":
+            return f"0 (none) or seconds in [{self.low}, {self.high}]"
+        if self.type == "mode":
+            return "one of auto, flash, stream"
+        return f"a comma-separated list of {', '.join(str(n) for n in WORLD_SIZES)}, or all"  # sizes
+
+    def parse(self, raw: str):
+        """The value `raw` stands for; ValueError naming the variable and what it accepts."""
+        try:
+            value = _parsers[self.type](self, raw)
+        except ValueError as e:  # the parser names the part that is wrong
+            raise ValueError(f"invalid {self.name}={raw!r}: {e}; expected {self.accepted()}") from None
+        if value is None:
+            raise ValueError(f"invalid {self.name}={raw!r}: expected {self.accepted()}")
+        return value
+
+    def value(self, environ=None):
+        """This setting's value in `environ` (default os.environ); its default when unset or empty."""
+        raw = (os.environ if environ is None else environ).get(self.name, "")
+        return self.parse(raw if raw.strip() else self.default)
+
+
+def _bytes_value(s: Setting, raw: str) -> int | None:
+    n = parse_bytes(raw)
+    ok = n is not None and parse_bytes(s.low) <= n <= parse_bytes(s.high) and n % (parse_bytes(s.step or "1")) == 0
+    return n if ok else None
+
+
+def _int_value(s: Setting, raw: str) -> int | None:
+    n = parse_int(raw)
+    return n if n is not None and int(s.low) <= n <= int(s.high) else None
+
+
+def _flag_value(s: Setting, raw: str) -> bool | None:
     v = raw.strip().lower()
-    if v in _TRUE:
-        return True
-    if v in _FALSE:
-        return False
-    raise ValueError(f"invalid {name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
+    return True if v in _TRUE else False if v in _FALSE else None
+
+
+def _seconds_value(s: Setting, raw: str) -> float | None:
+    try:
+        v = float(raw)
+    except ValueError:
+        return None
+    return v if v == 0 or float(s.low) <= v <= float(s.high) else None
+
+
+def _mode_value(s: Setting, raw: str) -> str | None:
+    return raw if raw in ("auto", "flash", "stream") else None
+
+
+def _sizes_value(s: Setting, raw: str) -> tuple[int, ...] | None:
+    if raw.strip().lower() == "all":
+        return WORLD_SIZES
+    items = [item.strip() for item in raw.split(",")]
+    for item in items:
+        if not item.isdigit() or int(item) not in WORLD_SIZES:
+            raise ValueError(f"{item!r} is not a world size YALI serves")
+    return tuple(sorted({int(item) for item in items}))
+
+
+_parsers = {"bytes": _bytes_value, "int": _int_value, "flag": _flag_value, "seconds": _seconds_value,
+            "mode": _mode_value, "sizes": _sizes_value}
+SETTINGS_FILE = Path(__file__).with_name("settings.def")
+_CORE_LINE = re.compile(r'YALI_SETTING\((\w+), (\w+), (\w+), "([^"]*)", "([^"]*)", "([^"]*)", "([^"]*)", "([^"]*)"\)')
+_PLUGIN_LINE = re.compile(r'YALI_PLUGIN_SETTING\((\w+), (\w+), "([^"]*)", "([^"]*)", "([^"]*)", "([^"]*)", "([^"]*)"\)')
+
+
+def read_settings(path: Path = SETTINGS_FILE) -> dict[str, Setting]:
+    """Every setting settings.def declares, by name, in its order."""
+    out: dict[str, Setting] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("//"):
+            continue
+        if m := _CORE_LINE.fullmatch(line):
+            s = Setting(*m.groups())
+        elif m := _PLUGIN_LINE.fullmatch(line):
+            name, *rest = m.groups()
+            s = Setting(name, None, *rest)
+        else:
+            raise ValueError(f"{path}:{number}: not a settings line: {line!r}")
+        if s.type not in _parsers:
+            raise ValueError(f"{path}:{number}: {s.name} has the unknown type {s.type!r}")
+        out[s.name] = s
+    return out
 
 
 # Every YALI_* variable yali-vllm reads. Any other YALI_* name in the environment is refused
 # (check_environment), so a typo such as YALI_MAX_BYTE or YALI_TIMEOUT cannot be ignored silently.
-SETTINGS = {
-    "YALI_ENABLE": "the vLLM plugin on (1) or off (0)",
-    "YALI_WORLD_SIZES": "the TP world sizes the vLLM plugin serves (default 2,4; e.g. 2,4,8)",
-    "YALI_FUSION": "YALI's all-reduce + RMSNorm fusion pass instead of vLLM's FlashInfer one (default on; "
-                   "a quantised norm output keeps vLLM's quant fusion: yali_vllm/fusion_routing.py)",
-    "YALI_MAX_BYTES": "largest message YALI serves",
-    "YALI_KERNEL_MODE": "auto, flash or stream",
-    "YALI_TIMEOUT_S": "the kernels' watchdog",
-    "YALI_ABORT_EXIT": "1 (default): a process whose YALI kernel gave up ends 10 s after the abort record unless "
-                       "YaliError reached the caller; 0 keeps it, e.g. for tests that inspect the state",
-    "YALI_ALLOW_SHARED_GPU": "both ranks on one GPU, for testing",
-    "YALI_ALLOW_UNCHECKED": "use a measurement build whose kernels check no call across the ranks "
-                            "(YALI_BUILD_UNCHECKED=1), e.g. to time the check",
-    "YALI_EP": "1: YALI's expert-parallel dispatch / combine in vLLM's DP + EP MoE serving (default off)",
-    "YALI_EP_SLOT_BYTES": "largest EP message of one rank (dispatch: all its tensors; default 2 MiB)",
-}
+SETTINGS = read_settings()
+
+
+def setting(name: str, environ=None):
+    """The value of the setting `name` in `environ` (default os.environ), or its default."""
+    return SETTINGS[name].value(environ)
+
+
+# The world sizes the plugin serves when YALI_WORLD_SIZES is unset: ON_BY_DEFAULT's (a test checks).
+DEFAULT_WORLD_SIZES = setting(WORLD_SIZES_VAR, {})
+
+
+def env_flag(name: str, default: bool | None = None, environ=None) -> bool:
+    """Reads a flag such as YALI_ENABLE from `environ` (default os.environ); unset or empty: `default`,
+    or else the one settings.def gives. ValueError naming it on bad input."""
+    raw = (os.environ if environ is None else environ).get(name, "")
+    if not raw.strip():
+        return SETTINGS[name].parse(SETTINGS[name].default) if default is None else default
+    return SETTINGS[name].parse(raw)
+
+
 ABORT_EXIT_VAR = "YALI_ABORT_EXIT"
 EP_VAR = "YALI_EP"
 EP_SLOT_VAR = "YALI_EP_SLOT_BYTES"
 # 2 MiB holds 500 tokens of a 2048-wide bf16 model with top-8 ids and weights (4160 bytes a token)
 # and 256 of a 4096-wide one: every decode batch and small prefill chunks; larger ones go to vLLM.
-EP_SLOT_DEFAULT = 2 << 20
-EP_SLOT_RANGE = (4096, 256 << 20)
-# Read by the project's scripts and tests, not by the library; accepted so they can be exported.
-TOOL_VARIABLES = (
-    "YALI_SKIP_INSTALL", "YALI_VLLM_VERSION",  # scripts/quickstart.sh
-    "YALI_LOAD_MODEL", "YALI_LOAD_MAX_TOKENS", "YALI_LOAD_PROMPT_WORDS", "YALI_LOAD_CHAT_WEIGHT",
-    "YALI_LOAD_COMPLETIONS_WEIGHT", "YALI_LOAD_TIMEOUT_S", "YALI_LOAD_WAIT_S", "YALI_LOAD_IGNORE_EOS",  # locustfile
-    "YALI_BENCH_DEBUG", "YALI_RAY_TEST_TIMEOUT", "YALI_EXPECT_OTHER_BUILD_TORCH",  # benchmarks, tests
-    "YALI_GIT_COMMIT",  # result files: the source commit of a copied work tree
-    "YALI_BUILD_LEGACY", "YALI_BUILD_UNCHECKED",  # setup.py
-)
-# Names yali-vllm no longer reads: accepted with a warning (once per process) instead of refused, so
-# an environment that still exports one keeps YALI on.
-RETIRED = {
-    "YALI_OVERLAP": "the prefill GEMM + all-reduce overlap is not part of yali-vllm (measured slower in serving: "
-                    "docs/DESIGN_LOG.md section 5)",
-}
-_warned_retired: set[str] = set()
-# Tuning knobs: validated, with the list of known names, by the C++ core (csrc/core/yali/config.cpp).
+EP_SLOT_DEFAULT = SETTINGS[EP_SLOT_VAR].parse(SETTINGS[EP_SLOT_VAR].default)
+EP_SLOT_RANGE = (parse_bytes(SETTINGS[EP_SLOT_VAR].low), parse_bytes(SETTINGS[EP_SLOT_VAR].high))
+# Tuning knobs (docs/TUNING.md); the C++ core refuses an undeclared one too, for the C++ API.
 DEV_PREFIX = "YALI_DEV_"
 
 
 def unknown_variables(environ=None) -> list[str]:
-    """The YALI_* names of `environ` (default os.environ) that yali-vllm does not read."""
+    """The YALI_* names of `environ` (default os.environ) that settings.def does not declare."""
     env = os.environ if environ is None else environ
-    return sorted(k for k in env if k.startswith("YALI_") and not k.startswith(DEV_PREFIX)
-                  and k not in SETTINGS and k not in TOOL_VARIABLES and k not in RETIRED)
+    return sorted(k for k in env if k.startswith("YALI_") and k not in SETTINGS)
 
 
 def check_environment(environ=None) -> None:
-    """ValueError naming every unknown YALI_* variable and listing the known settings; a warning
-    (once) for a retired one."""
+    """ValueError naming every unknown YALI_* variable and listing the known settings and knobs."""
     env = os.environ if environ is None else environ
-    for name in sorted(set(RETIRED) & set(env) - _warned_retired):
-        _warned_retired.add(name)
-        logger.warning("yali: %s=%r is ignored: %s", name, env[name], RETIRED[name])
     unknown = unknown_variables(environ)
     if unknown:
         given = ", ".join(f"{k}={env[k]!r}" for k in unknown)
-        raise ValueError(f"unknown YALI_* variable(s) {given}: yali-vllm's settings are "
-                         f"{', '.join(SETTINGS)} and the {DEV_PREFIX}* tuning knobs")
+        settings = ", ".join(n for n in SETTINGS if not n.startswith(DEV_PREFIX))
+        knobs = ", ".join(n for n in SETTINGS if n.startswith(DEV_PREFIX))
+        raise ValueError(f"unknown YALI_* variable(s) {given}: yali-vllm's settings are {settings}, and its "
+                         f"{DEV_PREFIX}* tuning knobs {knobs}")
 
 
 def ep_slot_bytes(environ=None) -> int:
-    """YALI_EP_SLOT_BYTES (default EP_SLOT_DEFAULT): a multiple of 4096 in EP_SLOT_RANGE; ValueError
+    """YALI_EP_SLOT_BYTES (settings.def: default 2 MiB, a multiple of 4 KiB in EP_SLOT_RANGE); ValueError
     naming the variable otherwise."""
-    raw = (os.environ if environ is None else environ).get(EP_SLOT_VAR, "").strip()
-    if raw == "":
-        return EP_SLOT_DEFAULT
-    lo, hi = EP_SLOT_RANGE
-    try:
-        n = int(raw)
-    except ValueError:
-        n = -1
-    if not (lo <= n <= hi and n % 4096 == 0):
-        raise ValueError(f"invalid {EP_SLOT_VAR}={raw!r}: expected a byte count in [{lo}, {hi}] and a multiple of 4096")
-    return n
+    return setting(EP_SLOT_VAR, environ)
 
 
 def kernel_config() -> dict:
@@ -169,23 +248,6 @@ def parse_config_string(s: str) -> dict:
     return out
 
 
-def legacy_kernels() -> bool:
-    """Whether the library has the legacy flash kernels (flash-ll, one-shot, two-shot), built with
-    YALI_BUILD_LEGACY=1: only then are YALI_DEV_PUSH_MAX below YALI_DEV_FLASH_BYTES and the
-    YALI_DEV_LL_* / ONESHOT_MAX / FLASH_CTA_BYTES knobs accepted."""
-    return LEGACY_BUILD_MARK in _ext.ops().build_info()
-
-
-def unchecked_refusal(build_info: str, env=None) -> str | None:
-    """Why a communicator refuses this library (None: it does not): a measurement build whose kernels
-    check no call across the ranks (YALI_BUILD_UNCHECKED=1) serves only under YALI_ALLOW_UNCHECKED=1."""
-    if UNCHECKED_BUILD_MARK not in build_info or env_flag(ALLOW_UNCHECKED_VAR, False, env):
-        return None
-    return (f"this library was built with YALI_BUILD_UNCHECKED=1: its kernels check no call across the ranks "
-            f"(a measurement build; calls that differ would give wrong sums); set {ALLOW_UNCHECKED_VAR}=1 to "
-            f"use it anyway")
-
-
 def world_size_refusal(world_size: int) -> str | None:
     """Why YALI does not serve a group of `world_size` ranks, or None when it does."""
     if world_size in WORLD_SIZES:
@@ -197,20 +259,7 @@ def world_size_refusal(world_size: int) -> str | None:
 def plugin_world_sizes(environ=None) -> tuple[int, ...]:
     """The TP world sizes the vLLM plugin serves: YALI_WORLD_SIZES (a comma-separated list of sizes
     from WORLD_SIZES, or "all") or DEFAULT_WORLD_SIZES; ValueError naming the variable on bad input."""
-    raw = (os.environ if environ is None else environ).get(WORLD_SIZES_VAR, "").strip()
-    if not raw:
-        return DEFAULT_WORLD_SIZES
-    if raw.lower() == "all":
-        return WORLD_SIZES
-    sizes = []
-    for item in raw.split(","):
-        item = item.strip()
-        if not item.isdigit() or int(item) not in WORLD_SIZES:
-            served = ", ".join(str(n) for n in WORLD_SIZES)
-            raise ValueError(f"invalid {WORLD_SIZES_VAR}={raw!r}: {item!r} is not a world size YALI "
-                             f"serves; expected a comma-separated list of {served}, or all")
-        sizes.append(int(item))
-    return tuple(sorted(set(sizes)))
+    return setting(WORLD_SIZES_VAR, environ)
 
 
 def plugin_world_size_refusal(world_size: int, environ=None) -> str | None:

@@ -211,10 +211,10 @@ def _yali_source_version() -> str | None:
 
 
 def git_commit() -> str | None:
-    """The source commit: YALI_GIT_COMMIT when the caller names it (a copied work tree whose .git
+    """The source commit: BENCH_GIT_COMMIT when the caller names it (a copied work tree whose .git
     is absent or not the source's), else git's HEAD (+dirty)."""
-    if os.environ.get("YALI_GIT_COMMIT"):
-        return os.environ["YALI_GIT_COMMIT"]
+    if os.environ.get("BENCH_GIT_COMMIT"):
+        return os.environ["BENCH_GIT_COMMIT"]
     out = run_probe(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT)
     if out and out.strip():
         sha = out.strip()

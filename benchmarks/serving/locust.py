@@ -207,12 +207,12 @@ def run_locust(
 def locust_env(args: argparse.Namespace, model: str) -> dict[str, str]:
     return child_env(
         {
-            "YALI_LOAD_MODEL": model,
-            "YALI_LOAD_MAX_TOKENS": str(args.max_tokens),
-            "YALI_LOAD_PROMPT_WORDS": str(args.prompt_words),
-            "YALI_LOAD_CHAT_WEIGHT": str(args.chat_weight),
-            "YALI_LOAD_COMPLETIONS_WEIGHT": str(args.completions_weight),
-            "YALI_LOAD_TIMEOUT_S": str(args.request_timeout_s),
+            "LOAD_MODEL": model,
+            "LOAD_MAX_TOKENS": str(args.max_tokens),
+            "LOAD_PROMPT_WORDS": str(args.prompt_words),
+            "LOAD_CHAT_WEIGHT": str(args.chat_weight),
+            "LOAD_COMPLETIONS_WEIGHT": str(args.completions_weight),
+            "LOAD_TIMEOUT_S": str(args.request_timeout_s),
         }
     )
 

@@ -20,7 +20,7 @@ KEY_LINE_PATTERNS = [
     re.compile(r"plugins for group|Loading plugin|Failed to load plugin"),
 ]
 ERROR_PATTERNS = [re.compile(r"\bERROR\b"), re.compile(r"Traceback")]
-# What yali_vllm/vllm_plugin.py logs once it has hooked a TP group.
+# What the plugin (yali_vllm/plugin/) logs once it has hooked a TP group.
 YALI_ON_RE = re.compile(r"YALI all-reduce ON")
 YALI_OFF_RE = re.compile(r"YALI all-reduce OFF")
 YALI_FUSION_ON_RE = re.compile(r"YALI fusion pass ON")

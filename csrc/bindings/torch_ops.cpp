@@ -36,19 +36,8 @@
 #include "yali/rank.h"
 #include "yali/testing.h"
 
-#ifdef YALI_LEGACY_KERNELS
-#define YALI_BUILD_KERNELS ", with the legacy flash kernels"  // yali_vllm.config.LEGACY_BUILD_MARK
-#else
-#define YALI_BUILD_KERNELS ""
-#endif
-#ifdef YALI_UNCHECKED_CALLS  // call_check.cuh: kCheckCalls
-#define YALI_BUILD_CHECKS ", without the cross-rank call check"  // yali_vllm.config.UNCHECKED_BUILD_MARK
-#else
-#define YALI_BUILD_CHECKS ""
-#endif
 extern "C" __attribute__((used, visibility("default"))) const char yali_build_info[] =
-    "yali-vllm build: torch " YALI_BUILD_TORCH " headers, stable ABI target " YALI_TORCH_TARGET YALI_BUILD_KERNELS
-    YALI_BUILD_CHECKS;
+    "yali-vllm build: torch " YALI_BUILD_TORCH " headers, stable ABI target " YALI_TORCH_TARGET;
 
 namespace {
 
@@ -341,7 +330,6 @@ bool ep_serves_combine(int64_t handle, int64_t hidden, ScalarType dtype, std::ve
   return r->ep_combine_serves(size_t(hidden), to_dtype(dtype), c.data());
 }
 
-int64_t ep_slot_bytes(int64_t handle) { return int64_t(get(handle)->ep_slot_bytes()); }
 
 // Dispatch: outputs[i] = inputs[i] of every rank, rank order ([sum counts, ...]).
 void ep_dispatch(int64_t handle, std::vector<Tensor> inputs, std::vector<Tensor> outputs, std::vector<int64_t> counts) {
@@ -472,7 +460,6 @@ std::vector<int64_t> fused_plan(int64_t rows, int64_t hidden, ScalarType dtype, 
   return launch_values(yali::fused_launch_for(config_from_env(), size_t(rows), size_t(hidden), to_dtype(dtype),
                                               int(world)));
 }
-std::string handle_config(int64_t handle) { return get(handle)->config().to_string(); }
 
 int64_t device_count() {
   int n = 0;
@@ -525,7 +512,6 @@ STABLE_TORCH_LIBRARY(yali, m) {
   m.def("abort_message(int comm) -> str");
   m.def("fused_launch(int comm, int rows, int hidden, ScalarType dtype) -> int[]");
   m.def("fused_plan(int rows, int hidden, ScalarType dtype, int world=2) -> int[]");
-  m.def("handle_config(int comm) -> str");
   m.def("device_count() -> int");
   m.def("build_info() -> str");
   m.def("testing_early_trigger(int device, int spin_ns) -> ()");  // test-only
@@ -533,7 +519,6 @@ STABLE_TORCH_LIBRARY(yali, m) {
   // expert parallelism (see the block above)
   m.def("ep_serves_dispatch(int comm, int[] row_bytes, int[] counts) -> bool");
   m.def("ep_serves_combine(int comm, int hidden, ScalarType dtype, int[] counts) -> bool");
-  m.def("ep_slot_bytes(int comm) -> int");
   m.def("ep_dispatch(int comm, Tensor[] inputs, Tensor(a!)[] outputs, int[] counts) -> ()");
   m.def("ep_combine(int comm, Tensor input, Tensor(a!) out, int[] counts) -> ()");
 }
@@ -556,14 +541,12 @@ STABLE_TORCH_LIBRARY_IMPL(yali, CompositeExplicitAutograd, m) {
   m.impl("abort_message", TORCH_BOX(&abort_message));
   m.impl("fused_launch", TORCH_BOX(&fused_launch));
   m.impl("fused_plan", TORCH_BOX(&fused_plan));
-  m.impl("handle_config", TORCH_BOX(&handle_config));
   m.impl("device_count", TORCH_BOX(&device_count));
   m.impl("build_info", TORCH_BOX(&build_info));
   m.impl("testing_early_trigger", TORCH_BOX(&testing_early_trigger));
   m.impl("testing_occupy", TORCH_BOX(&testing_occupy));
   m.impl("ep_serves_dispatch", TORCH_BOX(&ep_serves_dispatch));
   m.impl("ep_serves_combine", TORCH_BOX(&ep_serves_combine));
-  m.impl("ep_slot_bytes", TORCH_BOX(&ep_slot_bytes));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(yali, CUDA, m) {

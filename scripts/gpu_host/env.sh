@@ -14,10 +14,10 @@ TP="${TP:-2}"
 TP_TAG=""; [ "$TP" = 2 ] || TP_TAG="-tp$TP"
 # The checkout is used in place (no pip install on the offline host): give vLLM's
 # processes the package metadata that carries the vllm.general_plugins entry point.
-YALI_VERSION="$(sed -n 's/^__version__ = "\(.*\)"/\1/p' yali_vllm/_version.py)"
+PKG_VERSION="$(sed -n 's/^__version__ = "\(.*\)"/\1/p' yali_vllm/_version.py)"
 META_ROOT="${TMPDIR:-/tmp}/yali-meta-$(id -u)"   # per user: it goes first on PYTHONPATH
-META="$META_ROOT/yali_vllm-$YALI_VERSION.dist-info"
+META="$META_ROOT/yali_vllm-$PKG_VERSION.dist-info"
 mkdir -p "$META"
-printf 'Metadata-Version: 2.1\nName: yali-vllm\nVersion: %s\n' "$YALI_VERSION" > "$META/METADATA"
+printf 'Metadata-Version: 2.1\nName: yali-vllm\nVersion: %s\n' "$PKG_VERSION" > "$META/METADATA"
 printf '[vllm.general_plugins]\nyali = yali_vllm.plugin:register\n\n[console_scripts]\nyali-vllm-model = yali_vllm.models:main\n' > "$META/entry_points.txt"
 export PYTHONPATH="$META_ROOT:$PYTHONPATH"

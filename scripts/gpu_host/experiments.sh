@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The fused op's launch shape next to its default (no vLLM needed):
 #   experiments.sh tests   tests/gpu/test_fused.py: the default suite and every non-default setting
-#                          (odd grids, no PDL, batched / never batched poll, row loads after the
-#                          send, clusters never / always), then the whole suite with clusters
-#                          of 8 at every size                                                    ~2.5 min
+#                          (no PDL, batched / never batched poll, clusters never / always), then
+#                          the whole suite with clusters of 8 at every size                       ~2.5 min
 #   experiments.sh bench   the fused op (yali-fused only, 1-128 tokens, at TP ranks: env.sh) once
 #                          per setting of SETTINGS below, the default first and last (drift
 #                          check)                                                                 ~5 min
@@ -18,9 +17,7 @@ SETTINGS=(
   ""
   "FUSED_CLUSTER=0"
   "FUSED_CLUSTER=8"
-  "FUSED_ROW_LOADS_EARLY=0"
-  "FUSED_ROW_LOADS_EARLY=1"
-  "FUSED_ROW_LOADS_EARLY=0 FUSED_CTA_BYTES=4K"
+  "FUSED_BATCH_POLL_MIN=0"
   ""
 )
 # The push two-shot round by round (YALI_DEV_RANKS_TWO_SHOT_ROUND) against its whole share at once.

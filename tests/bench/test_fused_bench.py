@@ -489,16 +489,15 @@ def test_gpu_fused_sweep_launch_overrides():
     from tests.gpu import test_fused as tf
 
     assert tf.fused_launch_overrides({"YALI_TIMEOUT_S": "60", "YALI_DEV_PDL": "0", "YALI_ENABLE": "1"}) == {}
-    env = {"YALI_DEV_FUSED_ROW_LOADS_EARLY": "0", "YALI_DEV_FUSED_CLUSTER": "", "YALI_DEV_FUSED_CTA_BYTES": "4K",
-           "YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_PUSH_CTA_BYTES": "2K", "YALI_TIMEOUT_S": "30"}
-    assert tf.fused_launch_overrides(env) == {"YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_FUSED_CTA_BYTES": "4K",
-                                              "YALI_DEV_FUSED_ROW_LOADS_EARLY": "0"}
-    cfg = {"flash_ctas": 128, "fused_cta_bytes": 0, "fused_row_loads_early": -1}
-    ok = (16384, 1, {"grid": 16, "cta_bytes": 4096, "row_loads_early": 0})
+    env = {"YALI_DEV_FUSED_BATCH_POLL_MIN": "0", "YALI_DEV_FUSED_CLUSTER": "", "YALI_DEV_FLASH_BYTES": "4M",
+           "YALI_DEV_PUSH_CTA_BYTES": "2K", "YALI_TIMEOUT_S": "30"}
+    assert tf.fused_launch_overrides(env) == {"YALI_DEV_FLASH_BYTES": "4M", "YALI_DEV_FUSED_BATCH_POLL_MIN": "0"}
+    cfg = {"fused_cluster": -1}
+    ok = (16384 * 16, 16, {"grid": 32, "cta_bytes": 8192, "row_loads_early": 1, "cluster": 1})
     assert tf.check_overridden_launches([ok], cfg) == []
-    bad = tf.check_overridden_launches([ok, (16384, 32, {**ok[2], "grid": 16})],
-                                       {**cfg, "fused_cta_bytes": 1024, "fused_row_loads_early": 1})
-    assert len(bad) == 5 and "4096 B per CTA" in bad[0] and "grid 16 not in [32, 128]" in bad[2], bad
+    bad = tf.check_overridden_launches([ok, (16384 * 32, 32, {**ok[2], "grid": 16}),
+                                        (16384 * 32, 32, {**ok[2], "grid": 129})], cfg)
+    assert len(bad) == 2 and "grid 16 not in [32, 128]" in bad[0] and "grid 129 not in [32, 128]" in bad[1], bad
 
 
 def test_gpu_fused_sweep_cluster_rule():
@@ -514,7 +513,7 @@ def test_gpu_fused_sweep_cluster_rule():
     assert tf.expected_fused_cluster(16384, 4, {"fused_cluster": 0}) == 1
     assert tf.expected_fused_cluster(128 * 16384, 128, {"fused_cluster": 8}) == 8
     assert tf.expected_fused_cluster(16384, 8, {"fused_cluster": 2}) == 2
-    cfg = {"flash_ctas": 128, "fused_cta_bytes": 0, "fused_row_loads_early": -1, "fused_cluster": -1}
+    cfg = {"fused_cluster": -1}
     ok = (16384, 1, {"grid": 4, "cta_bytes": 4096, "row_loads_early": 0, "cluster": 4})
     assert tf.check_overridden_launches([ok], cfg) == []
     bad = tf.check_overridden_launches([(16384, 1, {**ok[2], "cluster": 1})], cfg)

@@ -1,4 +1,4 @@
-"""The benchmark library's layout holds: every module of benchmarks/, research/ and examples/
+"""The benchmark library's layout holds: every module of benchmarks/ and examples/
 imports on a machine without a GPU, the imports between the repository's own modules (function-
 local ones included; the product, yali_vllm/, among them) form no circle, and no file edits
 sys.path."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("yali_vllm", "benchmarks", "research", "examples", "tests")
+PACKAGES = ("yali_vllm", "benchmarks", "examples", "tests")
 LOCUSTFILE = "benchmarks.locustfile"  # locust patches the process it is imported in (gevent)
 
 
@@ -72,7 +72,7 @@ def test_the_repositorys_imports_form_no_circle():
 
 
 def test_every_library_module_imports_without_a_gpu():
-    names = sorted(n for n in modules() if n.split(".")[0] in ("benchmarks", "research", "examples")
+    names = sorted(n for n in modules() if n.split(".")[0] in ("benchmarks", "examples")
                    and n != LOCUSTFILE)
     assert len(names) >= 20, names
     code = "import importlib, sys\nfor n in sys.argv[1:]:\n    importlib.import_module(n)\nprint('ok', len(sys.argv) - 1)"

@@ -20,7 +20,7 @@ ROW_KEYS = {
     "gpu-test-run": ["test", "outcome", "duration_s"],
     "allreduce-tuning": ["variant", "bytes"],  # the project's own kinds: benchmarks/tune.py,
     "decode-profile": ["config", "rank", "kernel_class", "count", "mean_us"],  # benchmarks/decode_profile.py
-    "decode-gemm": ["setup", "graph", "name", "tokens", "us_per_call"],  # research/decode_gemm_bench.py
+    "decode-gemm": ["setup", "graph", "name", "tokens", "us_per_call"],  # archived: research/decode_gemm_bench.py (618a435)
     "decode-prefetch": ["shape", "tokens", "correct", "ours_vs_cublas", "pass"],  # archived: research/decode_prefetch/bench.py (ddf7ac1)
     "moe-dispatch-combine": ["backend", "dtype", "hidden", "topk", "tokens", "dispatch_us_p50", "combine_us_p50",
                              "total_us_p50", "exact"],

@@ -1118,7 +1118,7 @@ def test_locustfile_imports():
         print(json.dumps({{"users": users, "max_tokens": m.MAX_TOKENS, "words": m.PROMPT_WORDS}}))
         """
     )
-    env = dict(os.environ, YALI_LOAD_MAX_TOKENS="100000", YALI_LOAD_PROMPT_WORDS="7", YALI_LOAD_COMPLETIONS_WEIGHT="0")
+    env = dict(os.environ, LOAD_MAX_TOKENS="100000", LOAD_PROMPT_WORDS="7", LOAD_COMPLETIONS_WEIGHT="0")
     cp = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert cp.returncode == 0, cp.stderr
     out = json.loads(cp.stdout.strip().splitlines()[-1])
@@ -1195,8 +1195,8 @@ def test_locust_end_to_end_against_fake_server(tmp_path):
         cmd = locust.locust_command(f"{sys.executable} -m locust", users=4, spawn_rate=4, duration_s=4,
                                        host=f"http://127.0.0.1:{port}", csv_prefix=tmp_path / "l", html=tmp_path / "l.html",
                                        stop_timeout_s=5)
-        env = gpu_env.child_env({"YALI_LOAD_MAX_TOKENS": "6", "YALI_LOAD_PROMPT_WORDS": "16"})
-        env.pop("YALI_LOAD_MODEL", None)
+        env = gpu_env.child_env({"LOAD_MAX_TOKENS": "6", "LOAD_PROMPT_WORDS": "16"})
+        env.pop("LOAD_MODEL", None)
         cp = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     finally:
         srv.shutdown()

@@ -23,7 +23,7 @@ def test_both_ranks_refuse_together_without_gpu():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 @pytest.mark.timeout(180)
 def test_bad_setting_on_one_rank_fails_both():
-    got = _run({1: {"YALI_DEV_LANES": "999"}})
+    got = _run({1: {"YALI_DEV_PUSH_CTA_BYTES": "999"}})
     for r in (0, 1):
         assert got[r].startswith("unavailable:"), got
 
@@ -52,7 +52,7 @@ def test_shared_gpu_switch(monkeypatch, value, allowed):
     assert [rank_device(r) for r in (0, 1)] == ([0, 0] if allowed else [0, 1])
 
 
-@pytest.mark.parametrize("value", ["yes", "true", "2", " 1"])
+@pytest.mark.parametrize("value", ["yes", "true", "2", "-1"])
 def test_shared_gpu_switch_refuses_other_values(monkeypatch, value):
     from yali_vllm.communicator import SHARED_GPU_VAR, shared_gpu_allowed
 

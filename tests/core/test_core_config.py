@@ -4,6 +4,7 @@ the compiled extension (built by `pip install`), not a GPU."""
 import os
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ def test_import_without_gpu_reports_reason():
 
 
 def test_default_table_is_monotone_and_covers_all_sizes():
-    order = {"flash-push": 0, "flash-ll": 1, "flash-oneshot": 2, "flash-twoshot": 3, "stream": 4}
+    order = {"flash-push": 0, "stream": 1}
     last = -1
     for nbytes in [2, 16, 2 * KiB, 64 * KiB, 128 * KiB, 128 * KiB + 16, 1 * MiB, 8 * MiB, 8 * MiB + 16, 1 * GiB,
                    2 * GiB]:
@@ -57,63 +58,45 @@ def test_default_table_pushes_up_to_flash_size():
 
 
 def test_push_boundary_follows_env(monkeypatch):
-    monkeypatch.setenv("YALI_DEV_FLASH_BYTES", "64K")  # YALI_DEV_PUSH_MAX follows it when unset
+    monkeypatch.setenv("YALI_DEV_FLASH_BYTES", "64K")
     monkeypatch.setenv("YALI_DEV_PUSH_CTA_BYTES", "4K")
     assert config.plan(64 * KiB) == ("flash-push", 16, 0)
     assert config.plan(64 * KiB + 16)[0] == "stream"
     monkeypatch.setenv("YALI_DEV_FLASH_BYTES", "16M")
     monkeypatch.setenv("YALI_KERNEL_MODE", "flash")
     assert config.plan(16 * MiB)[0] == "flash-push"
-    monkeypatch.delenv("YALI_KERNEL_MODE")
-    monkeypatch.delenv("YALI_DEV_FLASH_BYTES")
-    monkeypatch.setenv("YALI_DEV_PUSH_MAX", "16M")  # above YALI_DEV_FLASH_BYTES (8M)
-    with pytest.raises(ValueError, match="YALI_DEV_PUSH_MAX"):
-        config.plan(1)
 
 
-needs_legacy = pytest.mark.skipif(_ext.library_error() is not None or not config.legacy_kernels(),
-                                  reason="selects the legacy flash kernels: the library was built without "
-                                         "YALI_BUILD_LEGACY=1")
-
-
-@needs_legacy
-def test_legacy_table_boundaries_follow_env(monkeypatch):
-    monkeypatch.setenv("YALI_DEV_PUSH_MAX", "64K")
-    assert config.plan(64 * KiB)[0] == "flash-push"
-    assert config.plan(64 * KiB + 16)[0] == "flash-ll"
-
-
-@needs_legacy
-def test_table_boundaries_follow_env(monkeypatch):
-    monkeypatch.setenv("YALI_DEV_PUSH_MAX", "0")
-    monkeypatch.setenv("YALI_DEV_LL_MAX", "4K")
+def test_stream_boundary_follows_env(monkeypatch):
     monkeypatch.setenv("YALI_DEV_STREAM_MIN", "1M")
-    assert config.plan(4 * KiB)[0] == "flash-ll"
-    assert config.plan(4 * KiB + 16)[0] == "flash-oneshot"
-    assert config.plan(1 * MiB)[0] == "flash-oneshot"
+    assert config.plan(1 * MiB)[0] == "flash-push"
     assert config.plan(1 * MiB + 16)[0] == "stream"
 
 
-@pytest.mark.parametrize("var,value", [("YALI_DEV_PUSH_MAX", "0"), ("YALI_DEV_PUSH_MAX", "64K"),
-                                       ("YALI_DEV_LL_MAX", "4K"), ("YALI_DEV_LL_CTA_BYTES", "2K"),
-                                       ("YALI_DEV_ONESHOT_MAX", "0"), ("YALI_DEV_FLASH_CTA_BYTES", "4K")])
-def test_legacy_settings_refused_without_legacy_build(monkeypatch, var, value):
-    if config.legacy_kernels():
-        pytest.skip("the library was built with YALI_BUILD_LEGACY=1: the legacy settings apply")
-    monkeypatch.setenv(var, value)
-    with pytest.raises(ValueError) as e:
+# Removed knobs: those of the retired flash-ll, one-shot and two-shot kernels, and the decided
+# ones (docs/TUNING.md: fixed by measurement).
+REMOVED_KNOBS = ["YALI_DEV_PUSH_MAX", "YALI_DEV_LL_MAX", "YALI_DEV_LL_CTA_BYTES", "YALI_DEV_ONESHOT_MAX",
+                 "YALI_DEV_FLASH_CTA_BYTES", "YALI_DEV_LANES", "YALI_DEV_SLOTS", "YALI_DEV_FLASH_CTAS",
+                 "YALI_DEV_FUSED_CTA_BYTES", "YALI_DEV_FUSED_ROW_LOADS_EARLY"]
+
+
+@pytest.mark.parametrize("var", REMOVED_KNOBS)
+def test_removed_knobs_are_refused(monkeypatch, var):
+    # refused as unknown, not ignored: by the package, listing the knobs, and by the C++ core itself
+    monkeypatch.setenv(var, "4K")
+    with pytest.raises(ValueError, match=f"unknown YALI_\\* variable\\(s\\) {var}='4K': .*YALI_DEV_FLASH_BYTES"):
         config.kernel_config()
-    assert f"{var}=" in str(e.value) and "YALI_BUILD_LEGACY=1" in str(e.value) and "legacy" in str(e.value)
+    with pytest.raises(ValueError, match=f"{var}=4K is invalid: no such YALI_DEV_\\* knob \\(known: YALI_DEV_FLASH_BYTES"):
+        _ext.ops().config_string()
 
 
 def test_buffer_holds_only_what_the_config_selects(monkeypatch):
     # stream ready + credit flags (2 x 128 lanes x 16 slots x 8 B), the call descriptor slots (2 x 16 B,
     # one 256-byte-aligned area), the push area (2 parities x 8 MiB), the stream ring (128 lanes x 8 slots
-    # x 64 KiB): no area of the legacy kernels.
+    # x 64 KiB).
     assert torch.ops.yali.shared_bytes_for_env() == 32 * KiB + 256 + 16 * MiB + 64 * MiB
-    if config.legacy_kernels():  # their arrive / gather flags, LL words (2 x 2 x 128 KiB), stage, reduced
-        monkeypatch.setenv("YALI_DEV_PUSH_MAX", "0")
-        assert torch.ops.yali.shared_bytes_for_env() == 34 * KiB + 256 + 512 * KiB + 48 * MiB + 64 * MiB
+    monkeypatch.setenv("YALI_DEV_FLASH_BYTES", "1M")
+    assert torch.ops.yali.shared_bytes_for_env() == 32 * KiB + 256 + 2 * MiB + 64 * MiB
 
 
 def test_kernel_mode_forces_family(monkeypatch):
@@ -128,28 +111,27 @@ def test_kernel_mode_forces_family(monkeypatch):
 
 def test_stream_chunks_fit_slots(monkeypatch):
     monkeypatch.setenv("YALI_DEV_SLOT_BYTES", "128K")
-    monkeypatch.setenv("YALI_DEV_LANES", "16")
     k, lanes, chunk = config.plan(1 * GiB)
-    assert (k, lanes, chunk) == ("stream", 16, 128 * KiB)
-    k, lanes, chunk = config.plan(1 * MiB + 6, "stream")  # 64 KiB + a bit per lane: one chunk per lane
-    assert (k, lanes) == ("stream", 16) and chunk * lanes >= 1 * MiB + 6 and chunk % 16 == 0
+    assert (k, lanes, chunk) == ("stream", 128, 128 * KiB)
+    k, lanes, chunk = config.plan(1 * MiB + 6, "stream")  # 8 KiB + a bit per lane: one chunk per lane
+    assert (k, lanes) == ("stream", 128) and chunk * lanes >= 1 * MiB + 6 and chunk % 16 == 0
+    monkeypatch.setenv("YALI_DEV_SLOT_BYTES", "4K")  # the 128 x 8 ring of 4 KiB slots
+    assert config.plan(1 * MiB, "stream") == ("stream", 128, 4 * KiB) and config.plan(64 * KiB, "stream") == ("stream", 128, 512)
 
 
 @pytest.mark.parametrize("var,value,fragment", [
     ("YALI_KERNEL_MODE", "fast", "one of auto, flash, stream"),
     ("YALI_MAX_BYTES", "-5", "byte count"),
     ("YALI_MAX_BYTES", "12Q", "byte count"),
-    ("YALI_DEV_LANES", "0", "[1, 128]"),
-    ("YALI_DEV_LANES", "129", "[1, 128]"),
-    ("YALI_DEV_SLOTS", "1", "[2, 16]"),
+    ("YALI_DEV_FUSED_CLUSTER", "9", "[-1, 8]"),
+    ("YALI_DEV_FUSED_CLUSTER", "-2", "[-1, 8]"),
     ("YALI_DEV_SLOT_BYTES", "5000", "multiple of 4096"),
-    ("YALI_DEV_FLASH_CTAS", "x", "integer"),
-    ("YALI_DEV_LL_MAX", "64M", "byte count"),
+    ("YALI_DEV_PDL", "x", "integer"),
     ("YALI_DEV_PUSH_CTA_BYTES", "100", "byte count"),
     ("YALI_DEV_PDL", "2", "integer in [0, 1]"),
     ("YALI_DEV_FUSED_BATCH_POLL_MIN", "-1", "byte count"),
-    ("YALI_DEV_BATCH_POLL", "1", "no such YALI_DEV_* knob"),  # a removed knob: refused, not ignored
-    ("YALI_DEV_FUSED_SPLIT", "1", "no such YALI_DEV_* knob"),  # the removed fused row split
+    ("YALI_DEV_BATCH_POLL", "1", "unknown YALI_* variable"),  # a removed knob: refused, not ignored
+    ("YALI_DEV_FUSED_SPLIT", "1", "unknown YALI_* variable"),  # the removed fused row split
     ("YALI_DEV_PUSH_CTA_BYTE", "1K", "YALI_DEV_PUSH_CTA_BYTES"),  # a typo names the known knobs
     ("YALI_TIMEOUT_S", "-1", "seconds"),
 ])
@@ -225,20 +207,20 @@ def test_unknown_yali_variables_are_refused_by_name(monkeypatch):
     assert "YALI_MAX_BYTES" in msg and "YALI_TIMEOUT_S" in msg and "YALI_DEV_*" in msg
     monkeypatch.delenv("YALI_MAX_BYTE")
     monkeypatch.delenv("YALI_TIMEOUT")
-    monkeypatch.setenv("YALI_SKIP_INSTALL", "1")  # the scripts' own variables pass
-    monkeypatch.setenv("YALI_LOAD_MODEL", "m")
+    # The YALI_* names belong to the settings: the scripts' variables are named otherwise (LOAD_*,
+    # BENCH_DEBUG), and a former setting or a script's old name is refused like a typo.
+    for name in ("YALI_OVERLAP", "YALI_LOAD_MODEL", "YALI_ALLOW_UNCHECKED", "YALI_BUILD_LEGACY"):
+        with pytest.raises(ValueError, match=f"{name}='1'"):
+            config.check_environment({name: "1"})
+    monkeypatch.setenv("LOAD_MODEL", "m")
     assert config.kernel_config()["max_bytes"] == 2 * GiB
 
 
-def test_limits_that_depend_on_the_flash_buffer(monkeypatch):
-    # A smaller flash buffer alone: the defaults below it follow, no error about a variable not set.
+def test_the_smallest_flash_buffer(monkeypatch):
     monkeypatch.setenv("YALI_DEV_FLASH_BYTES", "4K")
-    c = config.kernel_config()
-    assert c["flash_bytes"] == c["ll_max"] == c["push_max"] == 4 * KiB
-    # Set by the user and too large: refused naming both variables.
-    monkeypatch.setenv("YALI_DEV_LL_MAX", "64K")
-    with pytest.raises(ValueError, match=r"YALI_DEV_LL_MAX=64K is invalid: .*at most YALI_DEV_FLASH_BYTES \(4096\)"):
-        config.kernel_config()
+    assert config.kernel_config()["flash_bytes"] == 4 * KiB
+    assert config.plan(4 * KiB) == ("flash-push", 4, 0)
+    assert config.plan(4 * KiB + 16)[0] == "stream"
 
 
 @pytest.mark.parametrize("value,ok", [("0", True), ("0.001", True), ("86400", True), ("1e-12", False),
@@ -248,7 +230,7 @@ def test_timeout_range(monkeypatch, value, ok):
     if ok:
         assert config.kernel_config()["timeout_s"] == float(value)
     else:
-        with pytest.raises(ValueError, match=r"YALI_TIMEOUT_S=.* 0 \(no watchdog\) or seconds in \[0.001, 86400\]"):
+        with pytest.raises(ValueError, match=r"YALI_TIMEOUT_S=.* 0 \(none\) or seconds in \[0.001, 86400\]"):
             config.kernel_config()
 
 
@@ -299,16 +281,14 @@ def test_sm90a_code_is_in_the_library():
     assert archs == {"sm_90a"}, (archs, out.stderr[-2000:])
 
 
-def test_fused_launch_knobs(monkeypatch):
-    # defaults: chunk, row-load order and clusters by message size (plan.cpp: fused_launch_for)
-    c = config.kernel_config()
-    assert (c["fused_cta_bytes"], c["fused_row_loads_early"], c["fused_cluster"]) == (0, -1, -1)
-    assert "fused_split" not in c
+def test_fused_cluster_knob(monkeypatch):
+    # default: clusters by message size (plan.cpp: fused_launch_for); the knob sets the most CTAs of one
+    assert config.kernel_config()["fused_cluster"] == -1
+    assert config.fused_plan(1, 8192, torch.bfloat16)["cluster"] == 4
+    monkeypatch.setenv("YALI_DEV_FUSED_CLUSTER", "0")
+    assert config.kernel_config()["fused_cluster"] == 0 and config.fused_plan(1, 8192, torch.bfloat16)["cluster"] == 1
     monkeypatch.setenv("YALI_DEV_FUSED_CLUSTER", "8")
-    monkeypatch.setenv("YALI_DEV_FUSED_CTA_BYTES", "4k")
-    monkeypatch.setenv("YALI_DEV_FUSED_ROW_LOADS_EARLY", "0")
-    c = config.kernel_config()
-    assert (c["fused_cta_bytes"], c["fused_row_loads_early"], c["fused_cluster"]) == (4 * KiB, 0, 8)
+    assert config.fused_plan(64, 8192, torch.bfloat16)["cluster"] == 8  # above 128 KiB too
 
 
 @pytest.mark.parametrize("rows, hidden, launch", [
@@ -327,37 +307,80 @@ def test_two_rank_fused_size_table(rows, hidden, launch):
     assert two_rank_band(rows * hidden * 2, hidden * 2) == launch[:2]
 
 
-@pytest.mark.parametrize("var,value", [("YALI_DEV_FUSED_ROW_LOADS_EARLY", "2"), ("YALI_DEV_FUSED_ROW_LOADS_EARLY", "-2"),
-                                       ("YALI_DEV_FUSED_CTA_BYTES", "100"), ("YALI_DEV_FUSED_CLUSTER", "9"),
-                                       ("YALI_DEV_FUSED_CLUSTER", "-2")])
-def test_fused_launch_knobs_refused(monkeypatch, var, value):
-    monkeypatch.setenv(var, value)
-    with pytest.raises(ValueError, match=var):
-        config.kernel_config()
+# ---- every setting declared once (csrc/core/yali/settings.def), read by C++ and Python
+
+CORE = [s for s in config.SETTINGS.values() if s.field is not None]
 
 
-def test_a_retired_setting_is_ignored_with_one_warning_and_a_typo_still_refused():
-    import logging
+def test_the_core_starts_from_the_listed_defaults():
+    c = config.kernel_config()
+    assert set(c) == {s.field for s in CORE} | {"ep_slot_bytes"}
+    for s in CORE:
+        assert c[s.field] == s.value({}), (s.name, c[s.field], s.default)
 
-    lines: list[str] = []
 
-    class Keep(logging.Handler):
-        def emit(self, record):
-            lines.append(record.getMessage())
+def past_the_bounds(s: config.Setting) -> list[str]:
+    """Values just outside `s`'s range (and off its multiple), as a user would write them."""
+    if s.type == "int":
+        return [str(int(s.low) - 1), str(int(s.high) + 1)]
+    low, high, step = config.parse_bytes(s.low), config.parse_bytes(s.high), config.parse_bytes(s.step or "1")
+    return ([str(low - step)] if low >= step else []) + [str(high + step)] + ([str(low + step // 2)] if step > 1 else [])
 
-    log = logging.getLogger("vllm.yali")
-    handler, level = Keep(), log.level
-    log.addHandler(handler)
-    log.setLevel(logging.WARNING)
-    config._warned_retired.discard("YALI_OVERLAP")
-    try:
-        config.check_environment({"YALI_OVERLAP": "1"})
-        config.check_environment({"YALI_OVERLAP": "0"})  # once per process
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
-    assert [ln for ln in lines if "YALI_OVERLAP" in ln] == [
-        "yali: YALI_OVERLAP='1' is ignored: " + config.RETIRED["YALI_OVERLAP"]]
-    assert config.unknown_variables({"YALI_OVERLAP": "1"}) == []
-    with pytest.raises(ValueError, match="YALI_OVERLAPS='1'"):
-        config.check_environment({"YALI_OVERLAPS": "1"})
+
+@pytest.mark.parametrize("s", [s for s in CORE if s.type in ("bytes", "int")], ids=lambda s: s.name)
+def test_the_core_refuses_values_past_the_listed_bounds(monkeypatch, s):
+    # The C++ core's message says exactly what the list accepts (Setting.accepted: the same words).
+    for value in past_the_bounds(s):
+        monkeypatch.setenv(s.name, value)
+        with pytest.raises(ValueError) as e:
+            config.kernel_config()
+        assert str(e.value).endswith(f"{s.name}={value} is invalid: expected {s.accepted()}"), str(e.value)
+        with pytest.raises(ValueError, match=re.escape(s.accepted())):
+            s.parse(value)
+
+
+def test_the_python_settings_parse_as_listed(monkeypatch):
+    assert config.ep_slot_bytes({"YALI_EP_SLOT_BYTES": "64K"}) == 64 * KiB == config.setting("YALI_EP_SLOT_BYTES", {
+        "YALI_EP_SLOT_BYTES": "65536"})
+    assert (config.EP_SLOT_DEFAULT, config.EP_SLOT_RANGE) == (2 * MiB, (4 * KiB, 256 * MiB))
+    assert config.env_flag("YALI_EP", environ={}) is False and config.env_flag("YALI_ENABLE", environ={}) is True
+    assert config.env_flag("YALI_ENABLE", False, {}) is False  # a caller's own default wins when unset
+    with pytest.raises(ValueError, match=r"invalid YALI_ALLOW_SHARED_GPU='2': expected an integer in \[0, 1\]"):
+        config.setting("YALI_ALLOW_SHARED_GPU", {"YALI_ALLOW_SHARED_GPU": "2"})
+
+
+def test_at_most_twelve_tuning_knobs():
+    knobs = [n for n in config.SETTINGS if n.startswith(config.DEV_PREFIX)]
+    assert 1 <= len(knobs) <= 12, knobs
+    assert not set(knobs) & set(REMOVED_KNOBS)
+
+
+def test_the_plugin_serves_the_measured_world_sizes_by_default():
+    assert config.DEFAULT_WORLD_SIZES == tuple(sorted(config.ON_BY_DEFAULT)) == config.plugin_world_sizes({})
+
+
+def test_the_package_reads_the_cores_list():
+    core = Path(__file__).resolve().parents[2] / "csrc" / "core" / "yali" / "settings.def"
+    if not core.is_file():
+        pytest.skip("no source tree (an installed wheel)")
+    assert config.SETTINGS_FILE.read_text() == core.read_text()
+
+
+def test_a_line_that_is_not_a_setting_is_refused(tmp_path):
+    f = tmp_path / "settings.def"
+    f.write_text('// a comment\nYALI_PLUGIN_SETTING(YALI_X, flag, "1", "", "", "", "x")\nYALI_SETTING(YALI_Y, y)\n')
+    with pytest.raises(ValueError, match=r"settings.def:3: not a settings line"):
+        config.read_settings(f)
+    f.write_text('YALI_PLUGIN_SETTING(YALI_X, colour, "1", "", "", "", "x")\n')
+    with pytest.raises(ValueError, match=r"YALI_X has the unknown type 'colour'"):
+        config.read_settings(f)
+
+
+def test_the_docs_name_every_setting_with_its_default():
+    root = Path(__file__).resolve().parents[2]
+    tuning, readme = (root / "docs" / "TUNING.md").read_text(), (root / "README.md").read_text()
+    for s in config.SETTINGS.values():
+        doc = tuning if s.name.startswith(config.DEV_PREFIX) else readme
+        assert re.search(rf"^\| `{s.name}` \| `{re.escape(s.default)}`", doc, re.M), s.name
+    listed = set(re.findall(r"^\| `(YALI_DEV_\w+)` \|", tuning, re.M))
+    assert listed == {n for n in config.SETTINGS if n.startswith(config.DEV_PREFIX)}

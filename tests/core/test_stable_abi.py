@@ -34,30 +34,14 @@ def test_library_imports_no_cpp_torch_symbol():
 def test_build_record_in_the_file_matches_the_library():
     info = _ext.build_info_of(LIB)
     assert info == torch.ops.yali.build_info()
-    # a build with YALI_BUILD_LEGACY=1 says so, then one with YALI_BUILD_UNCHECKED=1 (this test's build: neither)
-    legacy = f"(?:{re.escape(config.LEGACY_BUILD_MARK)})?"
-    unchecked = f"(?:{re.escape(config.UNCHECKED_BUILD_MARK)})?"
-    assert re.fullmatch(r"yali-vllm build: torch 2\.\d+\.\d+\S* headers, stable ABI target 2\.11" + legacy + unchecked,
-                        info), info
-    assert config.UNCHECKED_BUILD_MARK not in info, "the installed library is a measurement build (YALI_BUILD_UNCHECKED=1)"
-
-
-def test_a_build_without_the_call_check_is_refused_unless_allowed():
-    info = "yali-vllm build: torch 2.14.0+cu130 headers, stable ABI target 2.11" + config.UNCHECKED_BUILD_MARK
-    why = config.unchecked_refusal(info, {})
-    assert "YALI_BUILD_UNCHECKED=1" in why and "set YALI_ALLOW_UNCHECKED=1" in why
-    assert config.unchecked_refusal(info, {"YALI_ALLOW_UNCHECKED": "1"}) is None
-    assert config.unchecked_refusal(info.replace(config.UNCHECKED_BUILD_MARK, ""), {}) is None
-    with pytest.raises(ValueError, match="YALI_ALLOW_UNCHECKED"):
-        config.unchecked_refusal(info, {"YALI_ALLOW_UNCHECKED": "maybe"})
-    config.check_environment({"YALI_ALLOW_UNCHECKED": "1", "YALI_BUILD_UNCHECKED": "1", "YALI_BUILD_LEGACY": "0"})
+    assert re.fullmatch(r"yali-vllm build: torch 2\.\d+\.\d+\S* headers, stable ABI target 2\.11", info), info
 
 
 def test_runs_in_the_torch_of_this_environment():
     # The CI leg on the oldest supported vLLM runs this with torch 2.11 and the library built against
-    # the newest supported torch (YALI_EXPECT_OTHER_BUILD_TORCH=1 there): the same file, another torch.
+    # the newest supported torch (CI_EXPECT_OTHER_BUILD_TORCH=1 there): the same file, another torch.
     built = re.search(r"torch (\S+) headers", torch.ops.yali.build_info()).group(1)
-    if os.environ.get("YALI_EXPECT_OTHER_BUILD_TORCH") == "1":
+    if os.environ.get("CI_EXPECT_OTHER_BUILD_TORCH") == "1":
         assert built.split("+")[0] != torch.__version__.split("+")[0], (built, torch.__version__)
     assert config.plan(4096)[0] == "flash-push"
     assert "max_bytes=" in torch.ops.yali.config_string()
@@ -68,8 +52,8 @@ def test_tagged_errors_come_back_as_their_python_types(monkeypatch):
         torch.ops.yali.plan(4096, 7)  # the raw op: the stable ABI raises RuntimeError
     with pytest.raises(ValueError, match=r"^yali: kernel mode 7 is not -1, 0, 1 or 2$"):
         _ext.ops().plan(4096, 7)
-    monkeypatch.setenv("YALI_DEV_LANES", "0")
-    with pytest.raises(ValueError, match=r"^yali: YALI_DEV_LANES=0 is invalid"):
+    monkeypatch.setenv("YALI_DEV_SLOT_BYTES", "0")
+    with pytest.raises(ValueError, match=r"^yali: YALI_DEV_SLOT_BYTES=0 is invalid"):
         _ext.ops().config_string()
 
 

@@ -281,9 +281,9 @@ def test_compose_passes_the_api_key_through():
     # The health check stays outside /v1, the only paths vLLM's key protects.
     (url,) = re.findall(r"https?://[^'\"\s]+", " ".join(serve["healthcheck"]["test"]))
     assert re.match(r"https?://[^/]+/health$", url), url
-    load_key = compose_env(services["locust"]).get("YALI_LOAD_API_KEY", "")
+    load_key = compose_env(services["locust"]).get("LOAD_API_KEY", "")
     assert re.fullmatch(r"\$\{VLLM_API_KEY(:?-)?\}", load_key), (
-        f"locust: YALI_LOAD_API_KEY should be vLLM's key, is {load_key!r}")
+        f"locust: LOAD_API_KEY should be vLLM's key, is {load_key!r}")
 
 
 @pytest.mark.parametrize("key", ["s3cret", ""])
@@ -302,7 +302,7 @@ def test_locustfile_sends_the_api_key(key):
         print(json.dumps(dict(user.session.headers)))
         """
     )
-    env = dict(os.environ, YALI_LOAD_API_KEY=key)
+    env = dict(os.environ, LOAD_API_KEY=key)
     cp = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                         timeout=120, env=env)
     assert cp.returncode == 0, cp.stderr

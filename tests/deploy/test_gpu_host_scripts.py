@@ -18,11 +18,11 @@ SCRIPTS = sorted((REPO / "scripts" / "gpu_host").glob("*.sh"))
 
 
 def known_dev_knobs() -> set[str]:
-    """The YALI_DEV_* names the C++ core accepts: those Config::from_env() reads (through
-    dev_bytes / dev_int, which also make them the list any other name is refused against)."""
-    src = (REPO / "csrc" / "core" / "yali" / "config.cpp").read_text()
-    names = set(re.findall(r'dev_(?:bytes|int)\("(YALI_DEV_\w+)"', src))
-    assert len(names) >= 10, f"found only {sorted(names)} in config.cpp"
+    """The YALI_DEV_* names the C++ core accepts: those settings.def declares."""
+    from yali_vllm import config
+
+    names = {n for n in config.SETTINGS if n.startswith(config.DEV_PREFIX)}
+    assert len(names) >= 10, f"found only {sorted(names)} in settings.def"
     return names
 
 

@@ -230,13 +230,13 @@ def mismatched_settings(rank, group):
     from yali_vllm.communicator import YaliUnavailable
 
     if rank == 1:
-        os.environ["YALI_DEV_LANES"] = "999"
+        os.environ["YALI_DEV_PUSH_CTA_BYTES"] = "999"
     try:
         YaliCommunicator(group, _device())
         first = "created"
     except YaliUnavailable as e:
         first = str(e)
-    os.environ["YALI_DEV_LANES"] = "64" if rank == 1 else "128"  # valid but different
+    os.environ["YALI_DEV_PUSH_CTA_BYTES"] = "2K" if rank == 1 else "1K"  # valid but different
     try:
         YaliCommunicator(group, _device())
         second = "created"

@@ -6,8 +6,6 @@ import subprocess
 import pytest
 import torch
 
-from yali_vllm import config
-
 from . import scenarios
 from .pair import run_pair
 
@@ -126,36 +124,27 @@ def test_cpp_example(tmp_path):
 @pytest.mark.timeout(120)
 def test_bad_or_different_settings_fail_both_ranks():
     for r in run_pair(scenarios.mismatched_settings, timeout=100):
-        assert "YALI_DEV_LANES=999" in r["bad"], r
+        assert "YALI_DEV_PUSH_CTA_BYTES=999" in r["bad"], r
         assert "settings differ" in r["different"], r
 
 
-# Kernel paths the default table does not pick, or only lightly: a tiny stream ring
-# (thousands of chunks per lane cycling 2 slots, so every slot reuse waits on a
-# credit), push/stream on odd CTA/lane counts, launches without programmatic
-# dependent launch; on a build with YALI_BUILD_LEGACY=1 also the legacy flash
-# kernels (flash-ll and one-shot, two-shot, one-shot on an odd CTA count).
+# Kernel paths the default table does not pick, or only lightly: a small stream ring
+# (4 KiB slots: a 16 MiB message is 32 chunks per lane cycling its 8 slots, so slot
+# reuses wait on credits), push CTAs of 272 bytes (chunks that do not line up with
+# 16-byte vectors of a CTA's threads) with 8 KiB stream slots, launches without
+# programmatic dependent launch.
 NONDEFAULT = {
-    "tiny-ring": {"YALI_DEV_LANES": "3", "YALI_DEV_SLOTS": "2", "YALI_DEV_SLOT_BYTES": "4K"},
-    "odd-grids": {"YALI_DEV_FLASH_CTAS": "7", "YALI_DEV_LANES": "5", "YALI_DEV_SLOT_BYTES": "8K"},
-    "push-odd-grids": {"YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_PUSH_CTA_BYTES": "272"},
+    "small-ring": {"YALI_DEV_SLOT_BYTES": "4K"},
+    "odd-grids": {"YALI_DEV_PUSH_CTA_BYTES": "272", "YALI_DEV_SLOT_BYTES": "8K"},
     "no-pdl": {"YALI_DEV_PDL": "0"},  # plain launches (PDL is the default)
-}
-LEGACY = {
-    "legacy-first-kernels": {"YALI_DEV_PUSH_MAX": "0"},
-    "legacy-twoshot": {"YALI_DEV_PUSH_MAX": "0", "YALI_DEV_ONESHOT_MAX": "0", "YALI_DEV_LL_MAX": "0"},
-    "legacy-odd-grids": {"YALI_DEV_PUSH_MAX": "0", "YALI_DEV_LL_MAX": "0", "YALI_DEV_FLASH_CTAS": "7",
-                         "YALI_DEV_FLASH_CTA_BYTES": "4K", "YALI_DEV_LANES": "5", "YALI_DEV_SLOT_BYTES": "8K"},
 }
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", sorted(NONDEFAULT) + sorted(LEGACY))
+@pytest.mark.parametrize("name", sorted(NONDEFAULT))
 def test_sweep_nondefault_configs(name):
-    if name in LEGACY and not config.legacy_kernels():
-        pytest.skip(f"{name} runs the legacy flash kernels: the library was built without YALI_BUILD_LEGACY=1")
     res = run_pair(scenarios.sweep, [2 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB], [1, 3, 1001, 65537, 1000003],
-                   ["fp32", "bf16"], ["auto", "flash", "stream"], 777, timeout=280, env={**NONDEFAULT, **LEGACY}[name])
+                   ["fp32", "bf16"], ["auto", "flash", "stream"], 777, timeout=280, env=NONDEFAULT[name])
     for r in res:
         assert r["checked"] > 60
         assert not r["failures"], "\n".join(r["failures"][:20])

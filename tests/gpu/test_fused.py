@@ -42,11 +42,12 @@ def fused_plan():
 
 
 # Knobs that change how a one-launch fused call runs (plan.cpp: fused_launch_for): every
-# YALI_DEV_FUSED_* (bytes per CTA, row-load order, clusters, batched poll) and the flash launch
-# limits the fused op shares. scripts/gpu_host/experiments.sh runs this whole file with one of
-# them set (YALI_DEV_FUSED_CLUSTER=8), where the default size table cannot hold.
+# YALI_DEV_FUSED_* (clusters, batched poll) and the flash limit the fused op shares.
+# scripts/gpu_host/experiments.sh runs this whole file with one of them set
+# (YALI_DEV_FUSED_CLUSTER=8), where the default size table cannot hold.
 DEV_KNOB_PREFIX = "YALI_DEV_"
-FLASH_LAUNCH_KNOBS = ("FLASH_CTAS", "FLASH_BYTES")  # besides every FUSED_* knob
+FLASH_LAUNCH_KNOBS = ("FLASH_BYTES",)  # besides every FUSED_* knob
+MAX_CTAS = 128  # the most CTAs of a fused launch (config.h: kMaxFlashCtas)
 
 
 def fused_launch_overrides(environ=None) -> dict:
@@ -80,20 +81,12 @@ def one_launch_calls(stats) -> list[tuple]:
 
 def check_overridden_launches(launches, config: dict) -> list[str]:
     """What still holds of the one-launch calls `launches` ((bytes, rows, launch) triples) when
-    launch knobs are set: a CTA for every row (up to the most CTAs), the clusters, and the chunk
-    size and row-load order when the knobs fix them (0 / -1 = by message size: not checked).
-    Returns the violations."""
-    ctas = int(config["flash_ctas"])
-    cta_bytes, loads_early = int(config["fused_cta_bytes"]), int(config["fused_row_loads_early"])
+    launch knobs are set: a CTA for every row (up to the most CTAs) and the clusters. Returns the
+    violations."""
     bad = []
     for nbytes, rows, l in launches:
-        if not min(rows, ctas) <= l["grid"] <= ctas:
-            bad.append(f"{nbytes} B / {rows} rows: grid {l['grid']} not in [{min(rows, ctas)}, {ctas}]: {l}")
-        if cta_bytes and l["cta_bytes"] != cta_bytes:
-            bad.append(f"{nbytes} B / {rows} rows: {l['cta_bytes']} B per CTA, YALI_DEV_FUSED_CTA_BYTES={cta_bytes}: {l}")
-        if loads_early >= 0 and l["row_loads_early"] != loads_early:
-            bad.append(f"{nbytes} B / {rows} rows: row_loads_early {l['row_loads_early']}, "
-                       f"YALI_DEV_FUSED_ROW_LOADS_EARLY={loads_early}: {l}")
+        if not min(rows, MAX_CTAS) <= l["grid"] <= MAX_CTAS:
+            bad.append(f"{nbytes} B / {rows} rows: grid {l['grid']} not in [{min(rows, MAX_CTAS)}, {MAX_CTAS}]: {l}")
         cluster = expected_fused_cluster(nbytes, l["grid"], config)
         if "cluster" in l and l["cluster"] != cluster:
             bad.append(f"{nbytes} B / {rows} rows: clusters of {l['cluster']}, expected {cluster}: {l}")
@@ -186,23 +179,17 @@ def test_fused_suite_time_bound(suite):
         assert total < 120, {k: r[k]["wall_s"] for k in ("sweep", "interleaved", "graph", "compiled")}
 
 
-# The fused kernel on odd grids: 5 CTAs sending 272-byte chunks that do not line
-# up with rows, each CTA owning several rows; without PDL; and with the receivers
-# of every size polling a row's vectors batched (YALI_DEV_FUSED_BATCH_POLL_MIN=0),
-# or none of them (1G: one vector at a time). The default switches at 512 KiB,
-# which this plan crosses at 32 and 513 tokens. The row loads issued after the
-# send; thread block clusters never and at every size. Same checks on a smaller
-# plan, each setting in its own pair.
+# The fused kernel without PDL, and with the receivers of every size polling a row's
+# vectors batched (YALI_DEV_FUSED_BATCH_POLL_MIN=0), or none of them (1G: one vector
+# at a time). The default switches at 512 KiB, which this plan crosses at 32 and
+# 513 tokens. Thread block clusters never and at every size. Same checks on a
+# smaller plan, each setting in its own pair.
 ODD_PLAN_HIDDEN = (2048, 5120, 8192, 16384)
 ODD_PLAN_TOKENS = (1, 3, 32, 513)
 ODD_SETTINGS = {
-    "odd-grids": {"YALI_DEV_FLASH_CTAS": "5", "YALI_DEV_FUSED_CTA_BYTES": "272"},
     "no-pdl": {"YALI_DEV_PDL": "0"},
     "batch-poll-always": {"YALI_DEV_FUSED_BATCH_POLL_MIN": "0"},
-    "batch-poll-always-odd-grids": {"YALI_DEV_FUSED_BATCH_POLL_MIN": "0", "YALI_DEV_FLASH_CTAS": "5",
-                                    "YALI_DEV_FUSED_CTA_BYTES": "272"},
     "batch-poll-never": {"YALI_DEV_FUSED_BATCH_POLL_MIN": "1G"},
-    "row-loads-late": {"YALI_DEV_FUSED_ROW_LOADS_EARLY": "0"},
     # thread block clusters never / at every size (the table launches them up to 256 KiB)
     "no-clusters": {"YALI_DEV_FUSED_CLUSTER": "0"},
     "clusters-of-8-always": {"YALI_DEV_FUSED_CLUSTER": "8"},

@@ -70,7 +70,7 @@ ENV = {
 }
 RAY_CMD_TIMEOUT = 180  # ray start
 RAY_STOP_GRACE_S = 10  # per signal (SIGTERM, then SIGKILL) when stopping the cluster
-RUN_TIMEOUT = int(os.environ.get("YALI_RAY_TEST_TIMEOUT", "900"))  # one LLM run
+RUN_TIMEOUT = int(os.environ.get("RAY_TEST_TIMEOUT", "900"))  # one LLM run
 PROMPTS = [
     "The capital of France is",
     "Tensor parallelism splits each layer",

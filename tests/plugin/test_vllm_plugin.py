@@ -247,14 +247,6 @@ def test_entry_point_registered_in_metadata():
     assert plugins.get("yali") is plugin.register
 
 
-def test_former_module_path_still_serves():
-    # Package metadata and code written against yali_vllm.vllm_plugin keep working.
-    from yali_vllm import vllm_plugin
-
-    assert vllm_plugin.register is plugin.register
-    assert vllm_plugin.yali_tp_stats is stats.yali_tp_stats
-
-
 def test_wheel_ships_every_package():
     # pyproject.toml lists the packages a wheel (deploy/Dockerfile) installs: yali_vllm.plugin too.
     # Read from the imported package: the checkout, or the installed wheel in CI's wheel legs.

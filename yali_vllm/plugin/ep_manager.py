@@ -189,7 +189,7 @@ def _ep_info(comm: Any, manager: Any) -> dict[str, Any]:
     info: dict[str, Any] = {"host": socket.gethostname(), "error": None}
     try:
         # Off by default: the EP kernels turn on by default once GPU runs show them correct and faster.
-        info["enabled"] = parse_enable() and config.env_flag(config.EP_VAR, False)
+        info["enabled"] = parse_enable() and config.env_flag(config.EP_VAR)
         info["slot_bytes"] = config.ep_slot_bytes()
     except ValueError as e:
         info["enabled"], info["slot_bytes"], info["error"] = False, 0, str(e)

@@ -18,7 +18,7 @@ def parse_enable(environ: Any = None) -> bool:
     from yali_vllm.config import check_environment, env_flag
 
     check_environment(environ)
-    return env_flag(ENABLE_VAR, True, environ)
+    return env_flag(ENABLE_VAR, environ=environ)
 
 
 def _platform_refusal(platform_is_cuda: bool) -> str:

@@ -53,8 +53,7 @@ std::string abort_text(const AbortInfo& a, int rank, int world, double timeout_s
   if (a.what == 9)
     return who + ": the ranks issued different calls (" + calls +
            "): every rank must issue the same YALI calls, in the same order";
-  static const char* whats[] = {"?", "flash arrive flag", "flash gather flag", "stream credit", "stream ready",
-                                "flash-ll data", "push data", "?", "call descriptor"};
+  static const char* whats[] = {"?", "?", "?", "stream credit", "stream ready", "?", "push data", "?", "call descriptor"};
   const int w = (a.what >= 1 && a.what <= 8) ? a.what : 0;
   // The peer's descriptor equal to this call's: the peer is in this call too, but its data did not come.
   const std::string why = same_call(a.mine, a.theirs)

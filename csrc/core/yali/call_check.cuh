@@ -36,16 +36,6 @@
 
 namespace yali {
 
-// A measurement build (YALI_BUILD_UNCHECKED=1 at build time: -DYALI_UNCHECKED_CALLS) sends and checks
-// no descriptor, so that the check's cost is the time difference to the default build. Never for
-// serving: two calls that differ then complete with wrong values. The library says so in its build
-// information, and the communicator refuses it unless YALI_ALLOW_UNCHECKED=1.
-#ifdef YALI_UNCHECKED_CALLS
-inline constexpr bool kCheckCalls = false;
-#else
-inline constexpr bool kCheckCalls = true;
-#endif
-
 // The checker is the last thread of the last CTA. Its wait for the peers' descriptors delays the
 // work of its own thread, and through the CTA's barriers that of its CTA, so it sits where there is
 // the least. A fused kernel's last CTA owns no row whenever the launch has more CTAs than rows (at
@@ -53,7 +43,7 @@ inline constexpr bool kCheckCalls = true;
 // of row 0, which CTA 0 normalises together, and as that thread the check cost the two-rank fused
 // op 0.5-1.3 us at 1-16 tokens, here 0-0.25 us (current/fused/20261128-tp2-h200-call-check). A
 // flash-push CTA holds fewer vectors than its kFlashThreads threads below 1 MiB (Config::
-// push_cta_bytes, 1 KiB per CTA up to flash_ctas CTAs), and so does a slice of the N-rank spread
+// push_cta_bytes, 1 KiB per CTA up to kMaxFlashCtas CTAs), and so does a slice of the N-rank spread
 // kernel at hidden 8192 and 4 CTAs a row (256 vectors): there the last thread holds none.
 __device__ __forceinline__ bool is_call_checker() {
   return blockIdx.x == gridDim.x - 1 && threadIdx.x == blockDim.x - 1;
@@ -86,7 +76,7 @@ __device__ __forceinline__ bool call_arrived(const CallDesc& d) {
 __device__ __forceinline__ uint32_t* call_begin(const CallCheck& c, LocalState* state, uint64_t n) {
   state->call_seq = n;
   const int slot = int(n & 1);
-  if constexpr (kCheckCalls) store_call(c.peer_slots + 4 * slot, c.desc);
+  store_call(c.peer_slots + 4 * slot, c.desc);
   return c.my_slots + 4 * slot;
 }
 
@@ -110,7 +100,7 @@ __device__ __forceinline__ void verify_loaded(const CallDesc& mine, uint32_t* sl
 
 __device__ __forceinline__ void verify_slot(const CallDesc& mine, uint32_t* slot, uint64_t timeout_ns,
                                             const AbortRef& abort, Kernel kernel, int peer) {
-  if constexpr (kCheckCalls) verify_loaded(mine, slot, load_call(slot), timeout_ns, abort, kernel, peer);
+  verify_loaded(mine, slot, load_call(slot), timeout_ns, abort, kernel, peer);
 }
 
 // Step 2, by the same thread (or one that synchronised with it since).
@@ -133,9 +123,8 @@ __device__ __forceinline__ uint32_t* ranks_call_begin(const CallDesc& d, char* c
                                                       int world, LocalState* state, uint64_t n) {
   state->call_seq = n;
   const int parity = int(n & 1);
-  if constexpr (kCheckCalls)
-    for (int p = 0; p < world; ++p)
-      if (p != me) store_call(ranks_call_slot(bufs[p], off, parity, me, world), d);
+  for (int p = 0; p < world; ++p)
+    if (p != me) store_call(ranks_call_slot(bufs[p], off, parity, me, world), d);
   return ranks_call_slot(bufs[me], off, parity, 0, world);
 }
 
@@ -143,15 +132,13 @@ __device__ __forceinline__ uint32_t* ranks_call_begin(const CallDesc& d, char* c
 // the peers wrote overlap (one round trip, not N - 1), then each is checked in rank order.
 __device__ __forceinline__ void ranks_call_verify(const CallDesc& d, uint32_t* mine, int me, int world,
                                                   uint64_t timeout_ns, const AbortRef& abort, Kernel kernel) {
-  if constexpr (kCheckCalls) {
-    CallDesc v[kMaxRanks];
+  CallDesc v[kMaxRanks];
 #pragma unroll
-    for (int p = 0; p < kMaxRanks; ++p)
-      if (p < world && p != me) v[p] = load_call(mine + 4 * p);
+  for (int p = 0; p < kMaxRanks; ++p)
+    if (p < world && p != me) v[p] = load_call(mine + 4 * p);
 #pragma unroll
-    for (int p = 0; p < kMaxRanks; ++p)
-      if (p < world && p != me) verify_loaded(d, mine + 4 * p, v[p], timeout_ns, abort, kernel, p);
-  }
+  for (int p = 0; p < kMaxRanks; ++p)
+    if (p < world && p != me) verify_loaded(d, mine + 4 * p, v[p], timeout_ns, abort, kernel, p);
 }
 
 }  // namespace yali

@@ -2,12 +2,11 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
 #include <stdexcept>
 #include <unistd.h>  // environ
-#include <vector>
 
 #include "layout.h"
 #include "plan.h"
@@ -16,10 +15,7 @@ namespace yali {
 
 const char* kernel_name(Kernel k) {
   switch (k) {
-    case Kernel::FlashOneShot: return "flash-oneshot";
-    case Kernel::FlashTwoShot: return "flash-twoshot";
     case Kernel::Stream: return "stream";
-    case Kernel::FlashLL: return "flash-ll";
     case Kernel::FlashPush: return "flash-push";
     case Kernel::PushOneShot: return "push-oneshot";
     case Kernel::PushTwoShot: return "push-twoshot";
@@ -33,70 +29,211 @@ size_t dtype_size(DType t) { return t == DType::F32 ? 4 : 2; }
 
 namespace {
 
+// Every setting of settings.def as written there.
+struct SettingRow {
+  const char* name;
+  const char* type;
+  const char* def;
+  const char* low;
+  const char* high;
+  const char* step;
+};
+constexpr SettingRow kSettingRows[] = {
+#define YALI_SETTING(name, field, type, def, low, high, step, help) {#name, #type, def, low, high, step},
+#define YALI_PLUGIN_SETTING(name, type, def, low, high, step, help) {#name, #type, def, low, high, step},
+#include "settings.def"
+#undef YALI_SETTING
+#undef YALI_PLUGIN_SETTING
+};
+
+const SettingRow& setting_row(const char* name) {
+  for (const SettingRow& r : kSettingRows)
+    if (std::strcmp(r.name, name) == 0) return r;
+  throw std::logic_error(std::string("settings.def declares no ") + name);
+}
+
 [[noreturn]] void bad(const char* var, const std::string& value, const std::string& accepted) {
   throw std::invalid_argument(std::string(var) + "=" + value + " is invalid: expected " + accepted);
 }
 
-// Parses "123", "64K", "16M", "2G" (binary units). Returns false if unset or empty.
-bool env_bytes(const char* var, size_t lo, size_t hi, size_t multiple, size_t* out) {
+// The value of `var` in the environment; false if unset or empty.
+bool env_text(const char* var, std::string* out) {
   const char* s = std::getenv(var);
   if (!s || !*s) return false;
-  const std::string v(s);
-  const std::string accepted = "a byte count in [" + std::to_string(lo) + ", " + std::to_string(hi) +
-                               "]" + (multiple > 1 ? " and a multiple of " + std::to_string(multiple) : "") +
-                               " (suffixes K, M, G allowed)";
+  *out = s;
+  return true;
+}
+
+// Parses a byte count as a user writes it: "123", "64K", "16M", "2G" (binary units).
+bool parse_bytes(const std::string& v, size_t* out) {
+  const char* s = v.c_str();
   char* end = nullptr;
   errno = 0;
   unsigned long long n = std::strtoull(s, &end, 10);
-  if (end == s || errno != 0 || v[0] == '-') bad(var, v, accepted);
+  if (end == s || errno != 0 || v.find('-') != std::string::npos) return false;
   unsigned long long mul = 1;
   if (*end == 'K' || *end == 'k') mul = 1ull << 10, ++end;
   else if (*end == 'M' || *end == 'm') mul = 1ull << 20, ++end;
   else if (*end == 'G' || *end == 'g') mul = 1ull << 30, ++end;
-  if (*end != '\0' || n > (~0ull) / mul) bad(var, v, accepted);
-  n *= mul;
-  if (n < lo || n > hi || (multiple > 1 && n % multiple != 0)) bad(var, v, accepted);
-  *out = size_t(n);
+  if (*end != '\0' || n > (~0ull) / mul) return false;
+  *out = size_t(n * mul);
   return true;
 }
 
-bool env_int(const char* var, int lo, int hi, int* out) {
-  const char* s = std::getenv(var);
-  if (!s || !*s) return false;
+bool parse_int(const std::string& v, int* out) {
+  const char* s = v.c_str();
   char* end = nullptr;
   errno = 0;
   long n = std::strtol(s, &end, 10);
-  if (end == s || *end != '\0' || errno != 0 || n < lo || n > hi)
-    bad(var, s, "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  if (end == s || *end != '\0' || errno != 0 || n < -(1l << 30) || n > (1l << 30)) return false;
   *out = int(n);
   return true;
 }
 
-void check_range(const char* var, size_t v, size_t lo, size_t hi, size_t multiple) {
-  if (v < lo || v > hi || (multiple > 1 && v % multiple))
-    bad(var, std::to_string(v),
-        "a byte count in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]" +
-            (multiple > 1 ? " and a multiple of " + std::to_string(multiple) : ""));
+bool parse_seconds(const std::string& v, double* out) {
+  const char* s = v.c_str();
+  char* end = nullptr;
+  const double d = std::strtod(s, &end);
+  if (end == s || *end != '\0') return false;
+  *out = d;
+  return true;
 }
 
-void check_int(const char* var, int v, int lo, int hi) {
-  if (v < lo || v > hi)
-    bad(var, std::to_string(v), "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+bool parse_mode(const std::string& v, KernelMode* out) {
+  if (v == "auto") *out = KernelMode::Auto;
+  else if (v == "flash") *out = KernelMode::Flash;
+  else if (v == "stream") *out = KernelMode::Stream;
+  else return false;
+  return true;
 }
 
+// A number of settings.def (a default or a bound); `empty` where the text is "".
+template <typename T, typename Parse>
+T listed(const char* name, const char* what, const char* text, Parse parse, T empty) {
+  if (!*text) return empty;
+  T v{};
+  if (!parse(text, &v))
+    throw std::logic_error(std::string("settings.def: ") + name + "'s " + what + " \"" + text + "\" does not parse");
+  return v;
+}
 
-// Refuses every YALI_DEV_* variable of the environment that is not in `known` (the
-// names from_env() read), so a misspelt or removed knob (YALI_DEV_BATCH_POLL) cannot
-// be silently ignored.
-void refuse_unknown_dev_knobs(const std::vector<std::string>& known) {
+// The bounds of a bytes or int setting, as settings.def gives them (step "" = 1).
+struct ByteBounds {
+  size_t low, high, step;
+  ByteBounds(const char* name, const char* lo, const char* hi, const char* st)
+      : low(listed<size_t>(name, "low", lo, parse_bytes, 0)),
+        high(listed<size_t>(name, "high", hi, parse_bytes, ~size_t(0))),
+        step(listed<size_t>(name, "step", st, parse_bytes, 1)) {}
+  bool holds(size_t v) const { return v >= low && v <= high && v % step == 0; }
+  std::string accepted() const {
+    return "a byte count in [" + std::to_string(low) + ", " + std::to_string(high) + "]" +
+           (step > 1 ? " and a multiple of " + std::to_string(step) : "") + " (suffixes K, M, G allowed)";
+  }
+};
+
+struct IntBounds {
+  int low, high;
+  IntBounds(const char* name, const char* lo, const char* hi)
+      : low(listed<int>(name, "low", lo, parse_int, 0)), high(listed<int>(name, "high", hi, parse_int, 0)) {}
+  bool holds(int v) const { return v >= low && v <= high; }
+  std::string accepted() const { return "an integer in [" + std::to_string(low) + ", " + std::to_string(high) + "]"; }
+};
+
+// seconds: 0 (none) or within [low, high]; the message quotes the bounds as settings.def writes them.
+struct SecondBounds {
+  double low, high;
+  const char* low_text;
+  const char* high_text;
+  SecondBounds(const char* name, const char* lo, const char* hi)
+      : low(listed<double>(name, "low", lo, parse_seconds, 0.0)),
+        high(listed<double>(name, "high", hi, parse_seconds, 0.0)),
+        low_text(lo),
+        high_text(hi) {}
+  bool holds(double v) const { return v == 0.0 || (v >= low && v <= high); }
+  std::string accepted() const {
+    return std::string("0 (none) or seconds in [") + low_text + ", " + high_text + "]";
+  }
+};
+
+constexpr char kModes[] = "one of auto, flash, stream";
+
+// Reads one setting from the environment into `out` (left at its default when unset or empty).
+void read_bytes(const char* var, const char* lo, const char* hi, const char* st, size_t* out) {
+  std::string v;
+  if (!env_text(var, &v)) return;
+  const ByteBounds b(var, lo, hi, st);
+  size_t n = 0;
+  if (!parse_bytes(v, &n) || !b.holds(n)) bad(var, v, b.accepted());
+  *out = n;
+}
+
+void read_int(const char* var, const char* lo, const char* hi, const char*, int* out) {
+  std::string v;
+  if (!env_text(var, &v)) return;
+  const IntBounds b(var, lo, hi);
+  int n = 0;
+  if (!parse_int(v, &n) || !b.holds(n)) bad(var, v, b.accepted());
+  *out = n;
+}
+
+void read_seconds(const char* var, const char* lo, const char* hi, const char*, double* out) {
+  std::string v;
+  if (!env_text(var, &v)) return;
+  const SecondBounds b(var, lo, hi);
+  double d = 0;
+  if (!parse_seconds(v, &d) || !b.holds(d)) bad(var, v, b.accepted());
+  *out = d;
+}
+
+void read_mode(const char* var, const char*, const char*, const char*, KernelMode* out) {
+  std::string v;
+  if (env_text(var, &v) && !parse_mode(v, out)) bad(var, v, kModes);
+}
+
+// Checks one value of a Config built in code against its bounds.
+void check_bytes(const char* var, size_t v, const char* lo, const char* hi, const char* st) {
+  const ByteBounds b(var, lo, hi, st);
+  if (!b.holds(v)) bad(var, std::to_string(v), b.accepted());
+}
+
+void check_int(const char* var, int v, const char* lo, const char* hi, const char*) {
+  const IntBounds b(var, lo, hi);
+  if (!b.holds(v)) bad(var, std::to_string(v), b.accepted());
+}
+
+void check_seconds(const char* var, double v, const char* lo, const char* hi, const char*) {
+  const SecondBounds b(var, lo, hi);
+  if (!b.holds(v)) bad(var, std::to_string(v), b.accepted());
+}
+
+void check_mode(const char* var, KernelMode v, const char*, const char*, const char*) {
+  if (v != KernelMode::Auto && v != KernelMode::Flash && v != KernelMode::Stream)
+    bad(var, std::to_string(int(v)), kModes);
+}
+
+std::string text_bytes(size_t v) { return std::to_string(v); }
+std::string text_int(int v) { return std::to_string(v); }
+std::string text_seconds(double v) {
+  std::ostringstream o;
+  o << v;
+  return o.str();
+}
+std::string text_mode(KernelMode m) { return m == KernelMode::Auto ? "auto" : m == KernelMode::Flash ? "flash" : "stream"; }
+
+// Refuses every YALI_DEV_* variable of the environment that settings.def does not declare, so a
+// misspelt or removed knob (YALI_DEV_BATCH_POLL) cannot be silently ignored.
+void refuse_unknown_dev_knobs() {
   constexpr char kPrefix[] = "YALI_DEV_";
   for (char** e = environ; e && *e; ++e) {
     const std::string entry(*e);
     if (entry.rfind(kPrefix, 0) != 0) continue;
     const std::string name = entry.substr(0, entry.find('='));
-    if (std::find(known.begin(), known.end(), name) == known.end()) {
+    const bool known = std::any_of(std::begin(kSettingRows), std::end(kSettingRows),
+                                   [&](const SettingRow& r) { return name == r.name; });
+    if (!known) {
       std::string list;
-      for (const std::string& k : known) list += (list.empty() ? "" : ", ") + k;
+      for (const SettingRow& r : kSettingRows)
+        if (std::strncmp(r.name, kPrefix, sizeof(kPrefix) - 1) == 0) list += (list.empty() ? "" : ", ") + std::string(r.name);
       throw std::invalid_argument(entry + " is invalid: no such YALI_DEV_* knob (known: " + list + ")");
     }
   }
@@ -104,133 +241,57 @@ void refuse_unknown_dev_knobs(const std::vector<std::string>& known) {
 
 }  // namespace
 
+size_t default_bytes(const char* name, const char* text) { return listed<size_t>(name, "default", text, parse_bytes, 0); }
+int default_int(const char* name, const char* text) { return listed<int>(name, "default", text, parse_int, 0); }
+double default_seconds(const char* name, const char* text) {
+  return listed<double>(name, "default", text, parse_seconds, 0.0);
+}
+KernelMode default_mode(const char* name, const char* text) {
+  return listed<KernelMode>(name, "default", text, parse_mode, KernelMode::Auto);
+}
+
 Config Config::from_env() {
   Config c;
-  std::vector<std::string> dev_knobs;  // every YALI_DEV_* name read below; any other is refused
-  const auto dev_bytes = [&](const char* var, size_t lo, size_t hi, size_t multiple, size_t* out) {
-    dev_knobs.emplace_back(var);
-    env_bytes(var, lo, hi, multiple, out);
-  };
-  const auto dev_int = [&](const char* var, int lo, int hi, int* out) {
-    dev_knobs.emplace_back(var);
-    env_int(var, lo, hi, out);
-  };
-  if (const char* m = std::getenv("YALI_KERNEL_MODE"); m && *m) {
-    const std::string v(m);
-    if (v == "auto") c.mode = KernelMode::Auto;
-    else if (v == "flash") c.mode = KernelMode::Flash;
-    else if (v == "stream") c.mode = KernelMode::Stream;
-    else bad("YALI_KERNEL_MODE", v, "one of auto, flash, stream");
-  }
-  env_bytes("YALI_MAX_BYTES", 16, size_t(1) << 40, 1, &c.max_bytes);
-  dev_bytes("YALI_DEV_FLASH_BYTES", 4096, size_t(1) << 30, 4096, &c.flash_bytes);
-  dev_bytes("YALI_DEV_LL_MAX", 0, size_t(16) << 20, 16, &c.ll_max);
-  dev_bytes("YALI_DEV_LL_CTA_BYTES", 512, size_t(16) << 20, 16, &c.ll_cta_bytes);
-  dev_bytes("YALI_DEV_PUSH_MAX", 0, size_t(1) << 30, 16, &c.push_max);
-  dev_bytes("YALI_DEV_PUSH_CTA_BYTES", 256, size_t(16) << 20, 16, &c.push_cta_bytes);
-  dev_bytes("YALI_DEV_ONESHOT_MAX", 0, size_t(1) << 30, 1, &c.oneshot_max);
-  dev_bytes("YALI_DEV_STREAM_MIN", 0, size_t(1) << 40, 1, &c.stream_min);
-  dev_int("YALI_DEV_FLASH_CTAS", 1, kMaxFlashCtas, &c.flash_ctas);
-  dev_bytes("YALI_DEV_FLASH_CTA_BYTES", 512, size_t(64) << 20, 16, &c.flash_cta_bytes);
-  dev_int("YALI_DEV_LANES", 1, kMaxLanes, &c.lanes);
-  dev_int("YALI_DEV_SLOTS", 2, kMaxSlots, &c.slots);
-  dev_bytes("YALI_DEV_SLOT_BYTES", 4096, size_t(16) << 20, 4096, &c.slot_bytes);
-  dev_int("YALI_DEV_PDL", 0, 1, &c.pdl);
-  dev_bytes("YALI_DEV_FUSED_BATCH_POLL_MIN", 0, size_t(1) << 40, 1, &c.fused_batch_poll_min);
-  dev_bytes("YALI_DEV_FUSED_CTA_BYTES", 0, size_t(16) << 20, 16, &c.fused_cta_bytes);
-  dev_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", -1, 1, &c.fused_row_loads_early);
-  dev_int("YALI_DEV_FUSED_CLUSTER", -1, 8, &c.fused_cluster);
-  dev_bytes("YALI_DEV_RANKS_MAX", 0, size_t(64) << 20, 4096, &c.ranks_max);
-  dev_bytes("YALI_DEV_RANKS_ONESHOT_MAX", 0, size_t(64) << 20, 4096, &c.ranks_oneshot_max);
-  dev_int("YALI_DEV_RANKS_FUSED_SPREAD", 0, 8, &c.ranks_fused_spread);
-  dev_bytes("YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX", 0, size_t(16) << 20, 4096, &c.ranks_fused_one_launch_max);
-  // a multiple of one vector per thread of a CTA (kFlashThreads x 16 bytes): no thread idles in a round
-  dev_bytes("YALI_DEV_RANKS_TWO_SHOT_ROUND", 0, size_t(16) << 20, size_t(kFlashThreads) * 16, &c.ranks_two_shot_round);
-  refuse_unknown_dev_knobs(dev_knobs);
-  // Limits that depend on the flash buffer: a default follows a smaller YALI_DEV_FLASH_BYTES; a
-  // value the user set that does not fit is refused naming both variables.
-  const auto fit_flash = [&](const char* var, size_t* v) {
-    if (*v <= c.flash_bytes) return;
-    if (const char* s = std::getenv(var); s && *s)
-      bad(var, s, "a byte count at most YALI_DEV_FLASH_BYTES (" + std::to_string(c.flash_bytes) + ")");
-    *v = c.flash_bytes;
-  };
-  fit_flash("YALI_DEV_LL_MAX", &c.ll_max);
-  fit_flash("YALI_DEV_PUSH_MAX", &c.push_max);
-  // Unset, YALI_DEV_PUSH_MAX follows the flash buffer: flash-push takes every flash message.
-  if (const char* s = std::getenv("YALI_DEV_PUSH_MAX"); !s || !*s) c.push_max = c.flash_bytes;
-  // The legacy kernels' own knobs do nothing on a default build: refused, not ignored.
-  if (!kLegacyKernels)
-    for (const char* var : {"YALI_DEV_LL_MAX", "YALI_DEV_LL_CTA_BYTES", "YALI_DEV_ONESHOT_MAX", "YALI_DEV_FLASH_CTA_BYTES"})
-      if (const char* s = std::getenv(var); s && *s) bad(var, s, std::string("it unset: a knob of ") + kLegacyBuildHint);
-  if (const char* t = std::getenv("YALI_TIMEOUT_S"); t && *t) {
-    char* end = nullptr;
-    double v = std::strtod(t, &end);
-    // Below a millisecond the watchdog could not tell a slow peer from a missing one.
-    if (end == t || *end != '\0' || !(v == 0.0 || (v >= kMinTimeoutS && v <= 86400.0)))
-      bad("YALI_TIMEOUT_S", t, "0 (no watchdog) or seconds in [0.001, 86400]");
-    c.timeout_s = v;
-  }
+#define YALI_SETTING(name, field, type, def, low, high, step, help) read_##type(#name, low, high, step, &c.field);
+#define YALI_PLUGIN_SETTING(name, type, def, low, high, step, help)
+#include "settings.def"
+#undef YALI_SETTING
+#undef YALI_PLUGIN_SETTING
+  refuse_unknown_dev_knobs();
   c.validate();
   return c;
 }
 
 void Config::validate() const {
-  check_range("YALI_MAX_BYTES", max_bytes, 16, size_t(1) << 40, 1);
-  check_range("YALI_DEV_FLASH_BYTES", flash_bytes, 4096, size_t(1) << 30, 4096);
-  check_range("YALI_DEV_LL_MAX", ll_max, 0, std::min(flash_bytes, size_t(16) << 20), 16);
-  check_range("YALI_DEV_LL_CTA_BYTES", ll_cta_bytes, 512, size_t(16) << 20, 16);
-  check_range("YALI_DEV_PUSH_MAX", push_max, 0, flash_bytes, 16);
-  check_range("YALI_DEV_PUSH_CTA_BYTES", push_cta_bytes, 256, size_t(16) << 20, 16);
-  check_int("YALI_DEV_FLASH_CTAS", flash_ctas, 1, kMaxFlashCtas);
-  check_range("YALI_DEV_FLASH_CTA_BYTES", flash_cta_bytes, 512, size_t(64) << 20, 16);
-  check_int("YALI_DEV_LANES", lanes, 1, kMaxLanes);
-  check_int("YALI_DEV_SLOTS", slots, 2, kMaxSlots);
-  check_range("YALI_DEV_SLOT_BYTES", slot_bytes, 4096, size_t(16) << 20, 4096);
-  check_int("YALI_DEV_PDL", pdl, 0, 1);
-  check_range("YALI_DEV_FUSED_BATCH_POLL_MIN", fused_batch_poll_min, 0, size_t(1) << 40, 1);
-  if (fused_cta_bytes != 0) check_range("YALI_DEV_FUSED_CTA_BYTES", fused_cta_bytes, 256, size_t(16) << 20, 16);
-  check_int("YALI_DEV_FUSED_ROW_LOADS_EARLY", fused_row_loads_early, -1, 1);
-  check_int("YALI_DEV_FUSED_CLUSTER", fused_cluster, -1, 8);
-  // Both N-rank limits, like the other buffer sizes, are multiples of 4 KiB (0: by world size). With
-  // the N-rank limit by world size the one-shot limit is at most its largest (16 MiB) and is cut to
-  // the limit of a world size whose limit is lower (plan.cpp ranks_oneshot_max).
-  if (ranks_max != 0) check_range("YALI_DEV_RANKS_MAX", ranks_max, 4096, size_t(64) << 20, 4096);
-  if (ranks_oneshot_max != 0)
-    check_range("YALI_DEV_RANKS_ONESHOT_MAX", ranks_oneshot_max, 4096, ranks_max != 0 ? ranks_max : size_t(16) << 20, 4096);
-  if (ranks_fused_one_launch_max != 0)
-    check_range("YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX", ranks_fused_one_launch_max, 4096, size_t(16) << 20, 4096);
-  if (ranks_two_shot_round != 0)
-    check_range("YALI_DEV_RANKS_TWO_SHOT_ROUND", ranks_two_shot_round, size_t(kFlashThreads) * 16, size_t(16) << 20,
-                size_t(kFlashThreads) * 16);
+#define YALI_SETTING(name, field, type, def, low, high, step, help) check_##type(#name, field, low, high, step);
+#define YALI_PLUGIN_SETTING(name, type, def, low, high, step, help)
+#include "settings.def"
+#undef YALI_SETTING
+#undef YALI_PLUGIN_SETTING
+  // The N-rank one-shot limit is at most the N-rank limit, or its largest default (16 MiB) while
+  // that is by world size (0); it is cut to the limit of a world size whose limit is lower
+  // (plan.cpp ranks_oneshot_max).
+  if (ranks_oneshot_max != 0) {
+    const std::string top = std::to_string(ranks_max != 0 ? ranks_max : size_t(16) << 20);
+    check_bytes("YALI_DEV_RANKS_ONESHOT_MAX", ranks_oneshot_max, "4K", top.c_str(), "4K");
+  }
   static_assert(kMaxFusedSpread == 8, "the spreads checked here are 2, 4 and 8");
   if (ranks_fused_spread != 0 && ranks_fused_spread != 2 && ranks_fused_spread != 4 && ranks_fused_spread != 8)
     bad("YALI_DEV_RANKS_FUSED_SPREAD", std::to_string(ranks_fused_spread), "0 (off), 2, 4 or 8 (CTAs of a cluster)");
-  if (ep_slot_bytes != 0) check_range("YALI_EP_SLOT_BYTES", ep_slot_bytes, 4096, size_t(256) << 20, 4096);
-  if (!(timeout_s == 0.0 || (timeout_s >= kMinTimeoutS && timeout_s <= 86400.0)))
-    bad("YALI_TIMEOUT_S", std::to_string(timeout_s), "0 (no watchdog) or seconds in [0.001, 86400]");
-  if (!kLegacyKernels && selects_legacy_kernels(*this))
-    bad("YALI_DEV_PUSH_MAX", std::to_string(push_max),
-        "at least the largest message a flash kernel takes (" + std::to_string(std::min(flash_bytes, max_bytes)) +
-            " bytes: YALI_DEV_FLASH_BYTES or YALI_MAX_BYTES if smaller): the "
-            "messages above it would run " + kLegacyBuildHint);
+  if (ep_slot_bytes != 0) {
+    const SettingRow& r = setting_row("YALI_EP_SLOT_BYTES");
+    check_bytes(r.name, ep_slot_bytes, r.low, r.high, r.step);
+  }
 }
 
 std::string Config::to_string() const {
-  std::ostringstream o;
-  o << "mode=" << (mode == KernelMode::Auto ? "auto" : mode == KernelMode::Flash ? "flash" : "stream")
-    << " max_bytes=" << max_bytes << " flash_bytes=" << flash_bytes << " ll_max=" << ll_max
-    << " ll_cta_bytes=" << ll_cta_bytes << " push_max=" << push_max << " push_cta_bytes=" << push_cta_bytes
-    << " oneshot_max=" << oneshot_max
-    << " stream_min=" << stream_min << " flash_ctas=" << flash_ctas << " flash_cta_bytes=" << flash_cta_bytes
-    << " lanes=" << lanes << " slots=" << slots << " slot_bytes=" << slot_bytes << " pdl=" << pdl << " fused_batch_poll_min=" << fused_batch_poll_min
-    << " fused_cta_bytes=" << fused_cta_bytes
-    << " fused_row_loads_early=" << fused_row_loads_early << " fused_cluster=" << fused_cluster
-    << " ranks_max=" << ranks_max << " ranks_oneshot_max=" << ranks_oneshot_max
-    << " ranks_fused_spread=" << ranks_fused_spread << " ranks_fused_one_launch_max=" << ranks_fused_one_launch_max
-    << " ranks_two_shot_round=" << ranks_two_shot_round
-    << " timeout_s=" << timeout_s << " ep_slot_bytes=" << ep_slot_bytes;
-  return o.str();
+  std::string s;
+#define YALI_SETTING(name, field, type, def, low, high, step, help) s += (s.empty() ? "" : " ") + std::string(#field "=") + text_##type(field);
+#define YALI_PLUGIN_SETTING(name, type, def, low, high, step, help)
+#include "settings.def"
+#undef YALI_SETTING
+#undef YALI_PLUGIN_SETTING
+  return s + " ep_slot_bytes=" + std::to_string(ep_slot_bytes);
 }
 
 size_t shared_buffer_bytes(const Config& c, int world) { return SharedLayout(c, world).total; }

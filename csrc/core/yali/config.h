@@ -1,10 +1,10 @@
 // Run-time configuration. The size tables that use it are in plan.h.
 //
-// Everything a user or tuner can change is read here, once, from environment
-// variables, and validated: a bad value throws std::invalid_argument whose
-// message names the variable and the accepted range. Both ranks must resolve
-// the same Config (the communicator checks), because the kernels' lock-step
-// protocols assume both GPUs launch the same kernel with the same shape.
+// Everything a user or tuner can change is declared in settings.def (name, type, default,
+// bounds) and read here, once, from environment variables, and validated: a bad value throws
+// std::invalid_argument whose message names the variable and the accepted range. Both ranks must
+// resolve the same Config (the communicator checks), because the kernels' lock-step protocols
+// assume both GPUs launch the same kernel with the same shape.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -13,8 +13,9 @@
 namespace yali {
 
 enum class KernelMode : int { Auto = 0, Flash = 1, Stream = 2 };
+// Ids 1, 2 and 4 were the retired flash one-shot, two-shot and flash-ll kernels (docs/DESIGN_LOG.md).
 enum class Kernel : int {
-  None = 0, FlashOneShot = 1, FlashTwoShot = 2, Stream = 3, FlashLL = 4, FlashPush = 5,
+  None = 0, Stream = 3, FlashPush = 5,
   PushOneShot = 6, PushTwoShot = 7,  // N ranks (ranks.cuh)
   EpGather = 8, EpReduceScatter = 9   // expert parallelism, 2 to kMaxRanks ranks (ep.cuh)
 };
@@ -39,69 +40,36 @@ constexpr int kStreamThreads = 512;  // half senders, half receivers
 // The fused all-reduce + RMSNorm kernel keeps one row in registers: at most
 // kFlashThreads threads x 8 vectors x 16 bytes (hidden 32768 in 16-bit types).
 constexpr size_t kFusedMaxRowBytes = size_t(kFlashThreads) * 8 * 16;
-// Whether the build has the legacy flash kernels (flash-ll, one-shot, two-shot:
-// legacy/flash.cuh), compiled only with -DYALI_LEGACY_KERNELS (YALI_BUILD_LEGACY=1).
-#ifdef YALI_LEGACY_KERNELS
-constexpr bool kLegacyKernels = true;
-#else
-constexpr bool kLegacyKernels = false;
-#endif
-// Names the build flag in the errors that refuse a legacy setting on a default build.
-constexpr char kLegacyBuildHint[] =
-    "the legacy flash kernels (flash-ll, one-shot, two-shot), which this build does not include "
-    "(build with YALI_BUILD_LEGACY=1, which compiles with -DYALI_LEGACY_KERNELS)";
-// Shortest watchdog YALI_TIMEOUT_S accepts (0 = none): below it a slow peer looks like a missing one.
-constexpr double kMinTimeoutS = 1e-3;
 
-// The defaults are the measured best on 2xH200; plan.cpp gives the measurement behind each.
+// The stream ring: 128 lanes (one CTA each) of 8 slots of YALI_DEV_SLOT_BYTES, the best of the ring
+// shapes measured side by side (plan.cpp).
+constexpr int kStreamLanes = 128;
+constexpr int kStreamSlots = 8;
+static_assert(kStreamLanes <= kMaxLanes && kStreamSlots <= kMaxSlots, "the stream flag words hold the ring");
+
+// The value types of the settings (settings.def: type) and their defaults' parsers, which read a
+// default as a user writes the value ("8M", "-1", "auto"). A default that does not parse throws
+// std::logic_error naming the setting (tests/core/test_core_config.py reads every default).
+using setting_bytes = size_t;
+using setting_int = int;
+using setting_seconds = double;
+using setting_mode = KernelMode;
+size_t default_bytes(const char* name, const char* text);
+int default_int(const char* name, const char* text);
+double default_seconds(const char* name, const char* text);
+KernelMode default_mode(const char* name, const char* text);
+
+// One member per YALI_SETTING of settings.def (its `field`: mode, max_bytes, timeout_s,
+// flash_bytes, stream_min, push_cta_bytes, slot_bytes, pdl, fused_batch_poll_min,
+// fused_cluster, ranks_max, ranks_oneshot_max, ranks_fused_one_launch_max, ranks_fused_spread,
+// ranks_two_shot_round), holding its default: the measured best on 2xH200 (plan.cpp gives the
+// measurement behind each).
 struct Config {
-  KernelMode mode = KernelMode::Auto;  // YALI_KERNEL_MODE
-  size_t max_bytes = size_t(2) << 30;  // YALI_MAX_BYTES: largest message served
-  size_t flash_bytes = 8u << 20;       // YALI_DEV_FLASH_BYTES: largest message flash can take
-  size_t ll_max = 128u << 10;          // YALI_DEV_LL_MAX (legacy): flash-ll (flag-in-data) up to here
-  size_t ll_cta_bytes = 1u << 10;      // YALI_DEV_LL_CTA_BYTES (legacy): bytes per active flash-ll CTA
-  size_t push_max = 8u << 20;          // YALI_DEV_PUSH_MAX: flash-push (sentinel-in-data) up to here
-                                       // (from_env: YALI_DEV_FLASH_BYTES unless set); above it the legacy kernels
-  size_t push_cta_bytes = 1u << 10;    // YALI_DEV_PUSH_CTA_BYTES: bytes per active flash-push CTA
-  size_t oneshot_max = 8u << 20;       // YALI_DEV_ONESHOT_MAX (legacy): one-shot up to here, then two-shot
-  size_t stream_min = 8u << 20;        // YALI_DEV_STREAM_MIN: auto picks stream above this
-  int flash_ctas = 128;                // YALI_DEV_FLASH_CTAS: most CTAs of a flash launch
-  size_t flash_cta_bytes = 16u << 10;  // YALI_DEV_FLASH_CTA_BYTES (legacy): bytes per active one-/two-shot CTA
-  int lanes = 128;                     // YALI_DEV_LANES: stream lanes (one CTA each)
-  int slots = 8;                       // YALI_DEV_SLOTS: ring slots per lane
-  size_t slot_bytes = 64u << 10;       // YALI_DEV_SLOT_BYTES
-  int pdl = 1;                         // YALI_DEV_PDL: 1 = launch with programmatic dependent launch, 0 = plain
-  // YALI_DEV_FUSED_BATCH_POLL_MIN: the fused op's receivers poll all their vectors of a row per
-  // round (wait_push_batch) from this message size on, one vector after the other below it.
-  size_t fused_batch_poll_min = 512u << 10;
-  // YALI_DEV_FUSED_CTA_BYTES: bytes of the message each CTA of the one-launch fused op sends
-  // (at most flash_ctas CTAs); 0 = by message size (fused_launch_for).
-  size_t fused_cta_bytes = 0;
-  // YALI_DEV_FUSED_ROW_LOADS_EARLY: 1 = a row's weight / input / residual loads go out before the
-  // epoch fetch, 0 = right after this CTA's send (fused.cuh), -1 = by message size (fused_launch_for).
-  int fused_row_loads_early = -1;
-  // YALI_DEV_FUSED_CLUSTER: the one-launch fused kernel runs as thread block clusters of up to
-  // this many CTAs (the largest power of two <= it that divides the grid); 0 = never clusters,
-  // -1 = by message size (fused_launch_for, which says why).
-  int fused_cluster = -1;
-  // N ranks (world size above 2, ranks.cuh; plan.cpp gives the table):
-  // YALI_DEV_RANKS_MAX: the largest message the N-rank kernels take; above it vLLM's chain serves.
-  // 0 = by world size (plan.cpp ranks_max_for: 16 MiB up to 4 ranks, 8 MiB above).
-  size_t ranks_max = 0;
-  // YALI_DEV_RANKS_ONESHOT_MAX: push one-shot up to here, push two-shot above; 0 = by world size.
-  size_t ranks_oneshot_max = 0;
-  // YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX: the largest N-rank fused op served in one launch, at most
-  // one rank's slot; 0 = 512 KiB (plan.cpp ranks_fused_one_launch_max).
-  size_t ranks_fused_one_launch_max = 0;
-  // YALI_DEV_RANKS_FUSED_SPREAD: the one-launch fused op at N ranks spreads every row over a
-  // cluster of this many CTAs (2, 4 or 8; while rows x it <= 64), each adding and normalising its
-  // slice (ranks.cuh fused_ranks_spread_kernel); 0 = a CTA owns whole rows (plan.cpp says why 4).
-  int ranks_fused_spread = 4;
-  // YALI_DEV_RANKS_TWO_SHOT_ROUND: a push two-shot CTA runs its reduce-scatter, sum and all-gather
-  // round by round over this many bytes of its share of each segment (ranks.cuh); 0 = its whole
-  // share in one round.
-  size_t ranks_two_shot_round = 0;
-  double timeout_s = 300.0;            // YALI_TIMEOUT_S: a kernel waiting longer aborts (0 = never)
+#define YALI_SETTING(name, field, type, def, low, high, step, help) setting_##type field = default_##type(#name, def);
+#define YALI_PLUGIN_SETTING(name, type, def, low, high, step, help)
+#include "settings.def"
+#undef YALI_SETTING
+#undef YALI_PLUGIN_SETTING
   // Expert parallelism (ep.cuh): one rank's slot of each parity of the EP push area, the largest
   // dispatch message (every part of one rank's tokens, each padded to 16 bytes) or combine
   // message (one rank's rows) it serves. 0 = no EP area (an all-reduce communicator). Set by

@@ -46,7 +46,7 @@ EpArgs Rank::ep_args(const uint32_t* counts, const CallDesc& desc) const {
   EpArgs a{};
   a.rank = rank_;
   a.world = world_;
-  a.total_ctas = config_.flash_ctas;
+  a.total_ctas = kMaxFlashCtas;
   uint32_t first = 0;
   for (int r = 0; r < world_; ++r) {
     a.count[r] = counts[r];

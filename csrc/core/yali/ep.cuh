@@ -46,7 +46,7 @@ struct EpPart {
 struct EpArgs {
   int rank;
   int world;
-  int total_ctas;              // Config::flash_ctas (advance_epochs)
+  int total_ctas;              // kMaxFlashCtas (advance_epochs)
   int parts;                   // gather: parts used
   EpPart part[kEpMaxParts];    // gather
   const void* rs_in;           // reduce-scatter: [sum T, hidden]

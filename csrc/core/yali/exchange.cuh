@@ -5,7 +5,7 @@
 // their data this way; stream (stream.cuh) has its own ring and flow control.
 //
 // Lock-step protocol (why no reset and no end barrier are needed):
-//  * Every exchange call advances all Config::flash_ctas epoch counters by one,
+//  * Every exchange call advances all kMaxFlashCtas epoch counters by one,
 //    so all epochs equal the number of such calls made so far. A launch has only
 //    the CTAs that carry data; its CTA 0 advances the epochs of the others (no
 //    other CTA of that launch touches them, and launches on a stream are ordered).
@@ -34,7 +34,7 @@ struct ExchangeArgs {
   const void* in;
   void* out;
   size_t nbytes;
-  int total_ctas;        // Config::flash_ctas: epochs of CTAs [gridDim.x, total_ctas) are advanced by CTA 0
+  int total_ctas;        // kMaxFlashCtas: epochs of CTAs [gridDim.x, total_ctas) are advanced by CTA 0
   size_t parity_bytes;   // one parity of the push area (Config::flash_bytes)
   char* my_push;         // the push area the peer writes to me (2 parities)
   char* peer_push;

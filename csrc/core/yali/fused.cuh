@@ -4,8 +4,8 @@
 // The exchange is flash-push's (exchange.cuh), with two kinds of work per CTA
 // (fused_work, the same for the N-rank whole-row kernel in ranks.cuh):
 //  * sending: the message is cut into one contiguous chunk per sending CTA, as
-//    flash-push cuts it (the plan gives Config::fused_cta_bytes per CTA, at most
-//    flash_ctas CTAs), and every CTA stores its chunk into the peer's push area.
+//    flash-push cuts it (the plan gives FusedLaunch::cta_bytes per CTA, at most
+//    kMaxFlashCtas CTAs), and every CTA stores its chunk into the peer's push area.
 //    One SM alone cannot keep many NVLink stores in flight: a 32 KiB flash-push
 //    sent 16 KiB per CTA took 4.00 us against 3.12 us at 1 KiB per CTA (tune r4),
 //    and this split took the fused op at 1 token from 4.12 to 3.85 us.
@@ -157,7 +157,7 @@ __device__ __forceinline__ FusedWork fused_work(int rows, int row_vecs) {
 // kRowLoadsEarly: the weight, input and residual loads of this CTA's first row
 // go out before the epoch fetch (inside a model they come from DRAM and have the
 // whole wait to land), or after the send, so that they do not queue in front of
-// the epoch fetch and the sent vectors of this CTA. Config::fused_row_loads_early.
+// the epoch fetch and the sent vectors of this CTA. FusedLaunch::row_loads_early.
 template <typename T, int kV, bool kBatchPoll, bool kRowLoadsEarly>
 __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kernel(FusedArgs a) {
   wait_prior_grids();

@@ -1,9 +1,7 @@
 // Byte layout of the buffer each rank allocates once and shares with its peers
 // by CUDA IPC. The peer writes the push area, the stream flag words and the
 // stream slots (remote stores over NVLink); with more than two ranks, every other
-// rank writes its slots of the N-rank push area and of the call slots instead. The areas of the legacy flash
-// kernels (legacy/flash.cuh: arrive / gather flags, LL words, stage, reduced)
-// have size 0 unless the build has them and the Config selects them.
+// rank writes its slots of the N-rank push area and of the call slots instead.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -39,16 +37,11 @@ inline CallDesc call_desc(CallOp op, Kernel kernel, size_t nbytes, DType dtype, 
 
 struct SharedLayout {
   // Flag words, 8 bytes each, written only by the peer, polled only locally.
-  size_t flash_arrive;   // legacy: [kMaxFlashCtas]  "my flash CTA b staged its data for epoch e"
-  size_t flash_gather;   // legacy: [kMaxFlashCtas]  "my two-shot CTA b published its reduced half"
   size_t stream_ready;   // [kMaxLanes * kMaxSlots]  "slot holds my chunk with sequence g"
   size_t stream_credit;  // [kMaxLanes * kMaxSlots]  "I consumed your chunk with sequence g"
   size_t call_slots;     // [2][4] 32-bit words: the peer's descriptor of its current call (call_check.cuh);
                          // kCallEmpty wherever no unread descriptor is. N ranks: [2][N][4], rank r's in [.][r]
   // Data areas.
-  size_t flash_stage;    // legacy: 2 parities x flash_bytes: my input, staged for the peer to read
-  size_t flash_reduced;  // legacy: 2 parities x flash_bytes: two-shot, my reduced half for the peer
-  size_t flash_ll;       // legacy: 2 parities x 2*ll_max: flash-ll words {data, flag}, written by the peer
   size_t flash_push;     // 2 parities x flash_bytes: flash-push / fused data, written by the peer;
                          // holds kPushEmpty words wherever no unread data is (see exchange.cuh)
   size_t stream_slots;   // lanes x slots x slot_bytes: the peer's chunks land here
@@ -63,7 +56,6 @@ struct SharedLayout {
   // `world` ranks: two use the two-rank areas (flash-push, stream), more use only the N-rank push
   // area and the N-rank call slots (every other area takes no bytes).
   explicit SharedLayout(const Config& c, int world = 2) {
-    const size_t legacy = selects_legacy_kernels(c) ? 1 : 0;  // 0: the legacy areas take no bytes
     const size_t pair = world == 2 ? 1 : 0;                   // 0: the two-rank areas take no bytes
     size_t off = 0;
     auto take = [&off](size_t bytes) {
@@ -71,18 +63,13 @@ struct SharedLayout {
       off = (off + bytes + 255) / 256 * 256;  // keep every area 256-byte aligned
       return at;
     };
-    flash_arrive = take(pair * legacy * sizeof(uint64_t) * kMaxFlashCtas);
-    flash_gather = take(pair * legacy * sizeof(uint64_t) * kMaxFlashCtas);
     stream_ready = take(pair * sizeof(uint64_t) * kMaxLanes * kMaxSlots);
     stream_credit = take(pair * sizeof(uint64_t) * kMaxLanes * kMaxSlots);
     call_slots_bytes = 2 * size_t(pair ? 1 : world) * sizeof(CallDesc);
     call_slots = take(call_slots_bytes);
-    flash_ll = take(pair * legacy * 2 * 2 * c.ll_max);
-    flags_end = off;  // the LL words are flags too: they must start zeroed
+    flags_end = off;
     flash_push = take(pair * 2 * c.flash_bytes);
-    flash_stage = take(pair * legacy * 2 * c.flash_bytes);
-    flash_reduced = take(pair * legacy * 2 * c.flash_bytes);
-    stream_slots = take(pair * size_t(c.lanes) * c.slots * c.slot_bytes);
+    stream_slots = take(pair * size_t(kStreamLanes) * kStreamSlots * c.slot_bytes);
     ranks_slot = pair ? 0 : ranks_slot_bytes(c, world);
     ranks_push = take(2 * 2 * size_t(world) * ranks_slot);
     ep_slot = c.ep_slot_bytes;
@@ -110,7 +97,7 @@ struct AbortInfo {
   uint32_t magic;  // kAbortMagic once filled
   int32_t kernel;  // Kernel enum
   int32_t block;
-  int32_t what;    // 1 = flash arrive, 2 = flash gather, 3 = stream credit, 4 = stream ready, 5 = flash-ll,
+  int32_t what;    // 3 = stream credit, 4 = stream ready (1, 2, 5: the retired kernels' waits),
                    // 6 = flash-push data, 8 = the peer's call descriptor, 9 = the ranks' calls differ
   uint64_t expected;
   uint64_t seen;

@@ -11,10 +11,6 @@ namespace {
 
 size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
 
-// The largest message plan_for gives a flash kernel in some mode (a call may
-// override Config::mode: Rank::all_reduce).
-size_t largest_flash_message(const Config& c) { return std::min(c.flash_bytes, c.max_bytes); }
-
 // N ranks: the largest one-launch fused message (YALI_DEV_RANKS_FUSED_ONE_LAUNCH_MAX sets another,
 // within one rank's slot). At 4 ranks, hidden 8192 bf16, the two-launch path is faster from 48
 // tokens on: 10.44 against 12.56 us at 48, 11.48 against 14.66 at 64, 17.21 against 23.40 at 128;
@@ -25,17 +21,17 @@ constexpr size_t kRanksFusedOneLaunchMax = size_t(512) << 10;
 }  // namespace
 
 int push_ctas(const Config& c, size_t bytes) {
-  return int(std::min<size_t>(c.flash_ctas, ceil_div(bytes, c.push_cta_bytes)));
+  return int(std::min<size_t>(kMaxFlashCtas, ceil_div(bytes, c.push_cta_bytes)));
 }
 
 // All-reduce, with the defaults of config.h:
 //  * flash-push up to 8 MiB (YALI_DEV_FLASH_BYTES, the push area): faster than the first
 //    table (flash-ll, one-shot) at every size up to 8 MiB, 2.52 against 2.70 us at 2 KiB,
 //    15.70 against 17.72 us at 4 MiB (current/allreduce/20261122-pdl, column yali-prev).
-//  * 1 KiB per flash-push CTA, at most 128 CTAs (YALI_DEV_PUSH_CTA_BYTES, YALI_DEV_FLASH_CTAS):
+//  * 1 KiB per flash-push CTA, at most 128 CTAs (YALI_DEV_PUSH_CTA_BYTES, kMaxFlashCtas):
 //    16 KiB is slower up to 1 MiB, 512 B-4 KiB within 0.4 us of each other (current/tune/20261122-push-cta-bytes).
-//  * stream above 8 MiB (YALI_DEV_STREAM_MIN), 128 lanes x 8 slots x 64 KiB (YALI_DEV_LANES,
-//    _SLOTS, _SLOT_BYTES): the best of the configurations measured side by side
+//  * stream above 8 MiB (YALI_DEV_STREAM_MIN), 128 lanes x 8 slots (kStreamLanes, kStreamSlots)
+//    x 64 KiB (YALI_DEV_SLOT_BYTES): the best of the configurations measured side by side
 //    (current/tune/20261122-configs-first, current/tune/20261122-configs-second); the same from 16 MiB in both tables
 //    (current/allreduce/20261122-pdl).
 //  * programmatic dependent launch (YALI_DEV_PDL=1): 0.1-0.5 us faster up to 8 MiB, equal
@@ -56,7 +52,7 @@ namespace {
 //  * push two-shot: reduce-scatter then all-gather, both by pushes: two trips, about twice the
 //    message out of every GPU whatever N is.
 //  * CTAs: 1 KiB of each rank's share per CTA, as flash-push (YALI_DEV_PUSH_CTA_BYTES), at most
-//    YALI_DEV_FLASH_CTAS.
+//    kMaxFlashCtas.
 Plan ranks_plan(const Config& c, size_t nbytes, int world) {
   Plan p;
   if (nbytes > ranks_max_for(c, world) || c.mode == KernelMode::Stream) return p;  // no N-rank bandwidth kernel
@@ -122,33 +118,17 @@ Plan plan_for(const Config& c, size_t nbytes, int world) {
     p.kernel = Kernel::Stream;
     // Chunks of at most one ring slot, spread round-robin over the lanes; a lane
     // with several chunks cycles through its ring, overlapping send and receive.
-    const size_t per_lane = ceil_div(nbytes, size_t(c.lanes));
+    const size_t per_lane = ceil_div(nbytes, size_t(kStreamLanes));
     p.chunk_bytes = std::min(c.slot_bytes, ceil_div(per_lane, 16) * 16);
-    p.blocks = int(std::min<size_t>(c.lanes, ceil_div(nbytes, p.chunk_bytes)));
+    p.blocks = int(std::min<size_t>(kStreamLanes, ceil_div(nbytes, p.chunk_bytes)));
     return p;
   }
   // flash-push: one one-way NVLink trip with no flag words and no staging copy
-  // (sentinel-in-data, exchange.cuh). The legacy flash-ll / one-shot / two-shot
-  // take what is above YALI_DEV_PUSH_MAX, on a build that has them
-  // (YALI_BUILD_LEGACY=1; Config::validate refuses such a Config on any other).
-  if (nbytes <= c.push_max) {
-    p.kernel = Kernel::FlashPush;
-    p.blocks = push_ctas(c, nbytes);
-    return p;
-  }
-  // The first table's boundaries: flash-ll up to 128 KiB with 1 KiB per CTA, one-shot up to
-  // 8 MiB with 16 KiB per CTA, never two-shot (current/tune/20261122-configs-first, current/tune/20261122-configs-second).
-  if (nbytes <= c.ll_max) {
-    p.kernel = Kernel::FlashLL;
-    p.blocks = int(std::min<size_t>(c.flash_ctas, ceil_div(nbytes, c.ll_cta_bytes)));
-    return p;
-  }
-  p.kernel = nbytes <= c.oneshot_max ? Kernel::FlashOneShot : Kernel::FlashTwoShot;
-  p.blocks = int(std::min<size_t>(c.flash_ctas, ceil_div(nbytes, c.flash_cta_bytes)));
+  // (sentinel-in-data, exchange.cuh).
+  p.kernel = Kernel::FlashPush;
+  p.blocks = push_ctas(c, nbytes);
   return p;
 }
-
-bool selects_legacy_kernels(const Config& c) { return c.push_max < largest_flash_message(c); }
 
 FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType dtype, int world) {
   FusedLaunch l;
@@ -192,15 +172,13 @@ FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType 
   else if (nbytes <= (256u << 10) && row_bytes <= (8u << 10)) cta_bytes = 4u << 10, l.row_loads_early = false, cluster = 1;
   else if (nbytes <= (256u << 10)) cta_bytes = 8u << 10, l.row_loads_early = true, cluster = 1;
   else cta_bytes = 1u << 10, l.row_loads_early = false, cluster = 1;
-  if (c.fused_cta_bytes != 0) cta_bytes = c.fused_cta_bytes;
-  if (c.fused_row_loads_early >= 0) l.row_loads_early = c.fused_row_loads_early != 0;
   if (c.fused_cluster >= 0) cluster = std::max(c.fused_cluster, 1);
   l.cta_bytes = cta_bytes;
-  // The sending is cut into cta_bytes per CTA (at most flash_ctas CTAs); every row needs a CTA too.
+  // The sending is cut into cta_bytes per CTA (at most kMaxFlashCtas CTAs); every row needs a CTA too.
   // (Which CTA sends and owns what is the kernels' rule, fused.cuh fused_work: a launch without
   // clusters and with more CTAs than rows sends from all CTAs but its last.)
-  const size_t senders = std::min<size_t>(c.flash_ctas, std::max<size_t>(1, ceil_div(nbytes, cta_bytes)));
-  l.grid = int(std::max(senders, std::min<size_t>(rows, c.flash_ctas)));
+  const size_t senders = std::min<size_t>(kMaxFlashCtas, std::max<size_t>(1, ceil_div(nbytes, cta_bytes)));
+  l.grid = int(std::max(senders, std::min<size_t>(rows, kMaxFlashCtas)));
   // Clusters: the largest power of two up to the limit that divides the grid.
   while (l.cluster * 2 <= cluster && l.grid % (l.cluster * 2) == 0) l.cluster *= 2;
   // The receivers poll a row's vectors batched from 512 KiB (32 tokens) on
@@ -214,7 +192,7 @@ FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType 
   // 6.16-8.92 us; 128 CTAs (32 rows of 4, 16 of 8) are slower than whole rows (15.56 and 13.56 vs
   // 12.56 and 10.93 us) (current/fused/20261126-tp4-spread).
   const size_t spread = size_t(c.ranks_fused_spread);
-  if (world > 2 && spread > 1 && rows * spread <= std::min<size_t>(64, c.flash_ctas)) {
+  if (world > 2 && spread > 1 && rows * spread <= std::min<size_t>(64, kMaxFlashCtas)) {
     l.spread = l.cluster = int(spread);
     l.grid = int(rows * spread);
     const size_t slice_per_thread = ceil_div(ceil_div(row_bytes / 16, spread), kFlashThreads);

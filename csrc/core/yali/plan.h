@@ -21,7 +21,7 @@ struct Plan {
 Plan plan_for(const Config& c, size_t nbytes, int world = 2);
 
 // CTAs of a push launch whose largest per-rank share is `bytes`: Config::push_cta_bytes each, at most
-// Config::flash_ctas (flash-push, push one-shot / two-shot, the EP kernels).
+// kMaxFlashCtas (flash-push, push one-shot / two-shot, the EP kernels).
 int push_ctas(const Config& c, size_t bytes);
 
 // N ranks: the largest message the N-rank kernels serve (Config::ranks_max, or the world size's default).
@@ -34,10 +34,6 @@ size_t ranks_slot_bytes(const Config& c, int world);
 // N ranks: the largest message of the one-launch fused op: Config::ranks_fused_one_launch_max, or
 // else 512 KiB (plan.cpp says why); never above ranks_slot_bytes.
 size_t ranks_fused_one_launch_max(const Config& c, int world);
-
-// Whether the table can pick a legacy flash kernel for some message and mode:
-// flash messages above push_max exist. A default build refuses such a Config.
-bool selects_legacy_kernels(const Config& c);
 
 // How the fused op runs for one shape; Rank::fused_allreduce_rmsnorm launches
 // exactly this (launch_fused in rank.cu maps it to a kernel instance).

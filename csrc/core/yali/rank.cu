@@ -11,9 +11,6 @@
 #include "push.cuh"
 #include "ranks.cuh"
 #include "stream.cuh"
-#ifdef YALI_LEGACY_KERNELS
-#include "legacy/flash.cuh"
-#endif
 
 namespace yali {
 
@@ -54,7 +51,7 @@ Rank::Rank(int device, int rank, int world, const Config& config)
   check_cuda(cudaMemset(shared_ + layout_.call_slots, 0xff, layout_.call_slots_bytes), "cudaMemset(call slots)");
   // The push areas (flash-push's with two ranks, the N-rank one with more, the EP area) start empty
   // (exchange.cuh).
-  for (const auto& [off, bytes] : {std::pair<size_t, size_t>{layout_.flash_push, layout_.flash_stage - layout_.flash_push},
+  for (const auto& [off, bytes] : {std::pair<size_t, size_t>{layout_.flash_push, layout_.stream_slots - layout_.flash_push},
                                    std::pair<size_t, size_t>{layout_.ranks_push, layout_.total - layout_.ranks_push}})
     if (bytes > 0) fill_words<<<256, 256>>>(reinterpret_cast<uint32_t*>(shared_ + off), bytes / 4, kPushEmpty);
   check_cuda(cudaGetLastError(), "fill(push area)");
@@ -195,14 +192,6 @@ cudaError_t Rank::all_reduce(const void* in, void* out, size_t nbytes, DType dty
           return launch(push_twoshot_kernel<T, decltype(w)::value>, p.blocks, kFlashThreads, stream, pdl,
                         ranks_args(in, out, nbytes, desc));
         });
-#ifdef YALI_LEGACY_KERNELS
-      case Kernel::FlashLL:
-        return launch(flash_ll_kernel<T>, p.blocks, kFlashThreads, stream, pdl, legacy_args(in, out, nbytes, desc));
-      case Kernel::FlashOneShot:
-        return launch(flash_oneshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, legacy_args(in, out, nbytes, desc));
-      case Kernel::FlashTwoShot:
-        return launch(flash_twoshot_kernel<T>, p.blocks, kFlashThreads, stream, pdl, legacy_args(in, out, nbytes, desc));
-#endif
       default: return cudaErrorInvalidValue;
     }
   });
@@ -213,7 +202,7 @@ ExchangeArgs Rank::exchange_args(const void* in, void* out, size_t nbytes, const
   x.in = in;
   x.out = out;
   x.nbytes = nbytes;
-  x.total_ctas = config_.flash_ctas;
+  x.total_ctas = kMaxFlashCtas;
   x.parity_bytes = config_.flash_bytes;
   x.my_push = shared_ + layout_.flash_push;
   x.peer_push = peer_buf() + layout_.flash_push;
@@ -239,7 +228,7 @@ RanksArgs Rank::ranks_args(const void* in, void* out, size_t nbytes, const CallD
   a.nbytes = nbytes;
   a.rank = rank_;
   a.world = world_;
-  a.total_ctas = config_.flash_ctas;
+  a.total_ctas = kMaxFlashCtas;
   a.slot_bytes = layout_.ranks_slot;
   a.push_off = layout_.ranks_push;
   a.call_off = layout_.call_slots;
@@ -253,32 +242,13 @@ RanksArgs Rank::ranks_args(const void* in, void* out, size_t nbytes, const CallD
 }
 
 StreamArgs Rank::stream_args(const void* in, void* out, size_t nbytes, const Plan& p, const CallDesc& desc) const {
-  return StreamArgs{in, out, nbytes, p.chunk_bytes, p.blocks, config_.slots, config_.slot_bytes,
+  return StreamArgs{in, out, nbytes, p.chunk_bytes, p.blocks, kStreamSlots, config_.slot_bytes,
                     shared_ + layout_.stream_slots, peer_buf() + layout_.stream_slots,
                     flag_words(shared_, layout_.stream_ready), flag_words(peer_buf(), layout_.stream_ready),
                     flag_words(shared_, layout_.stream_credit), flag_words(peer_buf(), layout_.stream_credit),
                     state_, uint64_t(config_.timeout_s * 1e9), AbortRef{abort_dev_, desc}, call_check(desc)};
 }
 
-#ifdef YALI_LEGACY_KERNELS
-LegacyArgs Rank::legacy_args(const void* in, void* out, size_t nbytes, const CallDesc& desc) const {
-  LegacyArgs f{};
-  f.x = exchange_args(in, out, nbytes, desc);
-  f.rank = rank_;
-  f.my_arrive = flag_words(shared_, layout_.flash_arrive);
-  f.peer_arrive = flag_words(peer_buf(), layout_.flash_arrive);
-  f.my_gather = flag_words(shared_, layout_.flash_gather);
-  f.peer_gather = flag_words(peer_buf(), layout_.flash_gather);
-  f.my_stage = shared_ + layout_.flash_stage;
-  f.peer_stage = peer_buf() + layout_.flash_stage;
-  f.my_reduced = shared_ + layout_.flash_reduced;
-  f.peer_reduced = peer_buf() + layout_.flash_reduced;
-  f.my_ll = shared_ + layout_.flash_ll;
-  f.peer_ll = peer_buf() + layout_.flash_ll;
-  f.ll_parity_bytes = 2 * config_.ll_max;
-  return f;
-}
-#endif
 
 namespace {
 

@@ -18,7 +18,6 @@ namespace yali {
 struct ExchangeArgs;
 struct CallCheck;
 struct StreamArgs;
-struct LegacyArgs;
 struct RanksArgs;
 struct EpArgs;
 
@@ -113,9 +112,6 @@ class Rank {
   EpArgs ep_args(const uint32_t* counts, const CallDesc& desc) const;
   cudaError_t ranks_fused(const void* in, const void* residual, const void* weight, float eps, void* norm_out,
                           void* residual_out, size_t rows, size_t hidden, DType dtype, cudaStream_t stream) const;
-#ifdef YALI_LEGACY_KERNELS
-  LegacyArgs legacy_args(const void* in, void* out, size_t nbytes, const CallDesc& desc) const;
-#endif
 
   int device_;
   int rank_;

@@ -38,7 +38,7 @@ struct RanksArgs {
   size_t nbytes;
   int rank;               // mine
   int world;
-  int total_ctas;         // Config::flash_ctas (advance_epochs)
+  int total_ctas;         // kMaxFlashCtas (advance_epochs)
   size_t slot_bytes;      // one rank's slot of one phase (SharedLayout::ranks_slot)
   size_t push_off;        // SharedLayout::ranks_push, the same in every rank's buffer
   size_t call_off;        // SharedLayout::call_slots
