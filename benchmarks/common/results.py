@@ -1,9 +1,10 @@
 """Shared helpers for yali-vllm benchmark result files (kept under ``benchmarks/results/``).
 
 Every result file is one JSON object with the common keys returned by
-:func:`results_header` (``kind``, ``date``, ``command``, ``host``, ``versions``;
-for a run of several ranks also ``world_size`` and ``gpus_used``) plus ``records``
-and whatever the benchmark kind adds (see docs/BENCHMARKS.md).
+:func:`results_header` (``kind``, ``date``, ``command``, ``host``, ``versions``, ``gpus``;
+for a run of several ranks also ``gpus_used``), ``world_size`` (``world_sizes`` for a
+gpu-test-run) and ``shared_gpu`` (:func:`with_schema_keys`), plus ``records`` and whatever the
+benchmark kind adds (see docs/BENCHMARKS.md and benchmarks/results/README.md).
 
 Everything here is cheap and safe on a machine without a GPU: every probe
 (nvidia-smi, git, torch, vLLM) is optional and yields ``None`` when missing.

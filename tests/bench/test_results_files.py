@@ -1,5 +1,6 @@
-"""Every committed result file follows the project's results schema (common keys,
-and the row fields of its kind), so scripts can check every quoted figure."""
+"""Every committed result file follows the project's results schema (common keys, the row fields
+of its kind, the ranks and GPUs it ran on, the commit it measured), so scripts can check every
+quoted figure."""
 import fnmatch
 import glob
 import json
@@ -9,7 +10,10 @@ import re
 import pytest
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks", "results")
-COMMON = ["kind", "date", "command", "host", "versions", "records"]
+COMMON = ["kind", "date", "command", "host", "versions", "records", "shared_gpu"]
+# The schema's kinds; the others in ROW_KEYS are described in benchmarks/results/README.md.
+SCHEMA_KINDS = {"allreduce-microbench", "serving-benchmark", "load-test", "fused-allreduce-rmsnorm",
+                "overlap-model", "gpu-test-run", "moe-dispatch-combine"}
 ROW_KEYS = {
     "allreduce-microbench": ["backend", "dtype", "bytes", "timing", "us_p50", "us_p99", "busbw_gbps"],
     "serving-benchmark": ["config", "concurrency", "repeat", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
@@ -30,8 +34,10 @@ ROW_KEYS = {
 # Every run's JSON: current/ (the quoted runs) and archive/ (the rest), each <kind>/<date>-<topic>/.
 FILES = sorted(glob.glob(os.path.join(RESULTS, "current", "**", "*.json"), recursive=True)
                + glob.glob(os.path.join(RESULTS, "archive", "**", "*.json"), recursive=True))
-# Runs from this date on state world_size (world_sizes for a gpu-test-run) and shared_gpu in the file.
-SCHEMA_KEYS_SINCE = "2026-11-26"
+# Files from this date on name each GPU (`gpus`, or `gpus_used` per rank); before it `host` alone does.
+GPU_IDS_SINCE = "2026-11-23"
+HOST = re.compile(r"^\d+x\S")  # "2xNVIDIA H200 NV18, driver ...": GPU count and model
+CLEAN_COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
 CURRENT = [f for f in FILES if f.startswith(os.path.join(RESULTS, "current", ""))]
 
 
@@ -56,10 +62,27 @@ def test_result_file_follows_schema(path):
     if doc["kind"] == "gpu-test-run":
         counts = {o: sum(r["outcome"] == o for r in doc["records"]) for o in ("passed", "failed", "skipped")}
         assert counts == {o: doc[o] for o in counts}
-    if doc["date"][:10] >= SCHEMA_KEYS_SINCE:  # how many ranks, and whether they shared one GPU
-        assert isinstance(doc.get("shared_gpu"), bool), "no shared_gpu"
-        sizes = doc.get("world_sizes") if doc["kind"] == "gpu-test-run" else [doc.get("world_size")]
-        assert sizes and all(isinstance(n, int) and n >= 1 for n in sizes), "no world_size(s)"
+    assert isinstance(doc["shared_gpu"], bool), "shared_gpu is not true/false"
+    sizes = doc.get("world_sizes") if doc["kind"] == "gpu-test-run" else [doc.get("world_size")]
+    assert sizes and all(isinstance(n, int) and n >= 1 for n in sizes), "no world_size (world_sizes)"
+    assert HOST.match(doc["host"]), f"host {doc['host']!r} does not name the GPUs"
+    if doc["date"][:10] >= GPU_IDS_SINCE:  # a merge names its sources, and they their GPUs
+        assert doc.get("gpus") or doc.get("gpus_used") or doc.get("merged_from"), "no gpus"
+    assert ("git_checkout" in doc) == ("git_note" in doc), "git_checkout without git_note, or the reverse"
+
+
+@pytest.mark.parametrize("path", CURRENT, ids=[os.path.relpath(f, RESULTS) for f in CURRENT])
+def test_current_result_names_a_clean_commit(path):
+    # A quoted figure names the code it measured; a run whose code no commit names is archived.
+    with open(path) as f:
+        git = json.load(f)["versions"]["git"]
+    assert isinstance(git, str) and CLEAN_COMMIT.match(git), f"versions.git {git!r} is not a commit"
+
+
+def test_kinds_beyond_the_schema_are_described():
+    with open(os.path.join(RESULTS, "README.md")) as f:
+        readme = f.read()
+    assert [k for k in sorted(set(ROW_KEYS) - SCHEMA_KINDS) if f"| `{k}` |" not in readme] == []
 
 
 def test_schema_keys_are_derived_from_the_run():
@@ -83,8 +106,9 @@ def test_schema_keys_are_derived_from_the_run():
 
 
 def test_current_holds_exactly_the_runs_readme_and_docs_quote():
-    # README.md and docs/ (DESIGN_LOG.md, the history, aside) quote runs under current/ only, every
-    # run they name is there, and every run there is quoted (a glob such as current/tune/* counts).
+    # README.md quotes runs under current/ only; docs/ (DESIGN_LOG.md, the history, aside) may also
+    # name an archived run (one whose code no commit names); every run they name exists, and every
+    # run under current/ is quoted (a glob such as current/tune/* counts).
     repo = os.path.dirname(os.path.dirname(RESULTS))
     docs = [os.path.join(repo, "README.md")] + sorted(
         f for f in glob.glob(os.path.join(repo, "docs", "*.md")) if not f.endswith("DESIGN_LOG.md"))
@@ -96,9 +120,10 @@ def test_current_holds_exactly_the_runs_readme_and_docs_quote():
             r"(?:benchmarks/results/|(?<![\w/.-]))((?:current|archive)/[\w-]+/[\w./*-]+)", text)}
     assert len(cited) >= 20, "the result citations of README.md and docs/ were not found"
     bad = sorted((doc, path) for doc, path in cited
-                 if not path.startswith("current/") or not glob.glob(os.path.join(RESULTS, path.rstrip("."))))
+                 if not glob.glob(os.path.join(RESULTS, path.rstrip(".")))
+                 or (doc == "README.md" and not path.startswith("current/")))
     assert bad == []
-    quoted = {"/".join(path.split("/")[:3]).rstrip(".") for _, path in cited}
+    quoted = {"/".join(path.split("/")[:3]).rstrip(".") for _, path in cited if path.startswith("current/")}
     runs = [os.path.relpath(d, RESULTS).replace(os.sep, "/")
             for d in glob.glob(os.path.join(RESULTS, "current", "*", "*"))]
     assert [r for r in runs if not any(fnmatch.fnmatch(r, q) for q in quoted)] == []
