@@ -234,7 +234,7 @@ def setup_ep(comm: Any, *, platform_is_cuda: bool, stateless: bool = False) -> s
 
 
 def _decide_and_build(comm: Any, manager: Any, platform_is_cuda: bool, stateless: bool) -> tuple[bool, str, Any]:
-    from .group_setup import _all_gather, _p2p_from_info, close_quietly
+    from .group_setup import _all_gather, _p2p_from_info, release_everywhere
 
     cls = type(manager).__name__
     world = int(comm.world_size)
@@ -266,7 +266,6 @@ def _decide_and_build(comm: Any, manager: Any, platform_is_cuda: bool, stateless
     results = _all_gather((yc is not None, why), comm.cpu_group)
     failed = [(r, w) for r, (good, w) in enumerate(results) if not good]
     if failed:
-        if yc is not None:
-            close_quietly(yc)
+        release_everywhere(yc, results, comm.cpu_group)
         return False, f"rank {failed[0][0]} of the group: {failed[0][1]}", None
     return True, "ok", yc

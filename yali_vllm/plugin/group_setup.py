@@ -181,10 +181,21 @@ def setup_yali(comm: Any, *, platform_is_cuda: bool, stateless: bool = False) ->
     results = _all_gather((yc is not None, why), comm.cpu_group)
     failed = [(r, w) for r, (good, w) in enumerate(results) if not good]
     if failed:
-        if yc is not None:
-            close_quietly(yc)
+        release_everywhere(yc, results, comm.cpu_group)
         return Decision(None, _agreed_failure(failed, len(results)), True)
     return Decision(yc, "ok")
+
+
+def release_everywhere(yc: Any, results: list[tuple[bool, str]], group: Any) -> None:
+    """After a build that failed on some ranks (``results``: every rank's (built, why)): the ranks
+    that built a YaliCommunicator close it, and the others take part in that close, so that no rank
+    waits in it and the group's next collective is every rank's."""
+    if yc is not None:
+        close_quietly(yc)
+    elif any(good for good, _ in results):
+        from yali_vllm.communicator import join_close
+
+        join_close(group, len(results))
 
 
 def _agreed_failure(failed: list[tuple[int, str]], world_size: int) -> str:
