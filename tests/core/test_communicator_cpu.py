@@ -63,6 +63,13 @@ def test_one_rank_failing_a_step_fails_every_rank_at_once(world_size, step, reas
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.timeout(180)
+def test_settings_that_differ_on_one_rank_fail_every_rank():
+    got = start_ranks(2, env={1: {"YALI_KERNEL_MODE": "flash"}}, stand_in={}, timeout=120)
+    for r in (0, 1):
+        assert got[r].startswith("unavailable: the ranks' YALI_* settings differ: rank 0 [mode=auto"), got
+
+
 @pytest.mark.parametrize("value, allowed", [(None, False), ("", False), ("0", False), ("1", True)])
 def test_shared_gpu_switch(monkeypatch, value, allowed):
     from tests.gpu.pair import rank_device

@@ -336,3 +336,14 @@ def test_overlap_at_its_boundaries():
     assert not _overlap(x[:32], x[32:]) and not _overlap(x[32:], x[:32])  # adjacent: no shared byte
     assert not _overlap(x[:0], x) and not _overlap(x, x[5:5])  # an empty tensor overlaps nothing
     assert not _overlap(x, torch.zeros(64))
+
+
+def test_ep_slot_bytes_at_its_bounds():
+    from yali_vllm.config import EP_SLOT_RANGE, ep_slot_bytes
+
+    lo, hi = EP_SLOT_RANGE
+    assert (lo, hi) == (4096, 256 << 20)
+    assert [ep_slot_bytes({"YALI_EP_SLOT_BYTES": str(n)}) for n in (lo, hi)] == [lo, hi]
+    for bad in (lo - 4096, hi + 4096, lo + 1):
+        with pytest.raises(ValueError, match="YALI_EP_SLOT_BYTES"):
+            ep_slot_bytes({"YALI_EP_SLOT_BYTES": str(bad)})
