@@ -392,7 +392,10 @@ class YaliCommunicator:
             self._exchange(opened)  # every rank zeroed its flags and mapped every other rank's buffer
             self._self_test()
         except Exception:
-            self.close()
+            if self._handle is None:  # this rank's create failed: it joins the others' close()
+                join_close(self.group, self.world_size)
+            else:
+                self.close()
             raise
         self.buffer_bytes = int(y.buffer_bytes(self._handle))
         self._watcher = _WATCHER
@@ -720,6 +723,23 @@ class YaliCommunicator:
                     self._close_peers(h)
         except Exception:
             pass
+
+
+def join_close(group: dist.ProcessGroup, world_size: int, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+    """What close() does over the group on a rank that holds no communicator while other ranks of
+    `group` close theirs (its build failed on this rank only): takes part in close()'s two
+    agreements, so that no rank waits in them and the next collective on the group is every
+    rank's."""
+    for _ in range(2):
+        try:
+            dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+            got: list = [None] * world_size
+            dist.all_gather_object(got, False, group=group)
+        except Exception as e:
+            logger.warning("yali: could not take part in the other ranks' close(): %s", e)
+            return
+        if any(got):  # a CUDA graph captured the kernels on some rank: close() ends after one agreement
+            return
 
 
 class YaliPair:

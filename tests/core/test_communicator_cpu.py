@@ -38,6 +38,38 @@ def test_bad_device_argument_on_one_rank_fails_both():
         assert "no-such-device" in got[r], got
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_with_gpu_stand_ins_every_rank_builds(world_size):
+    assert start_ranks(world_size, stand_in={}, timeout=120) == {r: "created" for r in range(world_size)}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("step, reason", [
+    ("create", "rank 1: RuntimeError: yali: create failed on this rank"),
+    ("open_peer", "rank 1: cannot map another rank's buffer"),
+    ("self_test", "self-test all-reduce over the peer mapping gave wrong values"),
+])
+def test_one_rank_failing_a_step_fails_every_rank_at_once(world_size, step, reason):
+    """Rank 1 fails one step of the start-up (GPU stand-ins elsewhere): every rank raises
+    YaliUnavailable naming it, and none waits for another (well within close()'s 10 s bound)."""
+    import time
+
+    t0 = time.monotonic()
+    got = start_ranks(world_size, stand_in={1: step}, timeout=120)
+    for r in range(world_size):
+        assert got[r].startswith("unavailable:") and reason in got[r], got
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.timeout(180)
+def test_settings_that_differ_on_one_rank_fail_every_rank():
+    got = start_ranks(2, env={1: {"YALI_KERNEL_MODE": "flash"}}, stand_in={}, timeout=120)
+    for r in (0, 1):
+        assert got[r].startswith("unavailable: the ranks' YALI_* settings differ: rank 0 [mode=auto"), got
+
+
 @pytest.mark.parametrize("value, allowed", [(None, False), ("", False), ("0", False), ("1", True)])
 def test_shared_gpu_switch(monkeypatch, value, allowed):
     from tests.gpu.pair import rank_device

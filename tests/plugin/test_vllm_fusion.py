@@ -171,6 +171,35 @@ def test_factory_off_without_tp_group(monkeypatch, caplog):
     assert vllm_fusion.fusion_decision() == (False, "disabled by YALI_FUSION")
 
 
+class FailingYaliPass:
+    """Stand-in for YALI's pass whose build fails (as on a vLLM whose pattern API changed)."""
+
+    def __init__(self, config):
+        raise RuntimeError("pattern API changed")
+
+
+@pytest.mark.parametrize("choice", ["yali", "vllm+yali"])
+def test_factory_falls_back_to_vllms_pass_when_yalis_build_fails(monkeypatch, caplog, choice):
+    """YALI's pass failing to build leaves vLLM's pass in place (built once), with a warning: a start-up
+    never fails on it. The choice is stood in (no TP group in this process)."""
+    built: list = []
+
+    class CountedPass(StandInPass):
+        def __init__(self, config):
+            super().__init__(config)
+            built.append(self)
+
+    monkeypatch.setattr(vllm_fusion, "fusion_choice", lambda environ=None: (choice, "YALI serves TP group 'tp:0'"))
+    monkeypatch.setattr(vllm_fusion, "YaliAllReduceFusionPass", FailingYaliPass)
+    cfg = object()
+    with caplog.at_level(logging.WARNING, logger="vllm.yali"):
+        got = fusion_patch.fusion_pass_factory(CountedPass)(cfg)
+    assert type(got) is CountedPass and got.config is cfg and built == [got]
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert lines == ["YALI fusion pass OFF: building it failed (RuntimeError: pattern API changed); using vLLM's "
+                     "FlashInfer fusion"], lines
+
+
 # ------------------------------------------------------------------- the op
 def test_op_registered_once_functional_schema():
     vllm_fusion.register_op()

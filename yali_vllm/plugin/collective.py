@@ -1,7 +1,7 @@
 """What the set-up of the TP group (group_setup.py) and of the EP group (ep_manager.py) both do
 over a vLLM device communicator's group: gather a Python object from every rank over the group's
-CPU (gloo) group, tell CUDA peer access between the gathered ranks' GPUs, and close a
-YaliCommunicator without raising."""
+CPU (gloo) group, tell CUDA peer access between the gathered ranks' GPUs, close a
+YaliCommunicator without raising, and release a build that failed on some ranks on all of them."""
 
 from __future__ import annotations
 
@@ -45,3 +45,15 @@ def close_quietly(yc: Any) -> None:
         yc.close()
     except Exception:
         logger.warning("YALI: closing the communicator failed", exc_info=True)
+
+
+def release_everywhere(yc: Any, results: list[tuple[bool, str]], group: Any) -> None:
+    """After a build that failed on some ranks (``results``: every rank's (built, why)): the ranks
+    that built a YaliCommunicator close it, and the others take part in that close, so that no rank
+    waits in it and the group's next collective is every rank's."""
+    if yc is not None:
+        close_quietly(yc)
+    elif any(good for good, _ in results):
+        from yali_vllm.communicator import join_close
+
+        join_close(group, len(results))

@@ -26,7 +26,7 @@ from typing import Any
 
 from yali_vllm.vllm_log import LOGGER, log_first_call
 
-from .collective import all_gather, close_quietly, p2p_from_info
+from .collective import all_gather, close_quietly, p2p_from_info, release_everywhere
 from .gate import ep_gate
 from .touch_points import ALL2ALL_MANAGER, on
 
@@ -263,7 +263,6 @@ def _decide_and_build(comm: Any, manager: Any, platform_is_cuda: bool, stateless
     results = all_gather((yc is not None, why), comm.cpu_group)
     failed = [(r, w) for r, (good, w) in enumerate(results) if not good]
     if failed:
-        if yc is not None:
-            close_quietly(yc)
+        release_everywhere(yc, results, comm.cpu_group)
         return False, f"rank {failed[0][0]} of the group: {failed[0][1]}", None
     return True, "ok", yc

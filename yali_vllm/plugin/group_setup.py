@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 from yali_vllm.vllm_log import LOGGER
 
-from .collective import all_gather, close_quietly, p2p_from_info
+from .collective import all_gather, close_quietly, p2p_from_info, release_everywhere
 from .ep_manager import setup_ep
 from .fusion_patch import fusion_note, install_fusion_hooks, yali_fusion_wanted
 from .gate import is_tp_group, parse_enable, yali_gate
@@ -150,8 +150,7 @@ def setup_yali(comm: Any, *, platform_is_cuda: bool, stateless: bool = False) ->
     results = all_gather((yc is not None, why), comm.cpu_group)
     failed = [(r, w) for r, (good, w) in enumerate(results) if not good]
     if failed:
-        if yc is not None:
-            close_quietly(yc)
+        release_everywhere(yc, results, comm.cpu_group)
         return Decision(None, _agreed_failure(failed, len(results)), True)
     return Decision(yc, "ok")
 
