@@ -143,6 +143,7 @@ def vllm_as_shipped(monkeypatch):
     a 0.31+ API server before vLLM configures logging. Whatever the plugin patches is undone after."""
     for t in TOUCH_POINTS:
         importlib.import_module(t.module)
+    vllm_log.release()  # an earlier register() in this process may still hold the plugin's lines
     pm = importlib.import_module(fusion_patch._PM_MODULE)
     monkeypatch.setattr(pm, fusion_patch._PM_SYMBOL, StandInPass, raising=False)
     configure = on(touch_points.VLLM_LOGGER)[0]
