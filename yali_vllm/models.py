@@ -205,6 +205,15 @@ def quantization_config(quant: str) -> dict[str, Any] | None:
         raise ValueError(f"unknown quantisation {quant!r}; expected one of {list(QUANT_CHOICES)}") from None
 
 
+def quant_of(config: dict[str, Any]) -> str | None:
+    """The QUANT_CHOICES name of the ``config.json`` contents ``config``: "none" without a
+    ``quantization_config``, the scheme whose config it carries, or None for another one."""
+    qcfg = config.get("quantization_config")
+    if qcfg is None:
+        return QUANT_NONE
+    return next((name for name, known in QUANT_CONFIGS.items() if known == qcfg), None)
+
+
 def model_config(size: str = "8b", quant: str = QUANT_NONE) -> dict[str, Any]:
     """Return a copy of the embedded ``config.json`` contents for ``size``, quantised as ``quant``
     (one of QUANT_CHOICES; only the sizes of QUANT_SIZES come quantised)."""
