@@ -78,7 +78,8 @@ def main() -> int:
         add_variants(configs)  # every name refused or resolved before any work
         deadline = Deadline(args.budget_s)
         say = Progress("decode-profile", deadline)
-        model_dir = prepare_model(args.model_size, args.model_dir or default_model_dir(args.model_size))
+        model_dir = prepare_model(args.model_size, args.model_dir or default_model_dir(args.model_size, args.quant),
+                                  args.quant)
         for cfg in configs:
             try:
                 profile_config(args, cfg, model_dir, out, deadline, say)

@@ -55,7 +55,13 @@ from benchmarks.serving.locust import (
     run_locust,
     soak_verdict,
 )
-from benchmarks.serving.model import default_model_dir, model_summary, prepare_model, tensor_parallel_refusal
+from benchmarks.serving.model import (
+    default_model_dir,
+    model_summary,
+    prepare_model,
+    quantisation_refusal,
+    tensor_parallel_refusal,
+)
 from benchmarks.serving.schema import DEFAULT_CONFIGS
 from benchmarks.serving.server import server_command_for, server_env, start_server, stop_and_record, wait_ready
 from benchmarks.serving.server_options import add_server_args
@@ -108,6 +114,9 @@ def resolve_args(args: argparse.Namespace) -> list[str]:
     add_variants(configs)
     if args.chat_weight == 0 and args.completions_weight == 0:
         raise SystemExit("--chat-weight and --completions-weight are both 0: no user to run")
+    refusal = quantisation_refusal(args.model_size, args.quant)
+    if refusal:
+        raise SystemExit(f"--quant {args.quant}: {refusal}")
     refusal = tensor_parallel_refusal(args.model_size, args.world_size)
     if refusal:
         raise SystemExit(refusal)
@@ -120,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     mode = "soak" if args.soak else "comparison"
     deadline = Deadline(args.budget_s)
     say = Progress("load-test", deadline)
-    model_dir = (args.model_dir or default_model_dir(args.model_size)).resolve()
+    model_dir = (args.model_dir or default_model_dir(args.model_size, args.quant)).resolve()
     out = (args.out or default_out("soak" if args.soak else "load")).resolve()
 
     def srv_cmd(cfg: str, port: int) -> list[str]:
@@ -138,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
         )
 
     if args.dry_run:
-        print(f"# model: yali_vllm.models.write_model_dir({str(model_dir)!r}, size={args.model_size!r}); mode {mode}")
+        print(f"# model: yali_vllm.models.write_model_dir({str(model_dir)!r}, size={args.model_size!r}, "
+              f"quant={args.quant!r}); mode {mode}")
         for cfg in configs:
             env = server_env(SERVER_CONFIGS[cfg])
             shown = " ".join(f"{k}={env[k]}" for k in sorted(env) if k in MULTICAST_OFF_ENV or k.startswith("YALI_"))
@@ -151,8 +161,8 @@ def run(args: argparse.Namespace) -> int:
     install_signal_handlers()
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / RESULT_NAME
-    say(f"writing {args.model_size} model to {model_dir}")
-    model_dir = prepare_model(args.model_size, model_dir)
+    say(f"writing {args.model_size} model (quantisation {args.quant}) to {model_dir}")
+    model_dir = prepare_model(args.model_size, model_dir, args.quant)
     locust_settings = {
         "users": args.users,
         "spawn_rate": args.spawn_rate,

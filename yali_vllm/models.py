@@ -21,6 +21,12 @@ layer dispatches and combines its tokens across the ranks:
     yali-vllm-model /tmp/qwen3-moe --size qwen3-30b-a3b
     vllm serve /tmp/qwen3-moe --data-parallel-size 2 --enable-expert-parallel \\
         --load-format dummy --tokenizer-mode mistral
+
+The Llama shapes also come as FP8 checkpoints (``--quant``): ``config.json`` then carries a
+``quantization_config`` of the form real FP8 checkpoints have, vLLM detects it on its own and its
+dummy loader fills the FP8 weights and their scales (:data:`QUANT_CHOICES`):
+
+    yali-vllm-model /tmp/llama-70b-fp8 --size 70b --quant fp8-dynamic
 """
 
 from __future__ import annotations
@@ -142,14 +148,87 @@ CONFIGS["mixtral-8x7b"] = {  # Mixtral-8x7B's shape: 32 layers, 8 experts of 143
 MOE_SIZES = ("qwen3-30b-a3b", "mixtral-8x7b")
 
 
-def model_config(size: str = "8b") -> dict[str, Any]:
-    """Return a copy of the embedded ``config.json`` contents for ``size``."""
+# FP8 quantisation schemes of the embedded models. "none": bf16 weights, no quantization_config.
+QUANT_NONE = "none"
+_FP8_ARGS: dict[str, Any] = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
+
+
+def _compressed_tensors(weight_strategy: str, activations: dict[str, Any]) -> dict[str, Any]:
+    """A compressed-tensors FP8 W8A8 config (llm-compressor's form): every Linear but lm_head."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {**_FP8_ARGS, "strategy": weight_strategy},
+                "input_activations": {**_FP8_ARGS, **activations},
+                "output_activations": None,
+            }
+        },
+    }
+
+
+QUANT_CONFIGS: dict[str, dict[str, Any]] = {
+    # Static per-tensor: FP8 weights with one scale per tensor, activations quantised with a
+    # calibrated per-tensor scale (the checkpoint's input_scale).
+    "fp8-static": _compressed_tensors("tensor", {"strategy": "tensor"}),
+    # Dynamic per-token: FP8 weights with one scale per output channel, activations quantised with
+    # a scale per token, taken at run time (llm-compressor's FP8_DYNAMIC).
+    "fp8-dynamic": _compressed_tensors("channel", {"strategy": "token", "dynamic": True}),
+    # Block: weights in 128x128 blocks with a scale each, activations in groups of 128 per token
+    # with dynamic scales (DeepSeek-V3's and Qwen3-FP8's form).
+    "fp8-block": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    },
+}
+QUANT_CHOICES = (QUANT_NONE, *QUANT_CONFIGS)
+# What vLLM sets in model_config.quantization for each scheme (its quantisation method's name).
+VLLM_QUANTIZATION = {"fp8-static": "compressed-tensors", "fp8-dynamic": "compressed-tensors", "fp8-block": "fp8"}
+# The sizes that come quantised: the dense Llama shapes.
+QUANT_SIZES = ("8b", "70b")
+
+
+def quantization_config(quant: str) -> dict[str, Any] | None:
+    """The ``quantization_config`` of ``config.json`` for ``quant`` (a copy), or None for "none"."""
+    if quant == QUANT_NONE:
+        return None
     try:
-        return copy.deepcopy(CONFIGS[size])
+        return copy.deepcopy(QUANT_CONFIGS[quant])
+    except KeyError:
+        raise ValueError(f"unknown quantisation {quant!r}; expected one of {list(QUANT_CHOICES)}") from None
+
+
+def quant_of(config: dict[str, Any]) -> str | None:
+    """The QUANT_CHOICES name of the ``config.json`` contents ``config``: "none" without a
+    ``quantization_config``, the scheme whose config it carries, or None for another one."""
+    qcfg = config.get("quantization_config")
+    if qcfg is None:
+        return QUANT_NONE
+    return next((name for name, known in QUANT_CONFIGS.items() if known == qcfg), None)
+
+
+def model_config(size: str = "8b", quant: str = QUANT_NONE) -> dict[str, Any]:
+    """Return a copy of the embedded ``config.json`` contents for ``size``, quantised as ``quant``
+    (one of QUANT_CHOICES; only the sizes of QUANT_SIZES come quantised)."""
+    try:
+        config = copy.deepcopy(CONFIGS[size])
     except KeyError:
         raise ValueError(
             f"unknown model size {size!r}; expected one of {sorted(CONFIGS)}"
         ) from None
+    qcfg = quantization_config(quant)
+    if qcfg is not None:
+        if size not in QUANT_SIZES:
+            raise ValueError(f"quantisation {quant!r} is for the dense sizes {list(QUANT_SIZES)}, not {size!r}")
+        config["quantization_config"] = qcfg
+    return config
 
 
 def tokenizer_source() -> Path:
@@ -174,8 +253,9 @@ def _write_file(path: Path, data: bytes) -> None:
         f.write(data)
 
 
-def write_model_dir(path: str | Path, size: str = "8b", *, force: bool = False) -> Path:
-    """Write ``config.json`` and ``tekken.json`` into ``path``; return it.
+def write_model_dir(path: str | Path, size: str = "8b", *, quant: str = QUANT_NONE, force: bool = False) -> Path:
+    """Write ``config.json`` (of ``size``, quantised as ``quant``) and ``tekken.json`` into ``path``;
+    return it.
 
     ``path`` is created if missing.  An existing directory that is not empty is
     refused unless it already holds exactly these two files with this content
@@ -186,7 +266,7 @@ def write_model_dir(path: str | Path, size: str = "8b", *, force: bool = False) 
     """
     if not str(path).strip():
         raise ValueError(f"model directory {str(path)!r} is an empty name: name a directory to write")
-    config = model_config(size)
+    config = model_config(size, quant)
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} exists and is not a directory")
@@ -249,11 +329,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="yali-vllm-model",
         description="Write a model directory (config.json + Tekken tokenizer) of a Llama (8b, 70b), "
-        "Qwen3-MoE or Mixtral shape for vLLM dummy-weight runs.",
+        "Qwen3-MoE or Mixtral shape for vLLM dummy-weight runs (--load-format dummy: random weights, "
+        "nothing downloaded).",
     )
     parser.add_argument("dir", type=_directory, help="directory to write (created if missing; refused if not empty, "
                         "unless --force)")
     parser.add_argument("--size", choices=sorted(CONFIGS), default="8b")
+    parser.add_argument(
+        "--quant", choices=QUANT_CHOICES, default=QUANT_NONE,
+        help="weights and activations in FP8 (e4m3), for the Llama sizes: config.json then carries a "
+        "quantization_config that vLLM reads on its own (no --quantization flag). "
+        "fp8-static: compressed-tensors, per-tensor weight scales, static per-tensor activation scales; "
+        "fp8-dynamic: compressed-tensors, per-channel weight scales, dynamic per-token activation scales; "
+        "fp8-block: vLLM's fp8 method, 128x128 weight blocks, dynamic activation scales per group of 128 "
+        "(DeepSeek-V3 / Qwen3-FP8 form). vLLM's dummy loader fills the FP8 weights and their scales. "
+        "Default: none (bf16)")
     parser.add_argument("--force", action="store_true", help="write into a directory that is not empty, replacing "
                         f"its {CONFIG_FILE} and {TOKENIZER_FILE} (a symbolic link there is still refused)")
     return parser
@@ -263,10 +353,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        out = write_model_dir(args.dir, args.size, force=args.force).resolve()
+        out = write_model_dir(args.dir, args.size, quant=args.quant, force=args.force).resolve()
     except (OSError, ValueError) as e:
         parser.error(str(e))
     print(f"wrote {out / CONFIG_FILE} and {out / TOKENIZER_FILE}")
+    if args.quant != QUANT_NONE:
+        print(f"quantisation {args.quant}: vLLM reads it as its {VLLM_QUANTIZATION[args.quant]!r} method")
     print("serve it with:")
     print("  " + shlex.join(serve_command(out, data_parallel_size=2 if args.size in MOE_SIZES else 0)))
     return 0

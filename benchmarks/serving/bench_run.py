@@ -28,7 +28,13 @@ from benchmarks.serving.commands import ServerError, pick_port, resolve_command,
 from benchmarks.serving.configs import SERVER_CONFIGS, add_variants
 from benchmarks.serving.locust import LoadTests
 from benchmarks.serving.logs import yali_off_line
-from benchmarks.serving.model import default_model_dir, model_summary, prepare_model, tensor_parallel_refusal
+from benchmarks.serving.model import (
+    default_model_dir,
+    model_summary,
+    prepare_model,
+    quantisation_refusal,
+    tensor_parallel_refusal,
+)
 from benchmarks.serving.profiler import move_traces, profile_prefill, profile_request, profiler_config
 from benchmarks.serving.report import write_report
 from benchmarks.serving.runners import CliBenchRunner, WorkerBenchRunner, bench_args
@@ -43,7 +49,8 @@ def _g(v: float | None) -> str:
 
 def estimates_key(args: argparse.Namespace) -> str:
     """The workload whose start-up and point times an estimates file keeps together."""
-    return (f"{args.model_size} tp{args.world_size} len{args.max_model_len} seqs{args.max_num_seqs} "
+    quant = "" if args.quant == "none" else f" {args.quant}"
+    return (f"{args.model_size}{quant} tp{args.world_size} len{args.max_model_len} seqs{args.max_num_seqs} "
             f"{args.random_input_len}x{args.random_output_len} prompts{args.min_prompts}/{args.prompts_per_concurrency} "
             f"long{args.long_prompt_len}x{args.long_prompt_count}")
 
@@ -63,6 +70,9 @@ def validate_args(args: argparse.Namespace) -> list[str]:
     if dp_ep and args.model_size not in MOE_SIZES:
         raise SystemExit(f"config(s) {dp_ep} serve a MoE model with data + expert parallelism: --model-size must be "
                          f"one of {list(MOE_SIZES)}, not {args.model_size}")
+    refusal = quantisation_refusal(args.model_size, args.quant)
+    if refusal:
+        raise SystemExit(f"--quant {args.quant}: {refusal}")
     refusal = tensor_parallel_refusal(args.model_size, args.world_size)
     if refusal and len(dp_ep) < len(configs):
         raise SystemExit(f"--world-size {args.world_size}: {refusal}")
@@ -121,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     configs = validate_args(args)
     deadline = Deadline(args.budget_s)
     say = Progress("serving-bench", deadline)
-    model_dir = (args.model_dir or default_model_dir(args.model_size)).resolve()
+    model_dir = (args.model_dir or default_model_dir(args.model_size, args.quant)).resolve()
     out = (args.out or default_out("serving")).resolve()
     schedule = interleaved_schedule(configs, args.repeats)
     concs: list[int] = list(args.concurrency)
@@ -149,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
         )
 
     if args.dry_run:
-        print(f"# model: yali_vllm.models.write_model_dir({str(model_dir)!r}, size={args.model_size!r})")
+        print(f"# model: yali_vllm.models.write_model_dir({str(model_dir)!r}, size={args.model_size!r}, "
+              f"quant={args.quant!r})")
         print(f"# out: {out}")
         for rep, cfg in schedule:
             env = server_env(SERVER_CONFIGS[cfg])
@@ -207,8 +218,8 @@ def _run_all(
     b_args: Callable[..., list[str]],
     runner: CliBenchRunner | WorkerBenchRunner,
 ) -> int:
-    say(f"writing {args.model_size} model to {model_dir}")
-    model_dir = prepare_model(args.model_size, model_dir)
+    say(f"writing {args.model_size} model (quantisation {args.quant}) to {model_dir}")
+    model_dir = prepare_model(args.model_size, model_dir, args.quant)
     model = model_summary(model_dir, args.model_size)
     model.update(
         {

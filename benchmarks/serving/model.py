@@ -38,23 +38,40 @@ def tensor_parallel_refusal(size: str, tp: int) -> str | None:
     return None
 
 
-def default_model_dir(size: str) -> Path:
-    """The benchmarks' scratch model directory: per user, under the system temp dir (another user's
-    directory of the same name is never written into)."""
+def quantisation_refusal(size: str, quant: str) -> str | None:
+    """Why the embedded ``size`` model does not come quantised as ``quant``, or None."""
+    from yali_vllm.models import model_config
+
+    try:
+        model_config(size, quant)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def default_model_dir(size: str, quant: str = "none") -> Path:
+    """The benchmarks' scratch model directory, one per size and quantisation: per user, under the
+    system temp dir (another user's directory of the same name is never written into)."""
     import tempfile
 
-    return Path(tempfile.gettempdir()) / f"yali-serving-model-{size}-{os.getuid()}"
+    name = size if quant == "none" else f"{size}-{quant}"
+    return Path(tempfile.gettempdir()) / f"yali-serving-model-{name}-{os.getuid()}"
 
 
-def prepare_model(size: str, model_dir: Path) -> Path:
+def prepare_model(size: str, model_dir: Path, quant: str = "none") -> Path:
     from yali_vllm.models import write_model_dir
 
     # The benchmark's model directory is rewritten on every run: force replaces config.json and
     # tekken.json there (never through a symbolic link) and keeps every other file.
-    return Path(write_model_dir(model_dir, size=size, force=True)).resolve()
+    return Path(write_model_dir(model_dir, size=size, quant=quant, force=True)).resolve()
 
 
 def model_summary(model_dir: Path, size: str) -> dict[str, Any]:
+    """The model keys of a result file, read from the directory the servers loaded; `quantization`
+    names its scheme ("none", "fp8-static", "fp8-dynamic", "fp8-block"; "other: METHOD" for a
+    quantization_config the embedded models do not write)."""
+    from yali_vllm.models import quant_of
+
     out: dict[str, Any] = {"size": size, "dir": str(model_dir)}
     try:
         cfg = json.loads((model_dir / "config.json").read_text())
@@ -64,4 +81,7 @@ def model_summary(model_dir: Path, size: str) -> dict[str, Any]:
         if k in cfg:
             val = cfg[k]
             out[k] = ",".join(map(str, val)) if isinstance(val, list) else val
+    if cfg:
+        quant = quant_of(cfg)
+        out["quantization"] = quant if quant is not None else f"other: {cfg['quantization_config'].get('quant_method')}"
     return out

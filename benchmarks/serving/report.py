@@ -86,7 +86,9 @@ def render_markdown(doc: dict[str, Any], plot_files: Sequence[str] = ()) -> str:
     configs = ordered_configs(records)
     concs = sorted({int(r["concurrency"]) for r in records})
     L: list[str] = []
-    L.append(f"# Serving benchmark, TP={world_size_of(doc)}: yali vs vLLM all-reduce paths")
+    quant = (doc.get("model") or {}).get("quantization", "none")
+    model_bits = "" if quant == "none" else f", {quant}"
+    L.append(f"# Serving benchmark, TP={world_size_of(doc)}{model_bits}: yali vs vLLM all-reduce paths")
     L.append("")
     L.append(f"- date: {doc.get('date')}")
     L.append(f"- host: {doc.get('host')}")
@@ -190,7 +192,9 @@ def write_plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     agg = aggregate(records)
     configs = ordered_configs(records)
     concs = sorted({int(r["concurrency"]) for r in records})
-    title_bits = [str((doc.get("model") or {}).get("size", "")), f"TP={world_size_of(doc)}",
+    model = doc.get("model") or {}
+    title_bits = [" ".join(str(model[k]) for k in ("size", "quantization") if model.get(k) not in (None, "none")),
+                  f"TP={world_size_of(doc)}",
                   str(doc.get("host", ""))]
     written: list[Path] = []
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -250,6 +254,10 @@ def merge_results(docs: Sequence[dict[str, Any]], sources: Sequence[str],
     if len(set(sizes)) > 1:
         raise SystemExit("the results to merge ran at different tensor-parallel sizes: "
                          + ", ".join(f"{s} TP={n}" for s, n in zip(sources, sizes)))
+    quants = [(d.get("model") or {}).get("quantization", "none") for d in docs]
+    if len(set(quants)) > 1:
+        raise SystemExit("the results to merge served differently quantised models: "
+                         + ", ".join(f"{s} {q}" for s, q in zip(sources, quants)))
     merged = dict(docs[0])
     merged["merged_from"] = list(sources)
     merged["commands"] = [d.get("command") for d in docs]

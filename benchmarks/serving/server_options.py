@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from yali_vllm.models import QUANT_CHOICES
+
 from benchmarks.common.cli_args import (
     add_world_size_arg,
     fraction,
@@ -19,6 +21,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     """Server/model/budget options shared with load_test.py."""
     p.add_argument("--model-size", choices=("70b", "8b", "qwen3-30b-a3b", "mixtral-8x7b"), default="70b",
                    help="embedded dummy model (default 70b); the MoE shapes for the dp-ep configurations (yali-ep, vllm-ep)")
+    p.add_argument("--quant", choices=QUANT_CHOICES, default="none",
+                   help="the model's FP8 scheme (yali-vllm-model --quant; the Llama sizes): fp8-static "
+                   "(compressed-tensors, static per-tensor activation scales), fp8-dynamic (compressed-tensors, "
+                   "dynamic per-token), fp8-block (vLLM's fp8, 128x128 weight blocks, dynamic groups of 128); "
+                   "default none (bf16). The result file's model summary names it as quantization")
     p.add_argument("--model-dir", type=Path, default=None, help="where to write the model; its config.json and tekken.json are replaced (default: a per-user directory under the system temp dir, see default_model_dir)")
     p.add_argument("--vllm-bin", default="vllm", help="vllm command, shell-split (default: vllm on PATH)")
     add_world_size_arg(p, "tensor-parallel size of every server (vllm serve --tensor-parallel-size), one GPU per rank")

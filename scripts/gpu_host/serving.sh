@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end serving benchmark of an embedded dummy model (MODEL_SIZE, default 70b; also 8b),
-# bounded by its own budget.
+# bounded by its own budget. QUANT (default none): the model's FP8 scheme, fp8-static, fp8-dynamic or
+# fp8-block (yali-vllm-model --quant); the result name then carries it.
 #   serving.sh [REPEATS] [SUFFIX] [CONFIGS] [PROFILE_TOKENS]
 # (OUTPUT_LEN: tokens out, default 256, input 1024; MIN_PROMPTS: the fewest prompts of a point (default 8);
 # LONG_PROMPT_LEN > 0: one more point per server, 32 prompts of that many tokens at concurrency 1
@@ -31,12 +32,14 @@
 # logs and locust CSV/HTML are inside it; the markdown is also printed).
 . scripts/gpu_host/env.sh
 MODEL_SIZE="${MODEL_SIZE:-70b}"
+QUANT="${QUANT:-none}"
+QUANT_TAG=$([ "$QUANT" = none ] || echo "-$QUANT")
 LONG="${LONG_PROMPT_LEN:-0}"
 MAX_LEN=$(( (LONG > 1024 ? LONG : 1024) + ${OUTPUT_LEN:-256} ))
 MAX_LEN=$(( MAX_LEN > 2048 ? MAX_LEN : 2048 ))
-name="serving-$MODEL_SIZE-$(date +%Y%m%d)$TP_TAG-${2:-r1}"
+name="serving-$MODEL_SIZE$QUANT_TAG-$(date +%Y%m%d)$TP_TAG-${2:-r1}"
 work=/tmp/$name
-timeout -k 20 "$(( ${SERVING_BUDGET_S:-555} + 20 ))" python3 -m benchmarks.serving_bench --model-size "$MODEL_SIZE" --world-size "$TP" --repeats "${1:-1}" --concurrency "${CONCURRENCY:-1,8,32}" \
+timeout -k 20 "$(( ${SERVING_BUDGET_S:-555} + 20 ))" python3 -m benchmarks.serving_bench --model-size "$MODEL_SIZE" --quant "$QUANT" --world-size "$TP" --repeats "${1:-1}" --concurrency "${CONCURRENCY:-1,8,32}" \
   --configs "${3:-yali,vllm-default,nccl}" --profile-tokens "${4:-0}" --profile-prefill-tokens "${PROFILE_PREFILL_TOKENS:-0}" \
   --locust-users "${LOCUST_USERS:-0}" --locust-duration-s "${LOCUST_S:-60}" --soak-s "${SOAK_S:-0}" \
   --random-input-len 1024 --random-output-len "${OUTPUT_LEN:-256}" --min-prompts "${MIN_PROMPTS:-8}" --long-prompt-len "$LONG" \

@@ -30,6 +30,7 @@ from benchmarks.common import gpu_env, results
 from benchmarks.common.gpu_env import MULTICAST_OFF_ENV as MULTICAST_OFF
 from benchmarks.common.processes import free_port
 from benchmarks.serving import bench_run, budget, commands, configs, http, locust, logs, model, report, runners, schema, server, stats
+from yali_vllm.models import QUANT_CHOICES, QUANT_CONFIGS
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks"
@@ -772,10 +773,12 @@ def test_run_bounded_times_out_and_kills(tmp_path):
                           log_path=tmp_path / "y.log") == 4
 
 
-def _tiny_model(size, model_dir):
+def _tiny_model(size, model_dir, quant="none"):
     model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
-                                                       "num_hidden_layers": 2, "vocab_size": 131072}))
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 131072}
+    if quant != "none":
+        cfg["quantization_config"] = QUANT_CONFIGS[quant]
+    (model_dir / "config.json").write_text(json.dumps(cfg))
     return model_dir.resolve()
 
 
@@ -1458,3 +1461,77 @@ def test_ep_log_warnings_follow_the_config():
     assert any("no 'YALI EP ON'" in w for w in yali_log_warnings("yali-ep", []))
     assert yali_log_warnings("vllm-ep", []) == []
     assert any("did not keep it off" in w for w in yali_log_warnings("vllm-ep", on))
+
+
+# ------------------------------------------------------------------------ FP8 models (--quant)
+def test_an_fp8_run_serves_the_quantised_model_and_names_it(tmp_path, fake_vllm, monkeypatch):
+    """--quant fp8-static: the model directory the servers load carries the quantization_config
+    (the real yali-vllm-model writer), and the result file's model summary and report name it."""
+    pytest.importorskip("mistral_common")
+    monkeypatch.setattr(bench_run, "install_signal_handlers", lambda: None)
+    out, model_dir = tmp_path / "out", tmp_path / "m"
+    rc = sb.main(["--vllm-bin", f"{sys.executable} {fake_vllm}", "--bench-runner", "cli", "--configs", "yali",
+                  "--quant", "fp8-static", "--model-size", "8b", "--repeats", "1", "--concurrency", "1",
+                  "--model-dir", str(model_dir), "--budget-s", "120", "--stop-grace-s", "4", "--out", str(out),
+                  "--port", str(free_port()), "--warmup-requests", "0"])
+    assert rc == 0
+    assert json.loads((model_dir / "config.json").read_text())["quantization_config"] == QUANT_CONFIGS["fp8-static"]
+    doc = json.loads((out / "serving-benchmark.json").read_text())
+    serving_doc_schema_check(doc)
+    assert doc["model"]["quantization"] == "fp8-static" and doc["model"]["hidden_size"] == 4096
+    assert [(r["config"], r["concurrency"]) for r in doc["records"]] == [("yali", 1)]
+    md = (out / "serving-benchmark.md").read_text()
+    assert md.startswith("# Serving benchmark, TP=2, fp8-static: ") and "quantization=fp8-static" in md
+
+
+@pytest.mark.parametrize("quant", QUANT_CHOICES)
+def test_model_summary_names_the_quantisation_of_the_loaded_config(quant, tmp_path):
+    d = _tiny_model("8b", tmp_path / "m", quant)
+    assert model.model_summary(d, "8b")["quantization"] == quant
+
+
+def test_model_summary_of_another_quantization_config_says_other(tmp_path):
+    d = _tiny_model("8b", tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {**QUANT_CONFIGS["fp8-block"], "weight_block_size": [64, 64]}
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert model.model_summary(d, "8b")["quantization"] == "other: fp8"
+    assert "quantization" not in model.model_summary(tmp_path / "missing", "8b")  # no config: nothing claimed
+
+
+def test_each_quantisation_has_its_own_default_model_dir():
+    dirs = {q: model.default_model_dir("70b", q) for q in QUANT_CHOICES}
+    assert dirs["none"] == model.default_model_dir("70b")
+    assert dirs["fp8-block"].name == f"yali-serving-model-70b-fp8-block-{os.getuid()}"
+    assert len(set(dirs.values())) == len(QUANT_CHOICES)
+
+
+def test_quantised_runs_plan_with_their_own_estimates_and_refuse_moe_sizes(capsys):
+    keys = {q: bench_run.estimates_key(sb.build_parser().parse_args(["--quant", q])) for q in QUANT_CHOICES}
+    assert len(set(keys.values())) == len(QUANT_CHOICES) and " fp8-dynamic " in keys["fp8-dynamic"]
+    args = sb.build_parser().parse_args(["--quant", "fp8-block", "--model-size", "mixtral-8x7b", "--configs", "yali-ep"])
+    with pytest.raises(SystemExit, match="--quant fp8-block: quantisation 'fp8-block' is for the dense sizes"):
+        bench_run.validate_args(args)
+    with pytest.raises(SystemExit):
+        sb.build_parser().parse_args(["--quant", "fp4"])
+    assert "argument --quant: invalid choice: 'fp4'" in capsys.readouterr().err
+
+
+def test_dry_runs_name_the_quantisation(tmp_path):
+    for module in ("serving_bench", "load_test"):
+        cp = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--dry-run", "--model-size", "8b",
+                             "--quant", "fp8-dynamic"], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert cp.returncode == 0, cp.stderr
+        assert "size='8b', quant='fp8-dynamic')" in cp.stdout and f"yali-serving-model-8b-fp8-dynamic-{os.getuid()}" in cp.stdout
+    cp = subprocess.run([sys.executable, "-m", "benchmarks.load_test", "--dry-run", "--model-size", "qwen3-30b-a3b",
+                         "--quant", "fp8-static"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert cp.returncode != 0 and "--quant fp8-static: quantisation 'fp8-static' is for the dense sizes" in cp.stderr
+
+
+def test_merge_refuses_results_of_differently_quantised_models():
+    recs = make_records({("yali", 1): [5.0, 5.1]})
+    bf16 = {"model": {"size": "70b"}, "records": recs}  # written before quantization was recorded: none
+    fp8 = {"model": {"size": "70b", "quantization": "fp8-block"}, "records": recs}
+    assert len(report.merge_results([bf16, {"model": {"quantization": "none"}, "records": recs}], ["a", "b"])["records"]) == 2 * len(recs)
+    with pytest.raises(SystemExit, match="differently quantised models: a.json none, b.json fp8-block"):
+        report.merge_results([bf16, fp8], ["a.json", "b.json"])

@@ -155,3 +155,32 @@ def test_flashinfer_aot_refuses_a_build_for_another_flashinfer(tmp_path):
     assert r.returncode == 1, r.stdout + r.stderr
     assert "flashinfer 0.0.1" in r.stderr and f"flashinfer {flashinfer.__version__}" in r.stderr, r.stderr
     assert "not installed" in r.stderr
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_serving_sh_passes_the_quantisation_and_names_its_results_by_it(tmp_path):
+    """QUANT=fp8-block: serving_bench gets --quant fp8-block and the result name carries it (a
+    python3 on PATH that records the benchmark's arguments stands in for the run)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    argv_file = tmp_path / "argv"
+    stub = bin_dir / "python3"
+    stub.write_text(f"""#!/bin/sh
+case "$*" in *benchmarks.serving_bench*) printf '%s\\n' "$@" > {argv_file}; exit 0;; esac
+exec {sys.executable} "$@"
+""")
+    stub.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OUT": str(out), "PATH": f"{bin_dir}:{os.environ['PATH']}",
+           "QUANT": "fp8-block", "MODEL_SIZE": "8b"}
+    subprocess.run(["bash", str(REPO / "scripts" / "gpu_host" / "serving.sh"), "1", "q1"], cwd=REPO, env=env,
+                   capture_output=True, text=True, timeout=120)
+    argv = argv_file.read_text().splitlines()
+    assert argv[argv.index("--quant") + 1] == "fp8-block" and argv[argv.index("--model-size") + 1] == "8b"
+    (log,) = out.glob("serving-*.log")
+    assert re.fullmatch(r"serving-8b-fp8-block-\d{8}-q1\.log", log.name), log.name
+    env["QUANT"] = "none"
+    subprocess.run(["bash", str(REPO / "scripts" / "gpu_host" / "serving.sh"), "1", "q2"], cwd=REPO, env=env,
+                   capture_output=True, text=True, timeout=120)
+    assert argv_file.read_text().splitlines()[argv.index("--quant") + 1] == "none"
+    assert [p.name for p in out.glob("serving-8b-2*-q2.log")], sorted(p.name for p in out.iterdir())

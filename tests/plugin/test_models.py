@@ -233,3 +233,136 @@ def test_moe_serve_command_uses_data_and_expert_parallelism(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "--data-parallel-size 2 --enable-expert-parallel" in out and "--tensor-parallel-size" not in out
     assert set(models.MOE_SIZES) <= set(models.CONFIGS)
+
+
+# ----------------------------------------------------------------------------- FP8 models
+FP8 = [q for q in models.QUANT_CHOICES if q != models.QUANT_NONE]
+
+
+@pytest.fixture(scope="module", params=FP8)
+def fp8_dir(request, tmp_path_factory):
+    pytest.importorskip("mistral_common")
+    quant = request.param
+    return quant, models.write_model_dir(tmp_path_factory.mktemp(quant) / "model", "8b", quant=quant)
+
+
+def test_quant_choices_are_none_and_the_three_fp8_schemes():
+    assert models.QUANT_CHOICES == ("none", "fp8-static", "fp8-dynamic", "fp8-block")
+    assert set(models.VLLM_QUANTIZATION) == set(FP8)
+
+
+def test_fp8_dir_carries_its_quantization_config_and_the_bf16_shape(fp8_dir):
+    quant, path = fp8_dir
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg.pop("quantization_config") == models.QUANT_CONFIGS[quant]
+    assert cfg == models.model_config("8b")  # otherwise the bf16 model's config
+    assert "quantization_config" not in models.model_config("8b", "none")
+
+
+def test_compressed_tensors_fields_per_scheme():
+    def group(quant):
+        (g,) = models.QUANT_CONFIGS[quant]["config_groups"].values()
+        return g["weights"], g["input_activations"]
+
+    w, a = group("fp8-static")
+    assert (w["strategy"], w["dynamic"], a["strategy"], a["dynamic"]) == ("tensor", False, "tensor", False)
+    w, a = group("fp8-dynamic")
+    assert (w["strategy"], w["dynamic"], a["strategy"], a["dynamic"]) == ("channel", False, "token", True)
+    for arg in (*group("fp8-static"), *group("fp8-dynamic")):
+        assert (arg["num_bits"], arg["type"], arg["symmetric"]) == (8, "float", True)
+    block = models.QUANT_CONFIGS["fp8-block"]
+    assert (block["quant_method"], block["activation_scheme"], block["weight_block_size"]) == ("fp8", "dynamic", [128, 128])
+
+
+def test_quantisation_is_refused_for_unknown_names_and_moe_sizes(tmp_path, capsys):
+    with pytest.raises(ValueError, match="unknown quantisation 'int8'"):
+        models.model_config("8b", "int8")
+    with pytest.raises(ValueError, match="dense sizes .*'mixtral-8x7b'"):
+        models.model_config("mixtral-8x7b", "fp8-block")
+    err = _refused([str(tmp_path / "m"), "--size", "qwen3-30b-a3b", "--quant", "fp8-static"], capsys)
+    assert "'fp8-static' is for the dense sizes" in err and not (tmp_path / "m").exists()
+    assert "invalid choice: 'fp4'" in _refused([str(tmp_path / "m"), "--quant", "fp4"], capsys)
+
+
+def test_cli_writes_an_fp8_dir(tmp_path, capsys):
+    pytest.importorskip("mistral_common")
+    assert models.main([str(tmp_path / "m"), "--size", "70b", "--quant", "fp8-block"]) == 0
+    out = capsys.readouterr().out
+    assert "vLLM reads it as its 'fp8' method" in out and "--load-format dummy" in out
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["hidden_size"] == 8192 and cfg["quantization_config"]["weight_block_size"] == [128, 128]
+    assert "--quant" in models.build_parser().format_help()
+
+
+def test_a_rerun_with_another_quantisation_needs_force(tmp_path, capsys):
+    pytest.importorskip("mistral_common")
+    d = models.write_model_dir(tmp_path / "m", "8b", quant="fp8-static")
+    assert "--force" in _refused([str(d), "--quant", "fp8-dynamic"], capsys)
+    assert models.main([str(d), "--quant", "fp8-dynamic", "--force"]) == 0
+    assert json.loads((d / "config.json").read_text())["quantization_config"] == models.QUANT_CONFIGS["fp8-dynamic"]
+
+
+def _vllm_quant_config(path):
+    """vLLM's ModelConfig of the model directory `path` and the quantisation config vLLM's model
+    loader builds from it (what the linear layers then ask for their quant method)."""
+    from vllm.config import LoadConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.weight_utils import get_quant_config
+
+    mc = EngineArgs(model=str(path), tokenizer_mode="mistral", load_format="dummy",
+                    max_model_len=2048).create_model_config()
+    return mc, get_quant_config(mc, LoadConfig(load_format="dummy"))
+
+
+def test_vllm_detects_the_quantisation_method(fp8_dir):
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    from yali_vllm.plugin.fusion_patch import model_quantisation
+
+    quant, path = fp8_dir
+    mc, qc = _vllm_quant_config(path)
+    assert mc.quantization == models.VLLM_QUANTIZATION[quant] and mc.quantization in QUANTIZATION_METHODS
+    assert qc.get_name() == mc.quantization
+    assert type(qc).__name__ == {"compressed-tensors": "CompressedTensorsConfig", "fp8": "Fp8Config"}[mc.quantization]
+    # The plugin's fusion routing sees a quantised model under the same name.
+    assert model_quantisation(type("Cfg", (), {"model_config": mc})()) == mc.quantization
+
+
+def _linear_scheme_keys(quant, mc, qc):
+    """(activation quant key, weight quant key, scheme name) of a decoder Linear layer as vLLM's
+    quant config builds it. The FP8 W8A8 schemes need compute capability 8.9; a CPU platform
+    reports none, which vLLM's capability check accepts, so the scheme a Hopper GPU gets is built."""
+    import torch
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+
+    with set_current_vllm_config(VllmConfig(model_config=mc, device_config=DeviceConfig(device="cpu"))):
+        if quant == "fp8-block":
+            from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+
+            method = Fp8LinearMethod(qc)
+            assert method.block_quant and method.weight_block_size == [128, 128]
+            return method.activation_quant_key, method.weight_quant_key, type(method).__name__
+        scheme = qc.get_scheme(torch.nn.Linear(128, 128), "model.layers.0.mlp.down_proj")
+        assert scheme.is_static_input_scheme == (quant == "fp8-static")
+        return scheme.activation_quant_key, scheme.weight_quant_key, type(scheme).__name__
+
+
+def test_vllm_builds_the_expected_fp8_scheme(fp8_dir):
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.quantization.utils import quant_utils as qu
+
+    quant, path = fp8_dir
+    mc, qc = _vllm_quant_config(path)
+    group128 = qu.GroupShape(1, 128)
+    expected = {
+        "fp8-static": (qu.kFp8StaticTensorSym, qu.kFp8StaticTensorSym, "CompressedTensorsW8A8Fp8"),
+        "fp8-dynamic": (qu.kFp8DynamicTokenSym, qu.kFp8StaticChannelSym, "CompressedTensorsW8A8Fp8"),
+        "fp8-block": (qu.create_fp8_quant_key(static=False, group_shape=group128),
+                      qu.create_fp8_quant_key(static=True, group_shape=qu.GroupShape(128, 128)), "Fp8LinearMethod"),
+    }[quant]
+    assert _linear_scheme_keys(quant, mc, qc) == expected
+    if quant != "fp8-block":  # lm_head stays bf16
+        assert qc.ignore == ["lm_head"]
+    else:
+        assert qc.is_checkpoint_fp8_serialized and qc.activation_scheme == "dynamic"
