@@ -148,7 +148,10 @@ def vllm_as_shipped(monkeypatch):
     monkeypatch.setattr(pm, fusion_patch._PM_SYMBOL, StandInPass, raising=False)
     configure = on(touch_points.VLLM_LOGGER)[0]
     logger_module = sys.modules[configure.module]
-    monkeypatch.setattr(logger_module, configure.symbol, getattr(logger_module, configure.symbol))
+    shipped = getattr(logger_module, configure.symbol)
+    if getattr(shipped, vllm_log._WRAPPED, False):  # wrapped by an earlier register() in this process
+        shipped = shipped.__wrapped__
+    monkeypatch.setattr(logger_module, configure.symbol, shipped)
     monkeypatch.setattr(logging.getLogger("vllm"), "handlers", [])
     cache = sys.modules[fusion_patch._CACHE_KEY.module].environment_variables
     monkeypatch.delitem(cache, fusion_patch.CACHE_FACTOR, raising=False)

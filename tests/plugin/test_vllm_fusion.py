@@ -174,14 +174,15 @@ def test_factory_off_without_tp_group(monkeypatch, caplog):
 class FailingYaliPass:
     """Stand-in for YALI's pass whose build fails (as on a vLLM whose pattern API changed)."""
 
-    def __init__(self, config):
+    def __init__(self, config, flashinfer=None):
         raise RuntimeError("pattern API changed")
 
 
-@pytest.mark.parametrize("choice", ["yali", "vllm+yali"])
-def test_factory_falls_back_to_vllms_pass_when_yalis_build_fails(monkeypatch, caplog, choice):
-    """YALI's pass failing to build leaves vLLM's pass in place (built once), with a warning: a start-up
-    never fails on it. The choice is stood in (no TP group in this process)."""
+@pytest.mark.parametrize("quantization", [None, "fp8"], ids=["bf16", "fp8"])
+def test_factory_falls_back_to_vllms_pass_when_yalis_build_fails(monkeypatch, caplog, quantization):
+    """YALI's pass failing to build leaves vLLM's pass in place (built once, also for a quantised model,
+    where it was built for YALI's pass to hold), with a warning: a start-up never fails on it. The
+    decision is stood in (no TP group in this process)."""
     built: list = []
 
     class CountedPass(StandInPass):
@@ -189,9 +190,9 @@ def test_factory_falls_back_to_vllms_pass_when_yalis_build_fails(monkeypatch, ca
             super().__init__(config)
             built.append(self)
 
-    monkeypatch.setattr(vllm_fusion, "fusion_choice", lambda environ=None: (choice, "YALI serves TP group 'tp:0'"))
+    monkeypatch.setattr(vllm_fusion, "fusion_decision", lambda environ=None: (True, "YALI serves TP group 'tp:0'"))
     monkeypatch.setattr(vllm_fusion, "YaliAllReduceFusionPass", FailingYaliPass)
-    cfg = object()
+    cfg = type("Config", (), {"model_config": type("Model", (), {"quantization": quantization})()})()
     with caplog.at_level(logging.WARNING, logger="vllm.yali"):
         got = fusion_patch.fusion_pass_factory(CountedPass)(cfg)
     assert type(got) is CountedPass and got.config is cfg and built == [got]
