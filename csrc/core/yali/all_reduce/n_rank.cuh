@@ -28,7 +28,7 @@
 #pragma once
 #include <cooperative_groups.h>
 
-#include "fused.cuh"
+#include "yali/fused/fused.cuh"
 
 namespace yali {
 
