@@ -11,6 +11,7 @@
 #include "yali/common/cuda_check.h"
 #include "yali/common/launch.cuh"
 #include "yali/fused/fused.cuh"
+#include "yali/fused/n_rank_fused.cuh"
 
 namespace yali {
 

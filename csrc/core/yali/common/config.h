@@ -26,7 +26,8 @@ size_t dtype_size(DType t);
 
 // Hard limits of the kernels (array sizes in the shared flag region).
 constexpr int kMaxFlashCtas = 128;
-// Most ranks of one communicator: the N-rank kernels (n_rank.cuh) keep one pointer per rank.
+// Most ranks of one communicator: the N-rank kernels (n_rank_exchange.cuh: RanksArgs) keep one
+// pointer per rank.
 constexpr int kMaxRanks = 8;
 // Most tensors one expert-parallel dispatch carries (ep.cuh: hidden states, scales, top-k ids, ...).
 constexpr int kEpMaxParts = 8;

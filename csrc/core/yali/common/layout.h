@@ -45,8 +45,9 @@ struct SharedLayout {
   size_t flash_push;     // 2 parities x flash_bytes: flash-push / fused data, written by the peer;
                          // holds kPushEmpty words wherever no unread data is (see exchange.cuh)
   size_t stream_slots;   // lanes x slots x slot_bytes: the peer's chunks land here
-  size_t ranks_push;     // N ranks: 2 parities x 2 phases x N x ranks_slot_bytes (n_rank.cuh), written by
-                         // the other ranks (rank r into slot r); kPushEmpty wherever no unread data is
+  size_t ranks_push;     // N ranks (n_rank_exchange.cuh): 2 parities x 2 phases x N x ranks_slot_bytes,
+                         // written by the other ranks (rank r into slot r); kPushEmpty wherever no
+                         // unread data is
   size_t ranks_slot;     // ranks_slot_bytes(c, world); 0 with two ranks
   size_t ep_push;        // expert parallelism (ep.cuh): 2 parities x N x ep_slot, rank r writes slot r;
                          // kPushEmpty wherever no unread data is

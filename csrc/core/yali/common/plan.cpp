@@ -184,7 +184,8 @@ FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType 
   // The receivers poll a row's vectors batched from 512 KiB (32 tokens) on
   // (YALI_DEV_FUSED_BATCH_POLL_MIN): 0.1-0.3 us faster there, 0.2-0.7 us slower at 1-16 tokens
   // (archive/fused/20261122-variants-batch-poll).
-  // N ranks: the receivers wait for each rank's row in turn (n_rank.cuh), never batched.
+  // N ranks: the receivers wait for each rank's row in turn (n_rank_exchange.cuh: wait_ranks),
+  // never batched.
   l.batch_poll = world == 2 && nbytes >= c.fused_batch_poll_min;
   // N ranks: every row over a cluster of `spread` CTAs (YALI_DEV_RANKS_FUSED_SPREAD, default 4)
   // while the grid (rows x spread) is at most 64 CTAs; a thread holds its vectors of the row's

@@ -2,7 +2,7 @@
 // `all_reduce -> fused_add_rms_norm` / `all_reduce -> rms_norm` pair).
 //
 // The exchange is flash-push's (exchange.cuh), with two kinds of work per CTA
-// (fused_work, the same for the N-rank whole-row kernel in n_rank.cuh):
+// (fused_work, the same for the N-rank whole-row kernel in n_rank_fused.cuh):
 //  * sending: the message is cut into one contiguous chunk per sending CTA, as
 //    flash-push cuts it (the plan gives FusedLaunch::cta_bytes per CTA, at most
 //    kMaxFlashCtas CTAs), and every CTA stores its chunk into the peer's push area.
@@ -42,7 +42,7 @@
 
 namespace yali {
 
-// The epilogue's operands (also those of the N-rank fused kernel, n_rank.cuh).
+// The epilogue's operands (also those of the N-rank fused kernel, n_rank_fused.cuh).
 struct RowNorm {
   const void* residual;   // nullptr: no residual
   const void* weight;     // [hidden]
