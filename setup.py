@@ -26,9 +26,12 @@ _built_against = tuple(int(p) for p in torch.__version__.split("+")[0].split("."
 if _built_against < TARGET:
     raise SystemExit(f"yali-vllm builds against torch >= {TARGET[0]}.{TARGET[1]}; torch {torch.__version__} is installed")
 
-sources = sorted(glob.glob("csrc/core/yali/*.cu") + glob.glob("csrc/core/yali/*.cpp")) + [
-    "csrc/bindings/torch_ops.cpp"
-]
+# The core (csrc/core/yali: common/, one folder per op, the communicator) and the test-only
+# kernels (csrc/testing), then the torch op layer.
+sources = sorted(
+    glob.glob("csrc/core/yali/**/*.cu", recursive=True) + glob.glob("csrc/core/yali/**/*.cpp", recursive=True)
+    + glob.glob("csrc/testing/*.cu")
+) + ["csrc/bindings/torch_ops.cpp"]
 defines = [
     f"-DTORCH_TARGET_VERSION=0x{TARGET[0]:02x}{TARGET[1]:02x}000000000000ULL",
     "-DUSE_CUDA",
@@ -41,7 +44,7 @@ setup(
         CUDAExtension(
             name="yali_vllm._C",
             sources=sources,
-            include_dirs=[os.path.abspath("csrc/core")],
+            include_dirs=[os.path.abspath("csrc/core"), os.path.abspath("csrc")],
             extra_compile_args={"cxx": ["-O3", "-std=c++20", *defines], "nvcc": ["-O3", "-std=c++17"]},
             py_limited_api=True,
         )

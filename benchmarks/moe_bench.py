@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """MoE dispatch / combine microbenchmark on N GPUs (--world-size 2, 4, 6 or 8): YALI's expert-parallel
-kernels (csrc/core/yali/ep.cuh) against vLLM's default all-to-all manager (AgRsAll2AllManager), in
+kernels (csrc/core/yali/ep/ep.cuh) against vLLM's default all-to-all manager (AgRsAll2AllManager), in
 the same N rank processes on the same machine.
 
 One MoE layer's communication at data + expert parallelism, T tokens per rank:

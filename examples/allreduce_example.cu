@@ -1,7 +1,7 @@
 // Minimal use of the YALI C++ API: one process, GPUs 0 and 1, 1M bf16 elements.
 //   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc/core \
-//        examples/allreduce_example.cu csrc/core/yali/rank.cu csrc/core/yali/config.cpp csrc/core/yali/plan.cpp \
-//        -o allreduce_example
+//        examples/allreduce_example.cu csrc/core/yali/communicator.cu csrc/core/yali/common/config.cpp \
+//        csrc/core/yali/common/plan.cpp csrc/core/yali/common/abort_text.cpp -o allreduce_example
 #include <cstdio>
 #include <vector>
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Do the kernels of the working tree compile to the same machine code as those of REV?
 #   scripts/same_kernels.sh [REV]        (default HEAD)
-# Compiles every csrc/core/yali/*.cu (rank.cu includes the all-reduce kernel headers, ep.cu the
-# expert-parallel ones) of REV and of the working tree for sm_90a and compares the SASS of every
-# function, with the anonymous-namespace hash (which depends on the file's contents) masked. A
-# function of REV is
+# Compiles every .cu file under csrc/ of REV and of the working tree (csrc/core/yali/communicator.cu
+# includes the all-reduce and fused kernel headers, ep/ep.cu the expert-parallel ones; csrc/testing
+# holds the test-only kernels; a REV from before the per-op folders has every .cu in csrc/core/yali)
+# for sm_90a and compares the SASS of every function, with the anonymous-namespace hash (which
+# depends on the file's contents) masked. A function of REV is
 #   the same     if some function of the tree has its code instruction for instruction;
 #   the same but for its parameter offsets  if that holds once each function's kernel-parameter
 #                operands (c[0x0][0x210] on) are renamed in the order they are first read and the
@@ -26,7 +27,7 @@ tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
 git -C "$root" archive "$rev" csrc | tar -x -C "$tmp"
 sass() {  # $1: tree with csrc/, $2: output
   : > "$2.sass"
-  for cu in "$1"/csrc/core/yali/*.cu; do
+  find "$1/csrc" -name '*.cu' | sort | while read -r cu; do
     nvcc -O3 -std=c++17 -arch=sm_90a -cubin -I "$1/csrc/core" -o "$2.cubin" "$cu"
     "$cuobjdump" -sass "$2.cubin" 2>/dev/null | sed 's/_GLOBAL__N__[0-9a-f]*_/_GLOBAL__N_/' >> "$2.sass"
   done

@@ -25,10 +25,10 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Longest row the fused all-reduce + RMSNorm kernel holds in registers: 512 threads x
 # 8 vectors x 16 bytes (hidden 32768 in bf16/fp16, 16384 in fp32). Mirrors kFusedMaxRowBytes.
 MAX_FUSED_HIDDEN_BYTES = 512 * 8 * 16
-# Most tensors one ep_dispatch carries (csrc/core/yali/config.h: kEpMaxParts).
+# Most tensors one ep_dispatch carries (csrc/core/yali/common/config.h: kEpMaxParts).
 EP_MAX_TENSORS = 8
 # The dtypes ep_dispatch carries: those in which the one 32-bit word it cannot send as it is
-# (0x80008000, csrc/core/yali/ep.cuh) is a pair of zeros, four fp8 zeros, an fp32 denormal or no
+# (0x80008000, csrc/core/yali/ep/ep.cuh) is a pair of zeros, four fp8 zeros, an fp32 denormal or no
 # valid token or expert index. Bytes of other meanings (uint8-packed fp4 with e8m0 scales, int8,
 # int16) go to vLLM's manager.
 EP_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.int32,
@@ -85,7 +85,7 @@ def ranges_overlap(x: int, nx: int, y: int, ny: int) -> bool:
 def partly_overlap(x: int, nx: int, y: int, ny: int) -> bool:
     """Whether two byte ranges share a byte without being the same range. An all-reduce's `out` may
     be its input (in place) or apart from it, never in between: the kernels read the input again
-    after other CTAs wrote their part of `out` (csrc/core/yali/overlap.h, the same rule)."""
+    after other CTAs wrote their part of `out` (csrc/core/yali/common/overlap.h, the same rule)."""
     return ranges_overlap(x, nx, y, ny) and not (x == y and nx == ny)
 
 
@@ -323,7 +323,7 @@ class YaliCommunicator:
     the extension/GPU is missing, or the ranks' YALI_* settings differ. `max_bytes` caps the
     message size served (default: the configured YALI_MAX_BYTES; above two ranks also
     YALI_DEV_RANKS_MAX, beyond which vLLM's chain is faster). `ep_slot_bytes` > 0 adds the
-    expert-parallel dispatch and combine (ep_dispatch, ep_combine; csrc/core/yali/ep.cuh), each
+    expert-parallel dispatch and combine (ep_dispatch, ep_combine; csrc/core/yali/ep/ep.cuh), each
     rank's message up to that many bytes (yali_vllm.ep reads it from YALI_EP_SLOT_BYTES).
     """
 

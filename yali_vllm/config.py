@@ -1,9 +1,9 @@
 """The YALI_* settings (environment variables) and the resolved kernel configuration.
 
-Every setting is declared once, in settings.def (csrc/core/yali/settings.def, shipped in the
+Every setting is declared once, in settings.def (csrc/core/yali/common/settings.def, shipped in the
 package as yali_vllm/settings.def): name, type, default and bounds, one line each. The C++ core
 reads the kernel configuration from it (YALI_KERNEL_MODE, YALI_MAX_BYTES, YALI_TIMEOUT_S,
-YALI_DEV_*: csrc/core/yali/config.cpp), so the C++ API and Python agree; this module reads the
+YALI_DEV_*: csrc/core/yali/common/config.cpp), so the C++ API and Python agree; this module reads the
 plugin's settings from it (setting) and refuses every YALI_* name it does not declare
 (check_environment). A bad value raises ValueError naming the variable and what it accepts.
 """
@@ -20,11 +20,11 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
-# Kernel ids as returned by plan() (csrc/core/yali/config.h: enum class Kernel).
+# Kernel ids as returned by plan() (csrc/core/yali/common/config.h: enum class Kernel).
 KERNEL_NAMES = {0: None, 3: "stream", 5: "flash-push", 6: "push-oneshot", 7: "push-twoshot", 8: "ep-gather",
                 9: "ep-reduce-scatter"}
 # The world sizes (ranks of a tensor-parallel group) YALI serves: 2 with the two-rank kernels
-# (flash-push, stream), 4, 6 and 8 with the N-rank push one-shot and two-shot (csrc/core/yali/ranks.cuh).
+# (flash-push, stream), 4, 6 and 8 with the N-rank push one-shot and two-shot (csrc/core/yali/all_reduce/n_rank.cuh).
 WORLD_SIZES = (2, 4, 6, 8)
 # The world sizes the vLLM plugin serves when YALI_WORLD_SIZES is unset, each with the committed
 # serving run on real GPUs that shows YALI at parity with vLLM's defaults or better (c=1 TPOT, c=32

@@ -31,10 +31,10 @@
 #include <unordered_set>
 #include <vector>
 
-#include "yali/config.h"
-#include "yali/plan.h"
-#include "yali/rank.h"
-#include "yali/testing.h"
+#include "testing/testing.h"
+#include "yali/common/config.h"
+#include "yali/common/plan.h"
+#include "yali/communicator.h"
 
 extern "C" __attribute__((used, visibility("default"))) const char yali_build_info[] =
     "yali-vllm build: torch " YALI_BUILD_TORCH " headers, stable ABI target " YALI_TORCH_TARGET;

@@ -12,8 +12,8 @@
 #include <sstream>
 #include <string>
 
-#include "yali/abort_text.h"
-#include "yali/overlap.h"
+#include "yali/common/abort_text.h"
+#include "yali/common/overlap.h"
 
 namespace {
 

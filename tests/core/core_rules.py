@@ -11,8 +11,8 @@ import tempfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SOURCES = ["tests/core/core_rules.cpp", "csrc/core/yali/abort_text.cpp", "csrc/core/yali/config.cpp",
-           "csrc/core/yali/plan.cpp"]
+SOURCES = ["tests/core/core_rules.cpp", "csrc/core/yali/common/abort_text.cpp", "csrc/core/yali/common/config.cpp",
+           "csrc/core/yali/common/plan.cpp"]
 
 
 @functools.lru_cache(maxsize=None)

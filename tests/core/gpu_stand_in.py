@@ -3,7 +3,7 @@ rank on a machine without a GPU.
 
 Stood in (GPU-only): the CUDA runtime queries (devices, their UUIDs, peer access, synchronize,
 stream capture); the library's handle ops (create, CUDA IPC handles, peer mapping, buffers, the
-abort record, the EP size checks, which mirror csrc/core/yali/ep.cu); the kernels (all-reduce, EP
+abort record, the EP size checks, which mirror csrc/core/yali/ep/ep.cu); the kernels (all-reduce, EP
 dispatch and combine), as gloo collectives over the communicator's group; and the GPU's memory: a
 communicator's tensors live on the CPU (its device becomes the CPU before its self-test, which
 then runs as written). Real: every decision and exchange of yali_vllm, the library's settings and

@@ -1,4 +1,4 @@
-"""The text of a kernel's abort record, without a GPU (csrc/core/yali/abort_text.cpp, built with
+"""The text of a kernel's abort record, without a GPU (csrc/core/yali/common/abort_text.cpp, built with
 the host compiler): this rank's call, what the wait saw in words, both ranks' calls.
 tests/gpu/test_abort_record.py has a kernel record a stalled call on the GPU."""
 from .core_rules import query

@@ -307,7 +307,7 @@ def test_two_rank_fused_size_table(rows, hidden, launch):
     assert two_rank_band(rows * hidden * 2, hidden * 2) == launch[:2]
 
 
-# ---- every setting declared once (csrc/core/yali/settings.def), read by C++ and Python
+# ---- every setting declared once (csrc/core/yali/common/settings.def), read by C++ and Python
 
 CORE = [s for s in config.SETTINGS.values() if s.field is not None]
 
@@ -360,7 +360,7 @@ def test_the_plugin_serves_the_measured_world_sizes_by_default():
 
 
 def test_the_package_reads_the_cores_list():
-    core = Path(__file__).resolve().parents[2] / "csrc" / "core" / "yali" / "settings.def"
+    core = Path(__file__).resolve().parents[2] / "csrc" / "core" / "yali" / "common" / "settings.def"
     if not core.is_file():
         pytest.skip("no source tree (an installed wheel)")
     assert config.SETTINGS_FILE.read_text() == core.read_text()

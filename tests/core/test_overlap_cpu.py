@@ -1,5 +1,5 @@
 """Which outputs may lie over which inputs, at the rules' boundaries: the core's C++ rules
-(csrc/core/yali/overlap.h, which Rank, the torch ops and the C++ API apply before a launch) through
+(csrc/core/yali/common/overlap.h, which Rank, the torch ops and the C++ API apply before a launch) through
 a small program built with the host compiler, and the Python layer's copy of the all-reduce rule
 (yali_vllm.communicator.partly_overlap). No GPU: tests/gpu/test_overlap.py has the ops refuse real
 views on the GPU."""

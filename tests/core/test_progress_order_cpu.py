@@ -9,7 +9,7 @@ unfinished CTAs are always running and have what they wait for, and every call c
 free SM (one cluster) per rank.
 
 The model maps, per kernel, what each CTA sends and what it waits for, as the kernels compute it
-(csrc/core/yali: fused.cuh fused_work, ranks.cuh, push.cuh, stream.cuh, call_check.cuh's checker)
+(csrc/core/yali: fused.cuh fused_work, n_rank.cuh, n_rank_fused.cuh, push.cuh, stream.cuh, call_check.cuh's checker)
 from the launch the library plans for the shape (config.fused_plan, config.plan), and checks the
 rule for every world size, every fused row count 1..2048 at hidden 2048..16384 in bf16, fp16 and
 fp32 (one launch and two), and the all-reduce kernels of every message size those calls use."""
@@ -67,8 +67,8 @@ def whole_row_waits(rows: int, row_vecs: int, grid: int, cluster: int) -> np.nda
 
 def same_cta_waits(blocks: int) -> np.ndarray:
     """Kernels whose CTA b sends and waits for the same part of the message on every rank
-    (push.cuh flash-push, ranks.cuh push one-shot and two-shot: split_range(b) of the message or of
-    every segment; stream.cuh: lane b's chunks and credits; ranks.cuh's spread kernel: slice b;
+    (push.cuh flash-push, n_rank.cuh push one-shot and two-shot: split_range(b) of the message or of
+    every segment; stream.cuh: lane b's chunks and credits; n_rank_fused.cuh's spread kernel: slice b;
     ep.cuh): CTA b waits for CTA b."""
     return np.arange(blocks)
 

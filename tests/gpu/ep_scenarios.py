@@ -1,4 +1,4 @@
-"""Checks of the expert-parallel dispatch and combine (csrc/core/yali/ep.cuh) that run inside every
+"""Checks of the expert-parallel dispatch and combine (csrc/core/yali/ep/ep.cuh) that run inside every
 rank of an N-rank group (pair.run_ranks).
 
 Every rank regenerates every rank's inputs from seeds made of the call and the rank, so each one

@@ -1,7 +1,7 @@
 """Outputs over inputs, on the GPU (both ranks may share one: YALI_ALLOW_SHARED_GPU=1): each entry
 refuses a view that overlaps what the call still reads, naming the argument, before anything is
 launched; exact aliasing stays served where it is safe (the all-reduce in place, the fused op's
-residual_out = residual). The rules themselves: csrc/core/yali/overlap.h, checked at their
+residual_out = residual). The rules themselves: csrc/core/yali/common/overlap.h, checked at their
 boundaries by tests/core/test_overlap_cpu.py."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """YALI's kernels while another kernel holds all but one SM of a GPU for a bounded time
-(testing_occupy, csrc/core/yali/testing.cu): their CTAs reach the SMs late, one at a time and in
+(testing_occupy, csrc/testing/testing.cu): their CTAs reach the SMs late, one at a time and in
 another order on each rank; every call must still complete, exactly (small-integer inputs, as in
 delay_scenarios), without the watchdog. Because the SMs come back after OCCUPY_NS, a kernel whose
 CTAs wait for peer CTAs that cannot run beside them completes too, only later: the call times

@@ -4,7 +4,7 @@ Every check draws fresh random inputs, one per rank, from a seed made of the cal
 so each rank regenerates all N inputs and computes the reference itself (no data is exchanged
 for it). Outputs are poisoned with NaN before the call. A plain all-reduce must lie within the
 dtype's tolerance of the fp64 sum (the kernels add in fp32 and round once to the dtype), and its
-bits are compared with the fp32 sum added in rank order (what ranks.cuh computes); the
+bits are compared with the fp32 sum added in rank order (what n_rank_exchange.cuh computes); the
 fused all-reduce + residual add + RMSNorm is checked as the two-rank fused tests check it
 (scenarios.compare_fused) against vLLM's arithmetic applied to the fp32 sum of the N inputs,
 added in rank order and rounded to the dtype. Every rank's output bits must equal every other

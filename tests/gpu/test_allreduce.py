@@ -113,7 +113,8 @@ def test_single_process_pair_checks_both_calls_before_launching():
 def test_cpp_example(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     exe = tmp_path / "allreduce_example"
-    core = [f"{root}/csrc/core/yali/{f}" for f in ("rank.cu", "config.cpp", "plan.cpp")]
+    core = [f"{root}/csrc/core/yali/{f}"
+            for f in ("communicator.cu", "common/config.cpp", "common/plan.cpp", "common/abort_text.cpp")]
     subprocess.run(["nvcc", "-std=c++17", "-O2", "-gencode=arch=compute_90a,code=sm_90a", "-I", f"{root}/csrc/core",
                     f"{root}/examples/allreduce_example.cu", *core, "-o", str(exe)], check=True, timeout=300)
     out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""The expert-parallel dispatch and combine (csrc/core/yali/ep.cuh) at N = 2, 4, 6 and 8 ranks: one
+"""The expert-parallel dispatch and combine (csrc/core/yali/ep/ep.cuh) at N = 2, 4, 6 and 8 ranks: one
 process per rank, each on its own GPU, or all on GPU 0 with YALI_ALLOW_SHARED_GPU=1 (correctness
 only). Skipped without a GPU or the extension (conftest.py), and for N ranks on fewer than N GPUs
 unless they share GPU 0 (pair.run_ranks).

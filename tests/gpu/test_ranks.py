@@ -74,7 +74,7 @@ def test_all_reduce_sweep_every_kernel_and_dtype(suite):
         assert set(r["kernels"]) == set(DTYPES)
         for dname, hit in r["kernels"].items():
             assert hit == r["table_kernels"], f"{dname} hit {hit} of the table's {r['table']}"
-        # the N inputs added in fp32 in rank order 0, 1, ..., N - 1, rounded once (ranks.cuh)
+        # the N inputs added in fp32 in rank order 0, 1, ..., N - 1, rounded once (n_rank_exchange.cuh)
         assert r["order_mismatches"] == 0, f"rank {rank}: {r['order_mismatches']} elements differ from that sum"
     assert_ranks_agree(parts)
     if n > 2:  # a message above the N-rank limit is refused, naming that limit and where it comes from

@@ -1,4 +1,4 @@
-"""Expert parallelism: YALI's dispatch and combine (csrc/core/yali/ep.cuh) behind vLLM's default
+"""Expert parallelism: YALI's dispatch and combine (csrc/core/yali/ep/ep.cuh) behind vLLM's default
 all-to-all manager.
 
 With ``--data-parallel-size N --enable-expert-parallel`` (and vLLM's default all2all backend,

@@ -14,8 +14,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "config.h"
-#include "rank.h"
+#include "yali/common/config.h"
+#include "yali/communicator.h"
 
 namespace yali {
 

@@ -1,4 +1,4 @@
-#include "config.h"
+#include "yali/common/config.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -8,8 +8,8 @@
 #include <stdexcept>
 #include <unistd.h>  // environ
 
-#include "layout.h"
-#include "plan.h"
+#include "yali/common/layout.h"
+#include "yali/common/plan.h"
 
 namespace yali {
 
@@ -41,7 +41,7 @@ struct SettingRow {
 constexpr SettingRow kSettingRows[] = {
 #define YALI_SETTING(name, field, type, def, low, high, step, help) {#name, #type, def, low, high, step},
 #define YALI_PLUGIN_SETTING(name, type, def, low, high, step, help) {#name, #type, def, low, high, step},
-#include "settings.def"
+#include "yali/common/settings.def"
 #undef YALI_SETTING
 #undef YALI_PLUGIN_SETTING
 };
@@ -254,7 +254,7 @@ Config Config::from_env() {
   Config c;
 #define YALI_SETTING(name, field, type, def, low, high, step, help) read_##type(#name, low, high, step, &c.field);
 #define YALI_PLUGIN_SETTING(name, type, def, low, high, step, help)
-#include "settings.def"
+#include "yali/common/settings.def"
 #undef YALI_SETTING
 #undef YALI_PLUGIN_SETTING
   refuse_unknown_dev_knobs();
@@ -265,7 +265,7 @@ Config Config::from_env() {
 void Config::validate() const {
 #define YALI_SETTING(name, field, type, def, low, high, step, help) check_##type(#name, field, low, high, step);
 #define YALI_PLUGIN_SETTING(name, type, def, low, high, step, help)
-#include "settings.def"
+#include "yali/common/settings.def"
 #undef YALI_SETTING
 #undef YALI_PLUGIN_SETTING
   // The N-rank one-shot limit is at most the N-rank limit, or its largest default (16 MiB) while
@@ -288,7 +288,7 @@ std::string Config::to_string() const {
   std::string s;
 #define YALI_SETTING(name, field, type, def, low, high, step, help) s += (s.empty() ? "" : " ") + std::string(#field "=") + text_##type(field);
 #define YALI_PLUGIN_SETTING(name, type, def, low, high, step, help)
-#include "settings.def"
+#include "yali/common/settings.def"
 #undef YALI_SETTING
 #undef YALI_PLUGIN_SETTING
   return s + " ep_slot_bytes=" + std::to_string(ep_slot_bytes);

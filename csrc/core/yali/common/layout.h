@@ -6,19 +6,19 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "config.h"
-#include "plan.h"
+#include "yali/common/config.h"
+#include "yali/common/plan.h"
 
 namespace yali {
 
-// What one call is, as both ranks must agree on it: built on the host (rank.cu: call_desc), sent
+// What one call is, as both ranks must agree on it: built on the host (communicator.cu: call_desc), sent
 // to the peer by every default kernel and compared there (call_check.cuh). Every word keeps bit
 // 31 clear, so no descriptor word ever equals kCallEmpty.
 //   w[0], w[1]: message bytes, low and high 31 bits
 //   w[2]: op (bits 0-1: 1 all-reduce, 2 fused all-reduce + RMSNorm, 3 expert parallelism) | kernel (bits 2-5) |
 //         dtype (bits 6-7) | CTAs or lanes of the launch (bits 8-19)
 //   w[3]: the fused op's hidden size (0 for a plain all-reduce); expert parallelism: a 31-bit
-//         digest of every rank's token count and the parts' row bytes (rank.cu: ep_digest)
+//         digest of every rank's token count and the parts' row bytes (ep.cu: ep_digest)
 struct CallDesc {
   uint32_t w[4];
 };
@@ -45,8 +45,9 @@ struct SharedLayout {
   size_t flash_push;     // 2 parities x flash_bytes: flash-push / fused data, written by the peer;
                          // holds kPushEmpty words wherever no unread data is (see exchange.cuh)
   size_t stream_slots;   // lanes x slots x slot_bytes: the peer's chunks land here
-  size_t ranks_push;     // N ranks: 2 parities x 2 phases x N x ranks_slot_bytes (ranks.cuh), written by
-                         // the other ranks (rank r into slot r); kPushEmpty wherever no unread data is
+  size_t ranks_push;     // N ranks (n_rank_exchange.cuh): 2 parities x 2 phases x N x ranks_slot_bytes,
+                         // written by the other ranks (rank r into slot r); kPushEmpty wherever no
+                         // unread data is
   size_t ranks_slot;     // ranks_slot_bytes(c, world); 0 with two ranks
   size_t ep_push;        // expert parallelism (ep.cuh): 2 parities x N x ep_slot, rank r writes slot r;
                          // kPushEmpty wherever no unread data is

@@ -26,7 +26,7 @@
 //  * a 16-byte vector access is four single-copy-atomic 32-bit accesses, so a
 //    word is either empty or final: no torn values, no separate flag.
 #pragma once
-#include "call_check.cuh"
+#include "yali/common/call_check.cuh"
 
 namespace yali {
 

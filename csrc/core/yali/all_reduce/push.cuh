@@ -7,7 +7,7 @@
 // round trip (the sentinel-in-data protocol and the buffer reuse argument are
 // in exchange.cuh).
 #pragma once
-#include "exchange.cuh"
+#include "yali/common/exchange.cuh"
 
 namespace yali {
 

@@ -32,7 +32,7 @@
 // (benchmarks/results/current/allreduce/20261126-tp4-h100-release-fence, docs/DESIGN_LOG.md), half
 // the whole exchange, so the kernels do not issue it.
 #pragma once
-#include "kernel_common.cuh"
+#include "yali/common/kernel_common.cuh"
 
 namespace yali {
 
@@ -109,11 +109,11 @@ __device__ __forceinline__ void call_verify(const CallCheck& c, uint32_t* slot, 
   verify_slot(c.desc, slot, timeout_ns, abort, kernel, -1);
 }
 
-// N ranks (ranks.cuh): the same check with every other rank. Each rank's buffer holds slots
-// [2][world][4]: rank r's descriptor of call n lands in [n & 1][r]. The checker stores mine into
-// every other rank's buffer, then waits for, compares and gives back every other rank's, in rank
-// order. The two-slot argument holds per pair of ranks as above: every rank's call n + 1 waits for
-// every other rank's descriptor of call n + 1.
+// N ranks (n_rank_exchange.cuh): the same check with every other rank. Each rank's buffer holds
+// slots [2][world][4]: rank r's descriptor of call n lands in [n & 1][r]. The checker stores mine
+// into every other rank's buffer, then waits for, compares and gives back every other rank's, in
+// rank order. The two-slot argument holds per pair of ranks as above: every rank's call n + 1 waits
+// for every other rank's descriptor of call n + 1.
 __device__ __forceinline__ uint32_t* ranks_call_slot(char* buf, size_t off, int parity, int rank, int world) {
   return reinterpret_cast<uint32_t*>(buf + off) + 4 * (parity * world + rank);
 }

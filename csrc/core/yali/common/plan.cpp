@@ -1,7 +1,7 @@
 // The size tables, with the measurement behind each choice. All numbers are
 // from 2xH200 NV18 (bf16 unless said otherwise); the result files are under
 // benchmarks/results/, and docs/DESIGN_LOG.md keeps what was tried and left.
-#include "plan.h"
+#include "yali/common/plan.h"
 
 #include <algorithm>
 
@@ -38,7 +38,7 @@ int push_ctas(const Config& c, size_t bytes) {
 //    above (current/tune/20261122-pdl).
 namespace {
 
-// N ranks, every rank pushing into every other rank's push area (ranks.cuh). The one-shot /
+// N ranks, every rank pushing into every other rank's push area (n_rank.cuh). The one-shot /
 // two-shot boundary starts where vLLM's custom all-reduce switches from its one-stage to its
 // two-stage kernel (csrc/custom_all_reduce.cuh: below 512 KiB up to 4 ranks, below 256 KiB up to 8).
 // The N-rank kernels stop (YALI_DEV_RANKS_MAX, 0 = ranks_max_for below):
@@ -184,7 +184,8 @@ FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType 
   // The receivers poll a row's vectors batched from 512 KiB (32 tokens) on
   // (YALI_DEV_FUSED_BATCH_POLL_MIN): 0.1-0.3 us faster there, 0.2-0.7 us slower at 1-16 tokens
   // (archive/fused/20261122-variants-batch-poll).
-  // N ranks: the receivers wait for each rank's row in turn (ranks.cuh), never batched.
+  // N ranks: the receivers wait for each rank's row in turn (n_rank_exchange.cuh: wait_ranks),
+  // never batched.
   l.batch_poll = world == 2 && nbytes >= c.fused_batch_poll_min;
   // N ranks: every row over a cluster of `spread` CTAs (YALI_DEV_RANKS_FUSED_SPREAD, default 4)
   // while the grid (rows x spread) is at most 64 CTAs; a thread holds its vectors of the row's

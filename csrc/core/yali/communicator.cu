@@ -1,16 +1,17 @@
-#include "rank.h"
+#include "yali/communicator.h"
 
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
 
-#include "abort_text.h"
-#include "cuda_check.h"
-#include "fused.cuh"
-#include "launch.cuh"
-#include "push.cuh"
-#include "ranks.cuh"
-#include "stream.cuh"
+#include "yali/all_reduce/n_rank.cuh"
+#include "yali/all_reduce/push.cuh"
+#include "yali/all_reduce/stream.cuh"
+#include "yali/common/abort_text.h"
+#include "yali/common/cuda_check.h"
+#include "yali/common/launch.cuh"
+#include "yali/fused/fused.cuh"
+#include "yali/fused/n_rank_fused.cuh"
 
 namespace yali {
 

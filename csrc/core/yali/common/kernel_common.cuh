@@ -4,9 +4,9 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "layout.h"
-#include "ptx.cuh"
-#include "reduce.cuh"
+#include "yali/common/layout.h"
+#include "yali/common/ptx.cuh"
+#include "yali/common/reduce.cuh"
 
 namespace yali {
 

@@ -13,7 +13,7 @@
 // LocalState::lane_seq holds each lane's sequence across calls; both ranks
 // launch identical plans, so their counters stay equal.
 #pragma once
-#include "exchange.cuh"
+#include "yali/common/exchange.cuh"
 
 namespace yali {
 

@@ -1,4 +1,4 @@
-// Host-side helpers for CUDA calls (rank.cu): an error check that throws, and a
+// Host-side helpers for CUDA calls (communicator.cu): an error check that throws, and a
 // scope that switches the current device and restores it.
 #pragma once
 #include <cuda_runtime.h>

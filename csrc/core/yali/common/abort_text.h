@@ -3,7 +3,7 @@
 #pragma once
 #include <string>
 
-#include "layout.h"
+#include "yali/common/layout.h"
 
 namespace yali {
 

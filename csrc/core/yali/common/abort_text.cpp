@@ -1,4 +1,4 @@
-#include "abort_text.h"
+#include "yali/common/abort_text.h"
 
 #include <cstdio>
 

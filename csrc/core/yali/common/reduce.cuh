@@ -7,7 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "ptx.cuh"
+#include "yali/common/ptx.cuh"
 
 namespace yali {
 

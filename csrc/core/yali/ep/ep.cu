@@ -4,9 +4,9 @@
 // refused too, but vLLM's tensors always pass (the Python side copies any that would not).
 #include <algorithm>
 
-#include "ep.cuh"
-#include "launch.cuh"
-#include "rank.h"
+#include "yali/common/launch.cuh"
+#include "yali/communicator.h"
+#include "yali/ep/ep.cuh"
 
 namespace yali {
 

@@ -2,7 +2,7 @@
 // `all_reduce -> fused_add_rms_norm` / `all_reduce -> rms_norm` pair).
 //
 // The exchange is flash-push's (exchange.cuh), with two kinds of work per CTA
-// (fused_work, the same for the N-rank whole-row kernel in ranks.cuh):
+// (fused_work, the same for the N-rank whole-row kernel in n_rank_fused.cuh):
 //  * sending: the message is cut into one contiguous chunk per sending CTA, as
 //    flash-push cuts it (the plan gives FusedLaunch::cta_bytes per CTA, at most
 //    kMaxFlashCtas CTAs), and every CTA stores its chunk into the peer's push area.
@@ -38,11 +38,11 @@
 // Above the one-launch size (Config::flash_bytes) the op runs a YALI all-reduce
 // into norm_out and then add_rmsnorm_kernel, the same epilogue on its own.
 #pragma once
-#include "push.cuh"
+#include "yali/common/exchange.cuh"
 
 namespace yali {
 
-// The epilogue's operands (also those of the N-rank fused kernel, ranks.cuh).
+// The epilogue's operands (also those of the N-rank fused kernel, n_rank_fused.cuh).
 struct RowNorm {
   const void* residual;   // nullptr: no residual
   const void* weight;     // [hidden]

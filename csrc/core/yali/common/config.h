@@ -16,7 +16,7 @@ enum class KernelMode : int { Auto = 0, Flash = 1, Stream = 2 };
 // Ids 1, 2 and 4 were the retired flash one-shot, two-shot and flash-ll kernels (docs/DESIGN_LOG.md).
 enum class Kernel : int {
   None = 0, Stream = 3, FlashPush = 5,
-  PushOneShot = 6, PushTwoShot = 7,  // N ranks (ranks.cuh)
+  PushOneShot = 6, PushTwoShot = 7,  // N ranks (n_rank.cuh)
   EpGather = 8, EpReduceScatter = 9   // expert parallelism, 2 to kMaxRanks ranks (ep.cuh)
 };
 enum class DType : int { F32 = 0, F16 = 1, BF16 = 2 };
@@ -26,7 +26,8 @@ size_t dtype_size(DType t);
 
 // Hard limits of the kernels (array sizes in the shared flag region).
 constexpr int kMaxFlashCtas = 128;
-// Most ranks of one communicator: the N-rank kernels (ranks.cuh) keep one pointer per rank.
+// Most ranks of one communicator: the N-rank kernels (n_rank_exchange.cuh: RanksArgs) keep one
+// pointer per rank.
 constexpr int kMaxRanks = 8;
 // Most tensors one expert-parallel dispatch carries (ep.cuh: hidden states, scales, top-k ids, ...).
 constexpr int kEpMaxParts = 8;
@@ -67,7 +68,7 @@ KernelMode default_mode(const char* name, const char* text);
 struct Config {
 #define YALI_SETTING(name, field, type, def, low, high, step, help) setting_##type field = default_##type(#name, def);
 #define YALI_PLUGIN_SETTING(name, type, def, low, high, step, help)
-#include "settings.def"
+#include "yali/common/settings.def"
 #undef YALI_SETTING
 #undef YALI_PLUGIN_SETTING
   // Expert parallelism (ep.cuh): one rank's slot of each parity of the EP push area, the largest

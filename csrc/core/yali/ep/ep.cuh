@@ -13,8 +13,8 @@
 //  * reduce-scatter (combine): x is [T_0 + ... + T_{N-1}, hidden] of fp32, fp16 or bf16; rank r
 //    receives its T_r rows summed over the ranks. Rank s sends rows of rank r into its slot of
 //    rank r's EP push area; rank r adds the N copies in rank order 0, 1, ..., N - 1 in fp32 and
-//    rounds once (the N-rank all-reduce's arithmetic, ranks.cuh): bitwise the same whatever the
-//    order of arrival.
+//    rounds once (the N-rank all-reduce's arithmetic, n_rank_exchange.cuh): bitwise the same
+//    whatever the order of arrival.
 //
 // Sentinel words: a word 0x80008000 (kPushEmpty) is sent, and copied into the sender's own
 // output, as 0x80000000 (ep_canonical). In the dtypes the callers pass (yali_vllm.communicator.
@@ -27,11 +27,11 @@
 // CTA b of every rank owns vectors split_range(b) of every rank's message (same grid on every
 // rank, from the largest message): it sends its vectors of mine and receives its vectors of
 // everyone else's, so it waits only for CTA b of the other ranks (forward progress as push
-// one-shot). The slots' reuse is the N-rank push area's (ranks.cuh): two parities, and every
-// call checks every other rank's descriptor before it waits for data.
+// one-shot). The slots' reuse is the N-rank push area's (n_rank_exchange.cuh): two parities, and
+// every call checks every other rank's descriptor before it waits for data.
 #pragma once
-#include "exchange.cuh"
-#include "ranks.cuh"
+#include "yali/common/exchange.cuh"
+#include "yali/common/n_rank_exchange.cuh"
 
 namespace yali {
 

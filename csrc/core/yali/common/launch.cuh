@@ -1,12 +1,12 @@
 // The launch of a YALI kernel and the one map from DType to the kernels' element type, shared by
-// the translation units that launch kernels (rank.cu, ep.cu).
+// the translation units that launch kernels (communicator.cu, ep.cu).
 #pragma once
 #include <type_traits>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "config.h"
+#include "yali/common/config.h"
 
 namespace yali {
 

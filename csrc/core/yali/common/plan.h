@@ -4,7 +4,7 @@
 #pragma once
 #include <cstddef>
 
-#include "config.h"
+#include "yali/common/config.h"
 
 namespace yali {
 
@@ -36,7 +36,7 @@ size_t ranks_slot_bytes(const Config& c, int world);
 size_t ranks_fused_one_launch_max(const Config& c, int world);
 
 // How the fused op runs for one shape; Rank::fused_allreduce_rmsnorm launches
-// exactly this (launch_fused in rank.cu maps it to a kernel instance).
+// exactly this (launch_fused in communicator.cu maps it to a kernel instance).
 struct FusedLaunch {
   bool one_launch = true;       // false: YALI all-reduce, then the add + norm kernel
   int grid = 0;                 // CTAs

@@ -1,5 +1,5 @@
-#include "ptx.cuh"
 #include "testing.h"
+#include "yali/common/ptx.cuh"
 
 namespace yali::testing {
 

@@ -8,10 +8,10 @@
 #include <cstdint>
 #include <string>
 
-#include "config.h"
-#include "layout.h"
-#include "overlap.h"
-#include "plan.h"
+#include "yali/common/config.h"
+#include "yali/common/layout.h"
+#include "yali/common/overlap.h"
+#include "yali/common/plan.h"
 
 namespace yali {
 
