@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -315,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         "shared_gpu": False,
         "records": rows,
     })
+    doc["host"] = f"no GPU: {os.cpu_count()} CPUs ({platform.machine()})"
+    doc["cpu_only"] = True
     write_results(args.out, doc)
     print(f"{doc['killed']} killed, {doc['survived']} survived, {len(doc['errors'])} errors: {args.out}")
     return 1 if doc["errors"] else 0
