@@ -246,7 +246,7 @@ def check_applies(m: Mutation, root: Path = REPO) -> str:
 
 def first_failure(output: str) -> str:
     """The first test pytest -q reports failed or in error ("" when none is named)."""
-    found = re.search(r"^(?:FAILED|ERROR) (\S+)", output, re.M)
+    found = re.search(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", output, re.M)  # ids may hold spaces
     return found.group(1) if found else ""
 
 

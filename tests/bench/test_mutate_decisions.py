@@ -34,6 +34,9 @@ def test_a_stale_mutation_is_refused(tmp_path):
 def test_first_failure_names_the_test():
     out = "..F\nFAILED tests/core/a.py::test_b[2] - AssertionError\nERROR tests/c.py::d\n"
     assert mutate.first_failure(out) == "tests/core/a.py::test_b[2]"
+    spaced = "FAILED tests/plugin/r.py::test_route[static FP8-True-flashinfer] - AssertionError: x - y\n"
+    assert mutate.first_failure(spaced) == "tests/plugin/r.py::test_route[static FP8-True-flashinfer]"
+    assert mutate.first_failure("ERROR tests/c.py::d\n") == "tests/c.py::d"
 
 
 def test_an_update_keeps_the_earlier_rows_not_run_again_with_their_commits(tmp_path):
