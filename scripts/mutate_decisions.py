@@ -6,15 +6,19 @@ boundary, a dropped condition, a skipped exchange of outcomes between ranks, a c
 The tree (tracked and untracked files, the built library) is copied once to a temporary directory;
 each mutation is applied there alone and the CPU test files it names run (pytest -x, bounded): a
 failure or a run past the bound kills it, a pass means it survived. One run at a time. Writes a
-result file (kind gpu-test-run: one row per mutation, outcome "failed" when the tests killed it).
+result file (kind gpu-test-run: one row per mutation, outcome "failed" when the tests killed it,
+and the commit the row was measured at). Run from the repository root:
 
-  python scripts/mutate_decisions.py --out /tmp/mutations.json            # every mutation
-  python scripts/mutate_decisions.py --out /tmp/m.json --only flash-cap   # some, by name
+  python -m scripts.mutate_decisions --out /tmp/mutations.json            # every mutation
+  python -m scripts.mutate_decisions --out /tmp/m.json --only flash-cap   # some, by name
+  python -m scripts.mutate_decisions --out /tmp/m.json --only flash-cap --update old.json
+      # old.json's rows of the mutations still listed and not run now, with their commits, and the new rows
 """
 from __future__ import annotations
 
 import argparse
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -23,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import NamedTuple
+
+from benchmarks.common.results import git_commit, results_header, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 420
@@ -34,7 +40,9 @@ CLOSE = "tests/core/test_close_cpu.py"
 PLUGIN = "tests/plugin/test_vllm_plugin.py"
 EP = "tests/plugin/test_ep_plugin.py"
 FUSION = "tests/plugin/test_vllm_fusion.py"
-CONFIG = "tests/core/test_core_config.py"
+ROUTING = "tests/plugin/test_fusion_routing.py"
+OVERLAP = "tests/core/test_overlap_cpu.py"
+ABORT = "tests/core/test_abort_exit_cpu.py"
 
 
 class Mutation(NamedTuple):
@@ -45,10 +53,25 @@ class Mutation(NamedTuple):
     tests: tuple[str, ...]  # pytest arguments: test files, maybe with -k
 
 
+def kept_rows(path: str, rerun: set[str]) -> list[dict]:
+    """The rows of the earlier result file `path` for the mutations still listed that are not in
+    `rerun`, each with the commit it was measured at (the file's, where a row names none)."""
+    import json
+
+    old = json.loads(Path(path).read_text())
+    listed = {m.name for m in MUTATIONS}
+    commit = old.get("versions", {}).get("git")
+    return [{**r, "commit": r.get("commit", commit)} for r in old["records"]
+            if r["mutation"] in listed and r["mutation"] not in rerun]
+
+
 C, CFG, GATE = "yali_vllm/communicator.py", "yali_vllm/config.py", "yali_vllm/plugin/gate.py"
-GS, EPM, FP, VF = ("yali_vllm/plugin/group_setup.py", "yali_vllm/plugin/ep_manager.py",
-                   "yali_vllm/plugin/fusion_patch.py", "yali_vllm/vllm_fusion.py")
-_RANKS = '''    results = _all_gather((yc is not None, why), comm.cpu_group)'''
+DEF = "yali_vllm/settings.def"  # the package's copy of the settings list (the C++ core's is built in)
+GS, EPM, COLL, FP, VF, FR = ("yali_vllm/plugin/group_setup.py", "yali_vllm/plugin/ep_manager.py",
+                             "yali_vllm/plugin/collective.py", "yali_vllm/plugin/fusion_patch.py",
+                             "yali_vllm/vllm_fusion.py", "yali_vllm/fusion_routing.py")
+_RANKS = '''    results = all_gather((yc is not None, why), comm.cpu_group)'''
+_PARTLY = "return ranges_overlap(x, nx, y, ny) and not (x == y and nx == ny)"
 
 MUTATIONS = (
     # ---- communicator.py: the serve limit, should_use, can_fuse, the EP checks
@@ -86,8 +109,11 @@ MUTATIONS = (
     Mutation("ep-dispatch-rows-of-this-rank", C, "        total = sum(int(c) for c in counts)\n        ins =",
              "        total = int(counts[self.rank]) * self.world_size\n        ins =", (LIVE,)),
     Mutation("ep-combine-into-its-input", C, "and not _overlap(out, src))", ")", (LIVE,)),
-    Mutation("overlap-of-adjacent-tensors", C, "x < y + b.nbytes and y < x + a.nbytes",
-             "x <= y + b.nbytes and y <= x + a.nbytes", (LIVE,)),
+    Mutation("overlap-of-adjacent-tensors", C, "x < y + ny and y < x + nx", "x <= y + ny and y <= x + nx",
+             (LIVE, "-k", "overlap")),
+    Mutation("all-reduce-in-place-refused", C, _PARTLY, "return ranges_overlap(x, nx, y, ny)", (OVERLAP,)),
+    Mutation("all-reduce-out-from-the-same-start-served", C, _PARTLY,
+             "return ranges_overlap(x, nx, y, ny) and not x == y", (OVERLAP,)),
     Mutation("ep-combine-rows-unchecked", C, "return x.shape[0] == sum(counts) and self.ep_serves_rows",
              "return self.ep_serves_rows", (LIVE,)),
     Mutation("ep-rows-dtype-unchecked", C,
@@ -105,21 +131,25 @@ MUTATIONS = (
     Mutation("failed-rank-skips-close", C, "                join_close(self.group, self.world_size)",
              "                pass", (SETUP,)),
     Mutation("close-keeps-only-when-all-captured", C, "if any(captured):", "if all(captured):", (CLOSE,)),
+    # ---- communicator.py: the abort watcher
+    Mutation("abort-exit-without-grace", C, "and not raised and now - seen_at >= grace_s",
+             "and not raised and now >= seen_at", (ABORT,)),
+    Mutation("abort-exit-after-yali-error", C, "and not raised and now - seen_at >= grace_s",
+             "and now - seen_at >= grace_s", (ABORT,)),
     # ---- config.py
     Mutation("world-size-6-dropped", CFG, "WORLD_SIZES = (2, 4, 6, 8)", "WORLD_SIZES = (2, 4, 8)", (LIVE,)),
-    Mutation("every-world-size-on-by-default", CFG, "DEFAULT_WORLD_SIZES = tuple(sorted(ON_BY_DEFAULT))",
-             "DEFAULT_WORLD_SIZES = WORLD_SIZES", (PLUGIN, "-k", "not ranks")),
-    Mutation("flag-default-inverted", CFG, 'if raw is None or raw.strip() == "":\n        return default',
-             'if raw is None or raw.strip() == "":\n        return not default', (PLUGIN, "-k", "not ranks")),
-    Mutation("ep-slot-lowest-refused", CFG, "if not (lo <= n <= hi and n % 4096 == 0):",
-             "if not (lo < n <= hi and n % 4096 == 0):", (LIVE, "-k", "slot")),
-    Mutation("ep-slot-default-halved", CFG, "EP_SLOT_DEFAULT = 2 << 20", "EP_SLOT_DEFAULT = 1 << 20",
-             (EP, "-k", "not ranks")),
+    Mutation("every-world-size-on-by-default", DEF, 'YALI_PLUGIN_SETTING(YALI_WORLD_SIZES, sizes, "2,4",',
+             'YALI_PLUGIN_SETTING(YALI_WORLD_SIZES, sizes, "all",', (PLUGIN, "-k", "not ranks")),
+    Mutation("flag-default-inverted", CFG,
+             "return SETTINGS[name].parse(SETTINGS[name].default) if default is None else default",
+             "return not SETTINGS[name].parse(SETTINGS[name].default) if default is None else default",
+             (PLUGIN, "-k", "not ranks")),
+    Mutation("ep-slot-lowest-refused", CFG, "parse_bytes(s.low) <= n <= parse_bytes(s.high)",
+             "parse_bytes(s.low) < n <= parse_bytes(s.high)", (LIVE, "-k", "slot")),
+    Mutation("ep-slot-default-halved", DEF, 'YALI_PLUGIN_SETTING(YALI_EP_SLOT_BYTES, bytes, "2M",',
+             'YALI_PLUGIN_SETTING(YALI_EP_SLOT_BYTES, bytes, "1M",', (EP, "-k", "not ranks")),
     Mutation("listed-world-size-ignored", CFG, "    if world_size in enabled:\n        return None",
              "    if True:\n        return None", (PLUGIN, "-k", "not ranks")),
-    Mutation("unchecked-build-allowed", CFG,
-             "if UNCHECKED_BUILD_MARK not in build_info or env_flag(ALLOW_UNCHECKED_VAR, False, env):", "if True:",
-             ("tests/core/test_stable_abi.py", "-k", "call_check")),
     # ---- gate.py
     Mutation("tp-name-by-substring", GATE, 'return unique_name.split(":")[0] == "tp"', 'return "tp" in unique_name',
              (PLUGIN, "-k", "not ranks")),
@@ -133,12 +163,10 @@ MUTATIONS = (
     # ---- group_setup.py
     Mutation("tp-outcomes-not-exchanged", GS, _RANKS,
              "    results = [(yc is not None, why)] * int(comm.world_size)", (SETUP,)),
-    Mutation("tp-failed-rank-skips-close", GS, "    elif any(good for good, _ in results):", "    elif False:",
-             (SETUP,)),
     Mutation("tp-enable-of-rank-0-only", GS, 'all(i["enabled"] for i in infos),\n        custom_ar_enabled',
              'infos[0]["enabled"],\n        custom_ar_enabled', (PLUGIN,)),
     Mutation("fusion-settings-not-compared", GS, "if len(set(fusion)) > 1:", "if False:", (PLUGIN,)),
-    Mutation("checkpoint-not-agreed", GS, "captured = any(_all_gather(bool(yc.captured), comm.cpu_group))",
+    Mutation("checkpoint-not-agreed", GS, "captured = any(all_gather(bool(yc.captured), comm.cpu_group))",
              "captured = bool(yc.captured)", (PLUGIN,)),
     Mutation("failure-reason-of-rank-0", GS, "if len(failed) == world_size and len({why for _, why in failed}) == 1:",
              "if len(failed) == world_size:", (PLUGIN, "-k", "not ranks")),
@@ -156,15 +184,18 @@ MUTATIONS = (
     Mutation("ep-manager-buffer-taken", EPM,
              "if self._yali_serves_shape(shape, dtype, is_sequence_parallel):\n                return None",
              "if False:\n                return None", (SETUP,)),
-    # ---- fusion_patch.py and vllm_fusion.py's decisions
-    Mutation("fusion-build-failure-raises", FP,
-             "            except Exception as e:  # deterministic, so every rank falls back alike\n                logger.warning(\n",
-             "            except ImportError as e:  # deterministic, so every rank falls back alike\n                logger.warning(\n",
-             (FUSION, "-k", "falls_back")),
-    Mutation("fusion-build-failure-raises-above-flashinfer", FP,
-             "            except Exception as e:  # deterministic, so every rank falls back alike\n                logger.warning(\"",
-             "            except ImportError as e:  # deterministic, so every rank falls back alike\n                logger.warning(\"",
-             (FUSION, "-k", "falls_back")),
+    # ---- collective.py: what the TP and the EP set-up share
+    Mutation("setup-failed-rank-skips-close", COLL, "    elif any(good for good, _ in results):", "    elif False:",
+             (SETUP,)),
+    # ---- fusion_patch.py, vllm_fusion.py and fusion_routing.py's decisions
+    Mutation("fusion-build-failure-raises", FP, "except Exception as e:  # deterministic, so every rank falls back",
+             "except ImportError as e:  # deterministic, so every rank falls back", (FUSION, "-k", "falls_back")),
+    Mutation("vllm-pass-build-failure-raises", FP, "except Exception as e:  # deterministic, so every rank ends alike",
+             "except ImportError as e:  # deterministic, so every rank ends alike", (FUSION, "-k", "factory")),
+    Mutation("quantised-model-seen-as-bf16", FP, "return str(method) if method else None", "return None",
+             (FUSION, "-k", "factory")),
+    Mutation("vllm-pass-built-for-bf16", FP, "flashinfer = _build_quietly(original, config) if quant else None",
+             "flashinfer = _build_quietly(original, config)", (FUSION, "-k", "factory")),
     Mutation("fusion-note-ignores-config", FP, "        if not cc.pass_config.fuse_allreduce_rms:\n            return False",
              "        if False:\n            return False", (PLUGIN, "-k", "fusion_note")),
     Mutation("fusion-off-by-default", VF, "return env_flag(FUSION_VAR, True, environ)",
@@ -176,6 +207,17 @@ MUTATIONS = (
              (FUSION, "-k", "applies_only")),
     Mutation("fused-op-ignores-can-fuse", VF, "if yc is not None and yc.can_fuse(input, residual, weight):",
              "if yc is not None:", (FUSION, "-k", "refuses")),
+    Mutation("static-fp8-in-flashinfer-range-to-yali", FR,
+             "return FLASHINFER if quant in FLASHINFER_QUANTISES else YALI",
+             "return FLASHINFER if quant == NVFP4 else YALI", (ROUTING,)),
+    Mutation("quantised-above-flashinfer-to-yali", FR, "else YALI\n    return VLLM", "else YALI\n    return YALI",
+             (ROUTING,)),
+    Mutation("dynamic-scale-read-as-static", FR, "reduced |= name in _REDUCTIONS", "reduced |= False", (ROUTING,)),
+    Mutation("quantisation-past-a-matmul-is-the-norms", FR,
+             "if depth >= MAX_DEPTH or name in _BOUNDARIES or name.startswith",
+             "if depth >= MAX_DEPTH or name.startswith", (ROUTING,)),
+    Mutation("residual-read-as-the-norm-output", FR, "u.target is operator.getitem and u.args[1] == index",
+             "u.target is operator.getitem", (ROUTING,)),
 )
 
 
@@ -204,7 +246,7 @@ def check_applies(m: Mutation, root: Path = REPO) -> str:
 
 def first_failure(output: str) -> str:
     """The first test pytest -q reports failed or in error ("" when none is named)."""
-    found = re.search(r"^(?:FAILED|ERROR) (\S+)", output, re.M)
+    found = re.search(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", output, re.M)  # ids may hold spaces
     return found.group(1) if found else ""
 
 
@@ -229,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="the result file to write (JSON)")
     ap.add_argument("--only", nargs="*", default=None, help="names of the mutations to run (default: all)")
     ap.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds each mutation's tests may run")
+    ap.add_argument("--update", default=None,
+                    help="an earlier result file whose rows of the mutations not run now are kept, with their commits")
     args = ap.parse_args(argv)
     chosen = [m for m in MUTATIONS if args.only is None or m.name in args.only]
     unknown = set(args.only or ()) - {m.name for m in MUTATIONS}
@@ -236,10 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown mutation(s): {sorted(unknown)}")
     for m in chosen:
         check_applies(m)
-    sys.path.insert(0, str(REPO))
-    from benchmarks.common.results import results_header, write_results
-
     rows = []
+    commit = git_commit()
     with tempfile.TemporaryDirectory(prefix="yali-mutate-") as tmp:
         root = Path(tmp)
         copy_tree(root)
@@ -254,11 +296,15 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"test": m.name, "outcome": "passed" if outcome == "passed" else "failed",
                          "duration_s": round(took, 1), "mutation": m.name, "file": m.file, "result": result,
                          "killed_by": why if result == "killed" else "", "error": why if result == "error" else "",
-                         "tests": " ".join(m.tests)})
+                         "tests": " ".join(m.tests), "commit": commit})
             print(f"{result:8s} {m.name:45s} {took:6.1f} s  {why[:100]}", flush=True)
+    if args.update:
+        order = {m.name: i for i, m in enumerate(MUTATIONS)}
+        rows = sorted(rows + kept_rows(args.update, {m.name for m in chosen}), key=lambda r: order[r["mutation"]])
     doc = results_header("gpu-test-run", {
         "about": "mutation run over the Python decision code on a CPU (no GPU): a row per mutation, outcome "
-                 "'failed' when its CPU tests failed (killed), 'passed' when they passed (survived)",
+                 "'failed' when its CPU tests failed (killed), 'passed' when they passed (survived); "
+                 "'commit': the code each row ran on",
         "passed": sum(r["outcome"] == "passed" for r in rows),
         "failed": sum(r["outcome"] == "failed" for r in rows),
         "skipped": 0,
@@ -270,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         "shared_gpu": False,
         "records": rows,
     })
+    doc["host"] = f"no GPU: {os.cpu_count()} CPUs ({platform.machine()})"
+    doc["cpu_only"] = True
     write_results(args.out, doc)
     print(f"{doc['killed']} killed, {doc['survived']} survived, {len(doc['errors'])} errors: {args.out}")
     return 1 if doc["errors"] else 0

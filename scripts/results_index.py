@@ -38,7 +38,8 @@ Every JSON states:
 - `world_size`, the ranks of the run (a `gpu-test-run`: `world_sizes`, every rank count its tests
   ran), and `shared_gpu`, true when the ranks' processes shared one GPU (then no timing is valid);
 - `host`, the GPUs by model and count, their link and driver; from 2026-11-23 on also `gpus`, each
-  GPU's UUID, serial, PCI bus and VBIOS;
+  GPU's UUID, serial, PCI bus and VBIOS (a run of CPU tests alone: `cpu_only: true`, `host`
+  "no GPU: ...", no `gpus`);
 - `versions.git`, the commit of the code the file measured: in an A/B run, the library it loaded.
   Where the run recorded another (a GPU host's stale copy of the tree, `+dirty`, or the checkout a
   library was swapped into), `git_checkout` keeps what it recorded and `git_note` says which

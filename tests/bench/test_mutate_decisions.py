@@ -1,15 +1,14 @@
 """scripts/mutate_decisions.py's mutation list still applies to the code: each mutation's original
 text occurs exactly once in its file (a changed line would otherwise drop the mutation unseen), and
 the tests each one runs exist."""
-import importlib.util
+import json
 from pathlib import Path
 
 import pytest
 
+from scripts import mutate_decisions as mutate
+
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("mutate_decisions", REPO / "scripts" / "mutate_decisions.py")
-mutate = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(mutate)
 
 
 def test_the_list_is_long_and_its_names_unique():
@@ -35,3 +34,25 @@ def test_a_stale_mutation_is_refused(tmp_path):
 def test_first_failure_names_the_test():
     out = "..F\nFAILED tests/core/a.py::test_b[2] - AssertionError\nERROR tests/c.py::d\n"
     assert mutate.first_failure(out) == "tests/core/a.py::test_b[2]"
+    spaced = "FAILED tests/plugin/r.py::test_route[static FP8-True-flashinfer] - AssertionError: x - y\n"
+    assert mutate.first_failure(spaced) == "tests/plugin/r.py::test_route[static FP8-True-flashinfer]"
+    assert mutate.first_failure("ERROR tests/c.py::d\n") == "tests/c.py::d"
+
+
+def test_an_update_keeps_the_earlier_rows_not_run_again_with_their_commits(tmp_path):
+    first, second, gone = mutate.MUTATIONS[0].name, mutate.MUTATIONS[1].name, "no-longer-listed"
+    old = {"versions": {"git": "abc1234"},
+           "records": [{"mutation": first, "result": "killed"}, {"mutation": second, "result": "killed"},
+                       {"mutation": gone, "result": "killed"}]}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert mutate.kept_rows(str(tmp_path / "old.json"), {second}) == [
+        {"mutation": first, "result": "killed", "commit": "abc1234"}]
+
+
+def test_the_script_runs_as_a_module_and_refuses_an_unknown_name():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "scripts.mutate_decisions", "--out", "/dev/null", "--only", "no-such"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "unknown mutation(s): ['no-such']" in r.stderr, r.stderr

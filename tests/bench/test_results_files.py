@@ -65,9 +65,12 @@ def test_result_file_follows_schema(path):
     assert isinstance(doc["shared_gpu"], bool), "shared_gpu is not true/false"
     sizes = doc.get("world_sizes") if doc["kind"] == "gpu-test-run" else [doc.get("world_size")]
     assert sizes and all(isinstance(n, int) and n >= 1 for n in sizes), "no world_size (world_sizes)"
-    assert HOST.match(doc["host"]), f"host {doc['host']!r} does not name the GPUs"
-    if doc["date"][:10] >= GPU_IDS_SINCE:  # a merge names its sources, and they their GPUs
-        assert doc.get("gpus") or doc.get("gpus_used") or doc.get("merged_from"), "no gpus"
+    if doc.get("cpu_only"):  # CPU tests alone (the mutation run): no GPU to name, and it says so
+        assert doc["host"].startswith("no GPU") and not doc["gpus"], "a CPU-only run that names a GPU"
+    else:
+        assert HOST.match(doc["host"]), f"host {doc['host']!r} does not name the GPUs"
+        if doc["date"][:10] >= GPU_IDS_SINCE:  # a merge names its sources, and they their GPUs
+            assert doc.get("gpus") or doc.get("gpus_used") or doc.get("merged_from"), "no gpus"
     assert ("git_checkout" in doc) == ("git_note" in doc), "git_checkout without git_note, or the reverse"
 
 

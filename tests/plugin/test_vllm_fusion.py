@@ -25,6 +25,7 @@ import logging
 import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -172,17 +173,26 @@ def test_factory_off_without_tp_group(monkeypatch, caplog):
 
 
 class FailingYaliPass:
-    """Stand-in for YALI's pass whose build fails (as on a vLLM whose pattern API changed)."""
+    """Stand-in for a pass whose build fails (as on a vLLM whose pattern API changed): YALI's, or vLLM's."""
 
     def __init__(self, config, flashinfer=None):
         raise RuntimeError("pattern API changed")
 
 
+def _model_config(quantization: str | None):
+    """A vLLM config as the factory reads it: the model's quantisation method (None: bf16)."""
+    return SimpleNamespace(model_config=SimpleNamespace(quantization=quantization))
+
+
+def _yali_serves(monkeypatch):
+    """Stands in for YALI serving a TP group (no TP group in this process)."""
+    monkeypatch.setattr(vllm_fusion, "fusion_decision", lambda environ=None: (True, "YALI serves TP group 'tp:0'"))
+
+
 @pytest.mark.parametrize("quantization", [None, "fp8"], ids=["bf16", "fp8"])
 def test_factory_falls_back_to_vllms_pass_when_yalis_build_fails(monkeypatch, caplog, quantization):
-    """YALI's pass failing to build leaves vLLM's pass in place (built once, also for a quantised model,
-    where it was built for YALI's pass to hold), with a warning: a start-up never fails on it. The
-    decision is stood in (no TP group in this process)."""
+    """YALI's pass failing to build leaves vLLM's pass in place, built once (for a quantised model the
+    one built to go inside YALI's), with a warning: a start-up never fails on it."""
     built: list = []
 
     class CountedPass(StandInPass):
@@ -190,15 +200,56 @@ def test_factory_falls_back_to_vllms_pass_when_yalis_build_fails(monkeypatch, ca
             super().__init__(config)
             built.append(self)
 
-    monkeypatch.setattr(vllm_fusion, "fusion_decision", lambda environ=None: (True, "YALI serves TP group 'tp:0'"))
+    _yali_serves(monkeypatch)
     monkeypatch.setattr(vllm_fusion, "YaliAllReduceFusionPass", FailingYaliPass)
-    cfg = type("Config", (), {"model_config": type("Model", (), {"quantization": quantization})()})()
+    cfg = _model_config(quantization)
     with caplog.at_level(logging.WARNING, logger="vllm.yali"):
         got = fusion_patch.fusion_pass_factory(CountedPass)(cfg)
     assert type(got) is CountedPass and got.config is cfg and built == [got]
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert lines == ["YALI fusion pass OFF: building it failed (RuntimeError: pattern API changed); using vLLM's "
                      "FlashInfer fusion"], lines
+
+
+class RecordingYaliPass:
+    """Stand-in for YALI's pass that records the vLLM pass it is given."""
+
+    def __init__(self, config, flashinfer=None):
+        self.config, self.flashinfer = config, flashinfer
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8", "compressed-tensors"])
+def test_factory_builds_vllms_pass_inside_yalis_for_a_quantised_model_only(monkeypatch, quantization):
+    """A bf16 model never builds vLLM's pass (no FlashInfer workspace beside YALI's); a quantised one
+    builds it once and hands it to YALI's pass (fusion_routing leaves it the pairs it fuses)."""
+    built: list = []
+
+    def counted(config):
+        built.append(StandInPass(config))
+        return built[-1]
+
+    _yali_serves(monkeypatch)
+    monkeypatch.setattr(vllm_fusion, "YaliAllReduceFusionPass", RecordingYaliPass)
+    cfg = _model_config(quantization)
+    assert fusion_patch.model_quantisation(cfg) == quantization
+    got = fusion_patch.fusion_pass_factory(counted)(cfg)
+    assert type(got) is RecordingYaliPass and got.config is cfg
+    assert got.flashinfer is (built[0] if quantization else None) and len(built) == (1 if quantization else 0)
+
+
+def test_factory_leaves_yalis_pass_alone_when_vllms_fails_to_build(monkeypatch, caplog):
+    """For a quantised model, vLLM's pass failing to build leaves YALI's pass alone (its quantised
+    pairs stay unfused), with a warning: a start-up never fails on it."""
+    _yali_serves(monkeypatch)
+    monkeypatch.setattr(vllm_fusion, "YaliAllReduceFusionPass", RecordingYaliPass)
+    cfg = _model_config("fp8")
+    with caplog.at_level(logging.WARNING, logger="vllm.yali"):
+        got = fusion_patch.fusion_pass_factory(FailingYaliPass)(cfg)
+    assert type(got) is RecordingYaliPass and got.flashinfer is None
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert lines == ["YALI: building vLLM's FlashInfer fusion pass failed (RuntimeError: pattern API changed); the "
+                     "quantised pairs stay unfused"], lines
+    assert fusion_patch.model_quantisation(SimpleNamespace()) is None  # no model config: not quantised
 
 
 # ------------------------------------------------------------------- the op
