@@ -21,6 +21,11 @@ dummy (random, seeded) weights and the Tekken tokenizer; TP=2.
   near tie (see check_same_greedy).
 * `vllm serve` starts with the plugin from its entry point, logs the YALI
   selection line, and answers /v1/completions and /v1/chat/completions.
+* FP8 models (yali-vllm-model --quant), vLLM's default configuration: a pair whose
+  norm output is quantised goes where vLLM's defaults fuse its quantisation
+  (yali_vllm/fusion_routing.py), so YALI's fused-kernel counter grows by the
+  unquantised pairs only (the final norm) for static FP8, and by every pair for
+  the dynamic and block schemes, whose quantisation vLLM keeps apart.
 
 Every configuration runs in a fresh subprocess (tests/gpu/vllm_generate.py),
 bounded by a timeout, with NVLink multicast off, and each runs once per
@@ -145,7 +150,7 @@ def _generate(
     long_prompts: bool = False,
 ) -> dict:
     """Run (or reuse) one configuration; returns the runner's JSON."""
-    key = (yali, eager, nccl, fuse, long_prompts)
+    key = (str(model_dir), yali, eager, nccl, fuse, long_prompts)
     if key in _RESULTS:
         return _RESULTS[key]
     name = (
@@ -350,3 +355,34 @@ def test_vllm_serve_selects_yali_and_answers(model_dir, plugin_path, tmp_path):
     text = log.read_text(errors="replace")
     on_lines = [ln for ln in text.splitlines() if "YALI all-reduce ON for group 'tp:0'" in ln]
     assert len(on_lines) == 2, "expected one YALI selection line per TP rank:\n" + text[-6000:]
+
+
+# Every decode step of the embedded Llama shape has 1 + 2 x layers all-reduce + RMSNorm pairs: the
+# embedding's with the first input norm, then per layer the attention output's with the
+# post-attention norm and the MLP output's with the next input norm (the last: the final norm, whose
+# output feeds the unquantised LM head). In an FP8 model every norm but the final one is quantised.
+@pytest.mark.parametrize("quant", ["fp8-static", "fp8-dynamic", "fp8-block"])
+@_timeout(RUN_TIMEOUT_S + 60)
+def test_fp8_model_keeps_vllms_quant_fusions(quant, plugin_path, tmp_path_factory):
+    """Decode steps lie within FlashInfer's compile range (TP=2): a static FP8 pair goes to
+    FlashInfer's all-reduce + RMSNorm + FP8 kernel, so YALI's fused kernel serves the final norm
+    alone, about one call per step; a dynamic or block pair goes to YALI's op (vLLM's defaults
+    fuse only the all-reduce and the norm there), 1 + 2 x layers calls per step. The plain
+    all-reduces the FlashInfer kernel does not take stay with YALI."""
+    from yali_vllm.models import write_model_dir
+
+    tmp = tmp_path_factory.mktemp(f"fp8-{quant}")
+    model = write_model_dir(tmp / "model", "8b", quant=quant)
+    got = _generate(model, plugin_path, tmp, yali=True, eager=False)
+    assert [s["yali"] for s in got["stats_after"]] == [True, True], got["stats_after"]
+    assert "the model is quantised" in got["log"], got["log"][-6000:]
+    steps, layers = got["max_tokens"] - 1, got["num_layers"]
+    fused = _yali_calls(got, "device_fused_calls")
+    assert fused is not None, got["stats_after"]
+    if quant == "fp8-static":
+        assert all(steps <= c < 2 * layers * steps for c in fused), (fused, steps, layers)
+        assert "to vLLM's FlashInfer all-reduce + RMSNorm + quant kernel" in got["log"], got["log"][-6000:]
+    else:
+        assert all(c >= (1 + 2 * layers) * steps for c in fused), (fused, steps, layers)
+    assert all(len(t) == got["max_tokens"] for t in got["token_ids"])
+
