@@ -61,7 +61,7 @@ Kinds beyond the schema's (rows as `tests/bench/test_results_files.py` checks th
 
 A new run: copy its JSON and markdown (and a plot its README shows) from the output directory to
 `current/<kind>/<date>-<topic>/` when README.md or docs/ quote it, else to `archive/...`; add its
-line to `index.json`; run this script. A host that runs a copy of the tree sets `YALI_GIT_COMMIT`
+line to `index.json`; run this script. A host that runs a copy of the tree sets `BENCH_GIT_COMMIT`
 to the tree's commit, so that `versions.git` names it.
 """
 FOOTER_HEAD = """\
