@@ -164,10 +164,13 @@ def vllm_as_shipped(monkeypatch):
     vllm_log.release()
 
 
-def test_the_plugin_changes_in_vllm_exactly_the_rows_of_the_installed_release(vllm_as_shipped):
+def test_the_plugin_changes_in_vllm_exactly_the_rows_of_the_installed_release(vllm_as_shipped, monkeypatch):
     """register() in every vLLM process and the worker's fusion hooks change the listed functions
     and table of the installed vLLM and nothing else of vLLM's (the class swap changes a live
     manager only: the next test); the hook's own `_yali` marks on the class aside."""
+    # pytest attaches its log-capture handlers when the test's call starts (after the fixture):
+    # vLLM's logger has none here, as in an API server before vLLM configures logging.
+    monkeypatch.setattr(logging.getLogger("vllm"), "handlers", [])
     before = _snapshot()
     plugin.register()
     fusion_patch.install_fusion_hooks()  # no vLLM config is current: installed, as in a compiling worker
