@@ -76,3 +76,10 @@ def run_cpu_ranks(worker, *args, outdir: Path, world_size: int = 2) -> list[dict
 def run_two_cpu_ranks(worker, *args, outdir: Path) -> list[dict]:
     """run_cpu_ranks with two ranks."""
     return run_cpu_ranks(worker, *args, outdir=outdir, world_size=2)
+
+
+def same_on_every_rank(results: list[dict], key: str):
+    """The value of `key` on rank 0, after checking every rank has the same."""
+    values = [res[key] for res in results]
+    assert all(v == values[0] for v in values), f"{key} differs between ranks: {values}"
+    return values[0]

@@ -23,7 +23,7 @@ from yali_vllm import config  # noqa: E402
 from yali_vllm.plugin import ep_manager  # noqa: E402
 from yali_vllm.plugin.gate import ep_gate, is_ep_group  # noqa: E402
 
-from .cpu_ranks import cpu_rank, run_cpu_ranks  # noqa: E402
+from .cpu_ranks import cpu_rank, run_cpu_ranks, same_on_every_rank  # noqa: E402
 
 HOST = ["h"]
 
@@ -178,35 +178,29 @@ def ep_ranks(request, tmp_path_factory):
     return run_cpu_ranks(_ep_worker, n, outdir=tmp_path_factory.mktemp(f"ep{n}"), world_size=n)
 
 
-def _same(results: list[dict], key: str):
-    values = [r[key] for r in results]
-    assert all(v == values[0] for v in values), f"{key} differs between ranks: {values}"
-    return values[0]
-
-
 def test_ranks_without_a_manager_are_left_alone(ep_ranks):
-    assert _same(ep_ranks, "no_manager") == ""
+    assert same_on_every_rank(ep_ranks, "no_manager") == ""
 
 
 def test_ranks_agree_when_the_communicator_refuses(ep_ranks):
-    cls, line = _same(ep_ranks, "refused")
+    cls, line = same_on_every_rank(ep_ranks, "refused")
     assert cls == "AgRsAll2AllManager"  # vLLM's manager is left as it was
     assert line.startswith("YALI EP OFF for group 'ep:0': rank 0 of the group: YaliUnavailable"), line
 
 
 def test_ranks_leave_ep_off_by_default(ep_ranks):
-    cls, line = _same(ep_ranks, "default_off")
+    cls, line = same_on_every_rank(ep_ranks, "default_off")
     assert cls == "AgRsAll2AllManager" and "off: YALI_EP=1 turns it on" in line, line
 
 
 def test_ranks_agree_on_each_refusal(ep_ranks):
     n = len(ep_ranks)
-    assert _same(ep_ranks, "one_off") == ["AgRsAll2AllManager",
+    assert same_on_every_rank(ep_ranks, "one_off") == ["AgRsAll2AllManager",
                                           "YALI EP OFF for group 'ep:0': off: YALI_EP=1 turns it on (off by default until GPU runs have measured it; YALI_ENABLE=0 keeps it off)"]
-    cls, line = _same(ep_ranks, "bad_slot")
+    cls, line = same_on_every_rank(ep_ranks, "bad_slot")
     assert "invalid YALI_* setting: invalid YALI_EP_SLOT_BYTES='12345'" in line and cls == "AgRsAll2AllManager"
-    cls, line = _same(ep_ranks, "slots_differ")
+    cls, line = same_on_every_rank(ep_ranks, "slots_differ")
     assert f"YALI_EP_SLOT_BYTES differ: {[8192] + [4096] * (n - 1)}" in line
-    cls, line = _same(ep_ranks, "other_dp_group")
+    cls, line = same_on_every_rank(ep_ranks, "other_dp_group")
     assert f"which is not this {n}-rank expert-parallel group" in line
-    assert _same(ep_ranks, "cpu_platform") == ["YALI EP OFF for group 'ep:0': vLLM platform is not CUDA"]
+    assert same_on_every_rank(ep_ranks, "cpu_platform") == ["YALI EP OFF for group 'ep:0': vLLM platform is not CUDA"]

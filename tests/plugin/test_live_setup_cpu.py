@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from .cpu_ranks import cpu_rank, run_cpu_ranks  # noqa: E402
+from .cpu_ranks import cpu_rank, run_cpu_ranks, same_on_every_rank  # noqa: E402
 
 
 def vllm_release() -> tuple[int, int]:
@@ -196,20 +196,14 @@ def ranks(request, tmp_path_factory):
     return run_cpu_ranks(_worker, n, outdir=tmp_path_factory.mktemp(f"live{n}"), world_size=n)
 
 
-def _same(ranks: list[dict], key: str):
-    values = [r[key] for r in ranks]
-    assert all(v == values[0] for v in values), f"{key} differs between ranks: {values}"
-    return values[0]
-
-
 @pytest.mark.timeout(400)
 def test_every_rank_gets_yali(ranks):
-    assert _same(ranks, "tp ok") == [True, "ok", False]
+    assert same_on_every_rank(ranks, "tp ok") == [True, "ok", False]
 
 
 @pytest.mark.parametrize("step", FAILURES)
 def test_one_rank_failing_leaves_every_rank_on_vllms_chain(ranks, step):
-    on, reason, warn = _same(ranks, f"tp {step}")
+    on, reason, warn = same_on_every_rank(ranks, f"tp {step}")
     assert not on and warn and FAILURES[step] in reason, reason
     _none_waited(ranks, f"tp {step}")
 
@@ -228,7 +222,7 @@ def test_every_rank_gets_yalis_ep(ranks):
 
 @pytest.mark.parametrize("step", EP_FAILURES)
 def test_one_rank_failing_leaves_every_rank_on_vllms_manager(ranks, step):
-    cls, line, routing = _same(ranks, f"ep {step}")
+    cls, line, routing = same_on_every_rank(ranks, f"ep {step}")
     assert cls == "AgRsAll2AllManager" and EP_FAILURES[step] in line and routing is None, line
     _none_waited(ranks, f"ep {step}")
 

@@ -32,7 +32,7 @@ from benchmarks.common.processes import free_port  # noqa: E402
 from yali_vllm import config, plugin  # noqa: E402
 from yali_vllm.plugin import fusion_patch, gate, group_setup, patch, stats, touch_points  # noqa: E402
 from yali_vllm.plugin.gate import yali_gate  # noqa: E402
-from .cpu_ranks import cpu_rank, run_cpu_ranks  # noqa: E402
+from .cpu_ranks import cpu_rank, run_cpu_ranks, same_on_every_rank  # noqa: E402
 
 ENTRY_POINT = "yali_vllm.plugin:register"
 
@@ -640,13 +640,6 @@ def cpu_ranks(request, tmp_path_factory):
     return run_cpu_ranks(_rank_worker, world_size, outdir=outdir, world_size=world_size)
 
 
-def _same_on_every_rank(results: list[dict], key: str):
-    """The value of `key` on rank 0, after checking every rank has the same."""
-    values = [res[key] for res in results]
-    assert all(v == values[0] for v in values), f"{key} differs between ranks: {values}"
-    return values[0]
-
-
 def test_ranks_off_on_cpu_platform_and_vllm_chain_still_reduces(cpu_ranks):
     n = len(cpu_ranks)
     for res in cpu_ranks:
@@ -664,7 +657,7 @@ def test_ranks_refuse_a_world_size_yali_does_not_serve(cpu_ranks):
     refusal = config.world_size_refusal(n)
     assert refusal is not None and f"world size is {n}" in refusal
     members = cpu_ranks[:-1]
-    assert _same_on_every_rank(members, "unserved") == {"yali_comm": False, "cuda": [refusal, False]}
+    assert same_on_every_rank(members, "unserved") == {"yali_comm": False, "cuda": [refusal, False]}
     for res in members:
         tp1_lines = [ln for ln in res["log"] if "group 'tp:1'" in ln]
         assert tp1_lines == [f"YALI all-reduce OFF for group 'tp:1': {refusal} (world size {n})"]
@@ -681,7 +674,7 @@ def test_ranks_checkpoint_releases_yali_only_when_no_graph_captured_it(cpu_ranks
 
 
 def test_ranks_gather_identical_info(cpu_ranks):
-    info = _same_on_every_rank(cpu_ranks, "info")
+    info = same_on_every_rank(cpu_ranks, "info")
     assert len(info) == len(cpu_ranks)
     assert {i["host"] for i in info} == {socket.gethostname()}
 
@@ -695,29 +688,29 @@ def test_ranks_agree_on_the_communicator_refusal(cpu_ranks):
         expected = "cannot be imported"
     else:
         expected = "YALI unavailable"  # YaliUnavailable raised on a CPU machine
-    reason, warn = _same_on_every_rank(cpu_ranks, "cuda_enabled")
+    reason, warn = same_on_every_rank(cpu_ranks, "cuda_enabled")
     assert expected in reason and warn, reason
-    line = _same_on_every_rank(cpu_ranks, "cuda_enabled_line")
+    line = same_on_every_rank(cpu_ranks, "cuda_enabled_line")
     assert line == f"YALI all-reduce OFF for group 'tp:0': {reason} (world size {len(cpu_ranks)})"
 
 
 def test_ranks_agree_on_yali_enable(cpu_ranks):
     n = len(cpu_ranks)
-    assert _same_on_every_rank(cpu_ranks, "cuda_disabled") == ["disabled by YALI_ENABLE", False]
-    assert _same_on_every_rank(cpu_ranks, "cuda_one_disabled") == ["disabled by YALI_ENABLE", False]
-    reason, warn = _same_on_every_rank(cpu_ranks, "cuda_bad_enable")
+    assert same_on_every_rank(cpu_ranks, "cuda_disabled") == ["disabled by YALI_ENABLE", False]
+    assert same_on_every_rank(cpu_ranks, "cuda_one_disabled") == ["disabled by YALI_ENABLE", False]
+    reason, warn = same_on_every_rank(cpu_ranks, "cuda_bad_enable")
     assert "invalid YALI_* setting" in reason and warn
     assert "invalid YALI_ENABLE='sometimes'" in reason
-    reason, warn = _same_on_every_rank(cpu_ranks, "cuda_unknown_var")
+    reason, warn = same_on_every_rank(cpu_ranks, "cuda_unknown_var")
     assert "unknown YALI_* variable(s) YALI_MAX_BYTE='1M'" in reason and warn
-    reason, warn = _same_on_every_rank(cpu_ranks, "cuda_fusion_differs")
+    reason, warn = same_on_every_rank(cpu_ranks, "cuda_fusion_differs")
     settings = ["on"] + ["off"] * (n - 1)
     assert f"YALI_FUSION settings differ: {settings}" in reason and warn
-    reason, warn = _same_on_every_rank(cpu_ranks, "cuda_fusion_set_agrees")
+    reason, warn = same_on_every_rank(cpu_ranks, "cuda_fusion_set_agrees")
     assert "YALI_FUSION" not in reason and ("YALI unavailable" in reason or "cannot be imported" in reason)
-    reason, warn = _same_on_every_rank(cpu_ranks, "cuda_no_custom_ar")
+    reason, warn = same_on_every_rank(cpu_ranks, "cuda_no_custom_ar")
     assert "custom all-reduce is disabled" in reason and not warn
-    reason, warn = _same_on_every_rank(cpu_ranks, "cuda_bad_world_sizes")
+    reason, warn = same_on_every_rank(cpu_ranks, "cuda_bad_world_sizes")
     assert "invalid YALI_* setting: invalid YALI_WORLD_SIZES='2,5'" in reason and warn
 
 
@@ -726,10 +719,10 @@ def test_ranks_follow_the_default_world_sizes(cpu_ranks):
     CPU machine); a YALI_WORLD_SIZES that leaves the group's size out keeps it off, every rank with
     the one reason that names the variable (six and eight ranks: test_gate_leaves_unmeasured_...)."""
     n = len(cpu_ranks)
-    reason, warn = _same_on_every_rank(cpu_ranks, "cuda_default_world_sizes")
+    reason, warn = same_on_every_rank(cpu_ranks, "cuda_default_world_sizes")
     assert n in config.DEFAULT_WORLD_SIZES
     assert "YALI unavailable" in reason or "cannot be imported" in reason
-    reason, warn = _same_on_every_rank(cpu_ranks, "cuda_left_out_world_size")
+    reason, warn = same_on_every_rank(cpu_ranks, "cuda_left_out_world_size")
     assert reason == config.plugin_world_size_refusal(n, {"YALI_WORLD_SIZES": "8"}) and not warn
     assert reason == f"world size {n} is not in YALI_WORLD_SIZES=8; YALI_WORLD_SIZES={n},8 turns it on"
 
