@@ -13,7 +13,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 COMMON = ["kind", "date", "command", "host", "versions", "records", "shared_gpu"]
 # The schema's kinds; the others in ROW_KEYS are described in benchmarks/results/README.md.
 SCHEMA_KINDS = {"allreduce-microbench", "serving-benchmark", "load-test", "fused-allreduce-rmsnorm",
-                "overlap-model", "gpu-test-run", "moe-dispatch-combine"}
+                "overlap-model", "overlap-compute", "gpu-test-run", "moe-dispatch-combine"}
 ROW_KEYS = {
     "allreduce-microbench": ["backend", "dtype", "bytes", "timing", "us_p50", "us_p99", "busbw_gbps"],
     "serving-benchmark": ["config", "concurrency", "repeat", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
@@ -22,6 +22,9 @@ ROW_KEYS = {
                   "itl_ms_p50", "itl_ms_p99"],
     "fused-allreduce-rmsnorm": ["backend", "dtype", "hidden", "tokens", "us_p50"],
     "gpu-test-run": ["test", "outcome", "duration_s"],
+    "overlap-model": ["model_shape", "tp", "tokens", "phase", "compute_us", "allreduce_us", "overlap_cost_us",
+                      "step_us_now", "step_us_overlap", "predicted_speedup"],
+    "overlap-compute": ["model_shape", "tp", "phase", "tokens", "op", "us_p50"],  # research/overlap/measure_compute.py
     "allreduce-tuning": ["variant", "bytes"],  # the project's own kinds: benchmarks/tune.py,
     "decode-profile": ["config", "rank", "kernel_class", "count", "mean_us"],  # benchmarks/decode_profile.py
     "decode-gemm": ["setup", "graph", "name", "tokens", "us_per_call"],  # archived: research/decode_gemm_bench.py (618a435)
