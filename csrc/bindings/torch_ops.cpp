@@ -467,11 +467,30 @@ int64_t device_count() {
 }
 
 // Test-only (tests/gpu/test_reliability.py, the PDL case): a foreign kernel on torch's current stream
-// of `device` that triggers its programmatic dependents at once and never waits.
-void testing_early_trigger(int64_t device, int64_t spin_ns) {
+// of `device` that triggers its programmatic dependents at once and never waits. With `watched` (the
+// output of the call just before, poisoned with all-ones words), it first adds the all-ones words it
+// samples there to `incomplete` (one int32).
+void testing_early_trigger(int64_t device, int64_t spin_ns, const std::optional<Tensor>& watched,
+                           const std::optional<Tensor>& incomplete) {
   YALI_CHECK_VALUE(spin_ns >= 0, "spin_ns must be >= 0, got ", spin_ns);
+  YALI_CHECK_VALUE(watched.has_value() == incomplete.has_value(), "watched and incomplete go together");
+  const uint32_t* words = nullptr;
+  size_t nwords = 0;
+  uint32_t* count = nullptr;
+  if (watched.has_value()) {
+    YALI_CHECK_VALUE(on(*watched, int(device)) && on(*incomplete, int(device)), "watched and incomplete must be on device ",
+                     device);
+    YALI_CHECK_VALUE(watched->is_contiguous() && (size_t(watched->numel()) * watched->element_size()) % 4 == 0,
+                     "watched must be contiguous, a whole number of 32-bit words");
+    YALI_CHECK_VALUE(incomplete->scalar_type() == ScalarType::Int && incomplete->numel() == 1,
+                     "incomplete must be one int32");
+    words = static_cast<const uint32_t*>(watched->data_ptr());
+    nwords = size_t(watched->numel()) * watched->element_size() / 4;
+    count = static_cast<uint32_t*>(incomplete->data_ptr());
+  }
   const torch::stable::accelerator::DeviceGuard guard(device);
-  const cudaError_t e = yali::testing::launch_early_trigger_kernel(current_stream(int(device)), uint64_t(spin_ns));
+  const cudaError_t e =
+      yali::testing::launch_early_trigger_kernel(current_stream(int(device)), uint64_t(spin_ns), words, nwords, count);
   YALI_CHECK(e == cudaSuccess, "testing_early_trigger launch failed: ", cudaGetErrorString(e));
 }
 
@@ -514,7 +533,7 @@ STABLE_TORCH_LIBRARY(yali, m) {
   m.def("fused_plan(int rows, int hidden, ScalarType dtype, int world=2) -> int[]");
   m.def("device_count() -> int");
   m.def("build_info() -> str");
-  m.def("testing_early_trigger(int device, int spin_ns) -> ()");  // test-only
+  m.def("testing_early_trigger(int device, int spin_ns, Tensor? watched=None, Tensor(a!)? incomplete=None) -> ()");  // test-only
   m.def("testing_occupy(int device, int ctas, int spin_ns) -> ()");  // test-only
   // expert parallelism (see the block above)
   m.def("ep_serves_dispatch(int comm, int[] row_bytes, int[] counts) -> bool");

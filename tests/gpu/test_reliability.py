@@ -4,10 +4,10 @@ once; a peer that never calls or dies mid-call ends in a YaliError naming the ke
 within YALI_TIMEOUT_S plus a margin; close() is safe with and without captured graphs."""
 import pytest
 
-from . import reliability
+from . import pdl_scenarios, reliability
 from yali_vllm.communicator import shared_gpu_allowed
 
-from .pair import run_pair
+from .pair import run_pair, run_ranks
 
 TIMEOUT_S = 4.0  # YALI_TIMEOUT_S of the watchdog cases
 MARGIN_S = 20.0  # trap, error propagation and (shared GPU) the other process's time slices
@@ -80,3 +80,27 @@ def test_a_foreign_pdl_kernel_that_never_waits_cannot_overlap_two_calls():
         assert r["error"] is None and r["abort"] == "", (rank, r)
         assert r["wrong"] == 0, (rank, r)
         assert r["triples"] >= PDL_ITERATIONS - reliability.PDL_CALLS_PER_GRAPH, (rank, r)
+
+
+# Steps per case: each waits ~100 us for the slow rank and 50 us in the foreign kernel (with ranks
+# sharing one GPU, plus their turns).
+PDL_STEPS = 100
+
+
+# Every case at two and four ranks, but the stream kernel (two ranks only).
+PDL_CASES = [(c, n) for c in sorted(pdl_scenarios.CASES) for n in (2, 4) if c != "stream" or n == 2]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("case,world_size", PDL_CASES, ids=[f"{c}-{n}-ranks" for c, n in PDL_CASES])
+def test_a_foreign_pdl_kernel_starts_only_after_the_call_before_ended(case, world_size):
+    """DESIGN_LOG §7: a foreign kernel that triggers at once and never waits, after a call that
+    waits for a slow rank, must find that call's output complete when it starts (so the YALI call
+    after it cannot overlap the one before); every sum exact, no abort."""
+    res = run_ranks(pdl_scenarios.foreign_kernel_after_a_slow_call, case, PDL_STEPS, world_size=world_size,
+                    timeout=180, env={"YALI_TIMEOUT_S": "20"})
+    for rank, r in enumerate(res):
+        assert r["error"] is None and r["abort"] == "", (rank, r)
+        assert r["incomplete"] == 0, f"rank {rank}: the foreign kernel saw {r['incomplete']} unwritten words ({r})"
+        assert r["wrong"] == 0, (rank, r)
+        assert r["world"] == world_size and r["steps"] == PDL_STEPS, (rank, r)

@@ -17,7 +17,7 @@ namespace yali {
 // rank: it sends them to every other rank, then adds the N copies of the same vectors.
 template <typename T, int kW>
 __global__ void __launch_bounds__(kFlashThreads, 1) push_oneshot_kernel(RanksArgs a) {
-  wait_prior_grids();
+  const DependentLaunchScope dependent_launch;
   constexpr int kU = 4;  // vectors in flight per thread
   const int world = world_of<kW>(a);
   const int t = threadIdx.x;
@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) push_oneshot_kernel(RanksArg
 // least one round, so the checker makes the call check even when its CTA's range is empty.
 template <typename T, int kW>
 __global__ void __launch_bounds__(kFlashThreads, 1) push_twoshot_kernel(RanksArgs a) {
-  wait_prior_grids();
+  const DependentLaunchScope dependent_launch;
   constexpr int kU = 4;
   const int world = world_of<kW>(a);
   const int t = threadIdx.x;

@@ -15,7 +15,7 @@ namespace yali {
 // ranks: it sends them, then receives the peer's copies of the same vectors.
 template <typename T>
 __global__ void __launch_bounds__(kFlashThreads, 1) flash_push_kernel(ExchangeArgs a) {
-  wait_prior_grids();
+  const DependentLaunchScope dependent_launch;
   constexpr int kU = 4;  // vectors in flight per thread
   const int t = threadIdx.x;
   const Range r = split_range(0, (a.nbytes + 15) / 16, gridDim.x, blockIdx.x);

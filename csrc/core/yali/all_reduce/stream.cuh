@@ -43,7 +43,7 @@ struct StreamArgs {
 // benchmarks/results/tune-*.md.)
 template <typename T>
 __global__ void __launch_bounds__(kStreamThreads, 1) stream_kernel(StreamArgs a) {
-  wait_prior_grids();
+  const DependentLaunchScope dependent_launch;
   constexpr int kGroup = kStreamThreads / 2;
   __shared__ uint64_t s_base;
   __shared__ volatile uint32_t s_sent;  // chunks my senders have finished reading (in-place safety)

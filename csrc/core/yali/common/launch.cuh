@@ -11,7 +11,7 @@
 namespace yali {
 
 // One launch, with programmatic dependent launch when `pdl` (see ptx.cuh:
-// wait_prior_grids, which every YALI kernel runs first).
+// DependentLaunchScope, which every YALI kernel opens first).
 // `cluster` > 1: as thread block clusters of that many CTAs (it divides grid).
 template <typename Args>
 inline cudaError_t launch(void (*kernel)(Args), int grid, int threads, cudaStream_t stream, bool pdl, const Args& args,

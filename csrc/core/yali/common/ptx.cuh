@@ -77,20 +77,39 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
-// Programmatic dependent launch (sm_90+). A kernel launched with it
-// (Config::pdl) may start while the kernel before it on the stream is still
-// draining; griddepcontrol.wait then blocks until that kernel completed and its
-// memory is visible, so everything after it is ordered exactly as without PDL:
-// only the launch latency is hidden. Every YALI kernel calls it first, before
-// touching its input or its device state (a no-op when launched without PDL).
-// launch_dependents lets the next PDL-launched kernel be scheduled early in turn
-// (it waits for our completion the same way).
-__device__ __forceinline__ void wait_prior_grids() {
+// Programmatic dependent launch (sm_90+). Every YALI kernel opens with a
+// DependentLaunchScope, before it touches its input or its device state.
+//  * Its constructor waits (griddepcontrol.wait) until the kernel launched just
+//    before on the stream completed and its memory is visible: a kernel launched
+//    with PDL (Config::pdl) may start while that kernel drains, and everything
+//    after the wait is ordered exactly as without PDL (a no-op without PDL).
+//  * Its destructor, as each thread leaves the kernel, makes the thread's stores
+//    visible on the GPU (fence.acq_rel.gpu) and only then lets the next
+//    PDL-launched kernel be scheduled (griddepcontrol.launch_dependents): that
+//    kernel starts once every thread of every CTA has done its last store.
+// Why at the end and not at the start: PDL is not transitive. griddepcontrol.wait
+// orders a kernel after the grid just before it only; a foreign kernel F between
+// YALI calls n and n + 1 that is launched with PDL, triggers at once and never
+// waits would let call n + 1 start after F alone, while call n still runs, had
+// call n triggered at its start. Both calls would then read the same per-CTA
+// epochs and share a parity of the push areas (exchange.cuh). Triggered at the
+// end, F and everything after it start only after call n's last store
+// (DESIGN_LOG section 7; tests/gpu/test_reliability.py checks it on the device).
+struct DependentLaunchScope {
+  __device__ __forceinline__ DependentLaunchScope() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-}
+  }
+  __device__ __forceinline__ ~DependentLaunchScope() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+  }
+  DependentLaunchScope(const DependentLaunchScope&) = delete;
+  DependentLaunchScope& operator=(const DependentLaunchScope&) = delete;
+};
 
 // Named barrier for a subset of the CTA's warps (warp-specialised kernels).
 __device__ __forceinline__ void group_barrier(int id, int threads) {

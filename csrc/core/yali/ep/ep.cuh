@@ -148,7 +148,7 @@ __device__ __forceinline__ void ep_verify(const EpArgs& a, uint32_t* slot, Kerne
 
 // Dispatch: every part of every rank into every rank's output (see the top of this file).
 __global__ void __launch_bounds__(kFlashThreads, 1) ep_gather_kernel(EpArgs a) {
-  wait_prior_grids();
+  const DependentLaunchScope dependent_launch;
   constexpr int kU = 4;
   const int t = threadIdx.x;
   const bool checker = is_call_checker();
@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) ep_gather_kernel(EpArgs a) {
 // Combine: my rows of x summed over the ranks, in rank order (see the top of this file).
 template <typename T>
 __global__ void __launch_bounds__(kFlashThreads, 1) ep_reduce_scatter_kernel(EpArgs a) {
-  wait_prior_grids();
+  const DependentLaunchScope dependent_launch;
   constexpr int kU = 4;
   const int t = threadIdx.x;
   const Vec16* x = static_cast<const Vec16*>(a.rs_in);

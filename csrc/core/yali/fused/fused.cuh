@@ -160,7 +160,7 @@ __device__ __forceinline__ FusedWork fused_work(int rows, int row_vecs) {
 // the epoch fetch and the sent vectors of this CTA. FusedLaunch::row_loads_early.
 template <typename T, int kV, bool kBatchPoll, bool kRowLoadsEarly>
 __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kernel(FusedArgs a) {
-  wait_prior_grids();
+  const DependentLaunchScope dependent_launch;
   constexpr int kU = 4;  // sent vectors in flight per thread
   const int t = threadIdx.x;
   const FusedWork work = fused_work(a.n.rows, a.n.row_vecs);
@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kern
 // all-reduce output (written by the YALI all-reduce launched just before).
 template <typename T, int kV>
 __global__ void __launch_bounds__(kFlashThreads, 1) add_rmsnorm_kernel(FusedArgs a) {
-  wait_prior_grids();
+  const DependentLaunchScope dependent_launch;
   if (blockIdx.x == 0 && threadIdx.x == 0)
     atomicAdd(reinterpret_cast<unsigned long long*>(&a.x.state->fused_calls), 1ull);
   Vec16 w[kV], s[kV], r[kV];

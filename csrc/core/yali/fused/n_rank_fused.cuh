@@ -41,7 +41,7 @@ struct FusedRanksArgs {
 // kRowLoadsEarly as there.
 template <typename T, int kV, bool kRowLoadsEarly, int kW>
 __global__ void __launch_bounds__(kFlashThreads, 1) fused_ranks_kernel(FusedRanksArgs a) {
-  wait_prior_grids();
+  const DependentLaunchScope dependent_launch;
   constexpr int kU = 4;
   const int t = threadIdx.x;
   const FusedWork work = fused_work(a.n.rows, a.n.row_vecs);
@@ -135,7 +135,7 @@ __device__ __forceinline__ void rmsnorm_slice(const RowNorm& a, size_t first, in
 template <typename T, int kV, int kW>
 __global__ void __launch_bounds__(kFlashThreads, 1) fused_ranks_spread_kernel(FusedRanksArgs a) {
   namespace cg = cooperative_groups;
-  wait_prior_grids();
+  const DependentLaunchScope dependent_launch;
   constexpr int kU = 4;
   __shared__ float cta_sqs[kMaxFusedSpread];  // [c]: CTA c's sum of squares, stored here by CTA c
   const cg::cluster_group cluster = cg::this_cluster();
