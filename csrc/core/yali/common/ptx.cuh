@@ -84,9 +84,13 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 //    with PDL (Config::pdl) may start while that kernel drains, and everything
 //    after the wait is ordered exactly as without PDL (a no-op without PDL).
 //  * Its destructor, as each thread leaves the kernel, makes the thread's stores
-//    visible on the GPU (fence.acq_rel.gpu) and only then lets the next
-//    PDL-launched kernel be scheduled (griddepcontrol.launch_dependents): that
-//    kernel starts once every thread of every CTA has done its last store.
+//    visible on the GPU (fence.acq_rel.gpu). The kernels never trigger their
+//    dependents explicitly: a CTA triggers when its last thread exits, so the next
+//    PDL-launched kernel starts only once every thread of every CTA has done its
+//    last store. (griddepcontrol.launch_dependents counts for the whole CTA when
+//    its first thread issues it, so issued by each thread at its end it would
+//    let the next kernel start while the CTA's other threads still work: seen at
+//    four ranks, where threads of one CTA end at different times.)
 // Why at the end and not at the start: PDL is not transitive. griddepcontrol.wait
 // orders a kernel after the grid just before it only; a foreign kernel F between
 // YALI calls n and n + 1 that is launched with PDL, triggers at once and never
@@ -104,7 +108,6 @@ struct DependentLaunchScope {
   __device__ __forceinline__ ~DependentLaunchScope() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("fence.acq_rel.gpu;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
   }
   DependentLaunchScope(const DependentLaunchScope&) = delete;
