@@ -92,7 +92,7 @@ PDL_CASES = [(c, n) for c in sorted(pdl_scenarios.CASES) for n in (2, 4) if c !=
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("case,world_size", PDL_CASES, ids=[f"{c}-{n}-ranks" for c, n in PDL_CASES])
+@pytest.mark.parametrize("case,world_size", PDL_CASES, ids=[f"{n}-ranks-{c}" for c, n in PDL_CASES])
 def test_a_foreign_pdl_kernel_starts_only_after_the_call_before_ended(case, world_size):
     """DESIGN_LOG §7: a foreign kernel that triggers at once and never waits, after a call that
     waits for a slow rank, must find that call's output complete when it starts (so the YALI call
