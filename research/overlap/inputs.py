@@ -1,5 +1,5 @@
 """What the overlap model measures and reads: the model shapes, the token counts, the committed
-all-reduce and fused-op results and the interpolation between their sizes.
+all-reduce and fused-op results and the power-law interpolation between their sizes.
 
 Everything here runs on the CPU; `measure_compute.py` (one GPU) and `model.py` (CPU) share it.
 """
@@ -105,8 +105,10 @@ def load_json(rel: str, results_dir: str = RESULTS) -> dict:
 
 
 def interp_log_size(points: dict[int, float], nbytes: float) -> float:
-    """Time at `nbytes` from {bytes: us}, linear in log2(bytes) between the two nearest sizes.
-    Raises ValueError outside the measured range (no extrapolation)."""
+    """Time at `nbytes` from {bytes: us}: a power law between the two nearest sizes (log time linear
+    in log bytes), so a time that grows with the bytes (bandwidth-bound) is not overstated between
+    sizes four times apart, and a flat one (latency-bound) stays flat. Raises ValueError outside
+    the measured range (no extrapolation)."""
     if not points:
         raise ValueError("no measured sizes to interpolate")
     xs = sorted(points)
@@ -117,7 +119,7 @@ def interp_log_size(points: dict[int, float], nbytes: float) -> float:
         return points[xs[i]]
     lo, hi = xs[i - 1], xs[i]
     w = (math.log2(nbytes) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
-    return points[lo] + w * (points[hi] - points[lo])
+    return points[lo] * (points[hi] / points[lo]) ** w
 
 
 def median_points(docs: list[dict], keep) -> dict[int, float]:

@@ -3,8 +3,9 @@ each GEMM's slowdown while a stand-in for YALI's all-reduce holds its CTAs (the 
 one-GPU inputs; `model.py` turns them into step times).
 
 Per (shape, tp, phase, tokens), one rank's shards in bf16: the qkv / o_proj / gate_up / down GEMMs
-(F.linear, cuBLAS), rope and SiLU-and-mul as plain torch ops (vLLM runs one kernel for each: an
-upper bound), attention, the residual add + RMSNorm, the embedding lookup and the lm_head GEMM.
+(F.linear, cuBLAS), attention, the embedding lookup, the lm_head GEMM, and rope (neox), SiLU-and-mul
+and the residual add + RMSNorm as one kernel each (ELEMENTWISE_SRC, the memory traffic of vLLM's
+rotary_embedding, silu_and_mul and fused_add_rms_norm; checked against torch before timing).
 Attention: decode, `tokens` sequences of one query over DECODE_KV_LEN cached tokens (1024 prompt +
 64 output: the committed serving runs' 1024 in / 128 out) as two batched GEMMs and a softmax
 (reads the KV once, no paging); prefill, ceil(tokens / 1024) prompts of up to 1024 tokens, causal,
@@ -16,15 +17,22 @@ op of the replays. The token counts' halves are measured too (the split's cost).
 
 Contention: a stand-in kernel of k CTAs (k = YALI's CTAs for that message: yali_vllm.config,
 plan.cpp's tables) on a second stream reads and writes the all-reduce's bytes (`--standin-passes`
-times) and then polls until the fused call's committed time has passed; the GEMM is launched
+times) and then polls until the all-reduce's committed time has passed (the one-launch fused call's
+time; above its sizes the plain all-reduce's, the add + RMSNorm being a kernel of its own); the GEMM is launched
 ~STANDIN_LEAD_US after it (as under a running all-reduce), timed with events, median of many, and
 against the same gated launch without the stand-in. Left out: the NVLink traffic itself (the peers'
 stores arriving in this GPU's memory while it computes, and the NVLink/L2 fabric they use), the
 wait for the slowest rank (an all-reduce that a slow peer stretches stays longer under the GEMM),
 and the clock/power effects of a GPU that also sends.
 
+Footprint: the stand-in's CTAs run 512 threads and 18 registers a thread, no shared memory; YALI's
+run 512 threads and 96-128 registers (launch bounds (kFlashThreads, 1)). A cuBLAS Hopper GEMM CTA
+needs nearly all of an SM's registers and most of its shared memory, so it shares an SM with
+neither: for the GEMMs the two take the same SMs. Smaller kernels (norm, rope) could share an SM
+with the stand-in but not with YALI's kernel; the model uses only the GEMMs' slowdowns.
+
 `--dry-run`: the same code on the CPU with the tiny shape, float32, a host clock and no stand-in
-(contended = alone): checks that the script runs, not a timing.
+(contended = alone), the elementwise ops as torch ops: checks that the script runs, not a timing.
 """
 from __future__ import annotations
 
@@ -72,6 +80,148 @@ extern "C" __global__ void __launch_bounds__(512) standin(const int4* __restrict
   } while (t - t0 < duration_ns);
 }
 """
+
+# One kernel each for rope (neox, in place over q and k), SiLU-and-mul and the residual add +
+# RMSNorm, on bf16 as raw 16-bit words: the reads and writes of vLLM's kernels for these ops.
+ELEMENTWISE_SRC = r"""
+typedef unsigned short bf16;
+__device__ __forceinline__ float ld(bf16 v) { return __uint_as_float(((unsigned)v) << 16); }
+__device__ __forceinline__ bf16 st(float f) {
+  unsigned u = __float_as_uint(f);
+  return (bf16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+extern "C" __global__ void rope_neox(bf16* __restrict__ qk, const float* __restrict__ cos,
+    const float* __restrict__ sin, int heads, int head_dim) {
+  const int t = blockIdx.x, half = head_dim / 2;
+  bf16* row = qk + (long long)t * heads * head_dim;
+  for (int j = threadIdx.x; j < heads * half; j += blockDim.x) {
+    const int h = j / half, i = j % half;
+    const float c = cos[(long long)t * half + i], s = sin[(long long)t * half + i];
+    const float x1 = ld(row[h * head_dim + i]), x2 = ld(row[h * head_dim + half + i]);
+    row[h * head_dim + i] = st(x1 * c - x2 * s);
+    row[h * head_dim + half + i] = st(x2 * c + x1 * s);
+  }
+}
+
+extern "C" __global__ void silu_and_mul(const bf16* __restrict__ gu, bf16* __restrict__ out,
+    long long tokens, int inter) {
+  const long long n = tokens * inter;
+  for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += (long long)gridDim.x * blockDim.x) {
+    const long long t = k / inter, i = k % inter;
+    const float g = ld(gu[t * 2 * inter + i]), u = ld(gu[t * 2 * inter + inter + i]);
+    out[k] = st(g / (1.0f + __expf(-g)) * u);
+  }
+}
+
+// One CTA a row: res_out = x + res; out = res_out * rsqrt(mean(res_out^2) + eps) * w.
+extern "C" __global__ void add_rmsnorm(const bf16* __restrict__ x, const bf16* __restrict__ res,
+    const bf16* __restrict__ w, bf16* __restrict__ out, bf16* __restrict__ res_out, int hidden, float eps) {
+  __shared__ float warp_sums[32];
+  const long long base = (long long)blockIdx.x * hidden;
+  float sq = 0.f;
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+    const float s = ld(x[base + i]) + ld(res[base + i]);
+    const bf16 r = st(s);
+    res_out[base + i] = r;
+    sq += ld(r) * ld(r);
+  }
+  for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = sq;
+  __syncthreads();
+  float total = 0.f;
+  for (int k = 0; k < (int)(blockDim.x >> 5); ++k) total += warp_sums[k];
+  const float inv = rsqrtf(total / hidden + eps);
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+    out[base + i] = st(ld(res_out[base + i]) * inv * ld(w[i]));
+}
+"""
+ELEMENTWISE_THREADS = 256
+NORM_EPS = 1e-5
+
+
+class Elementwise:
+    """rope, SiLU-and-mul and add + RMSNorm: one kernel each on a GPU (ELEMENTWISE_SRC, checked
+    against the torch ops once), the torch ops themselves on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            import cupy
+
+            self.cupy = cupy
+            mod = cupy.RawModule(code=ELEMENTWISE_SRC)
+            self.k = {n: mod.get_function(n) for n in ("rope_neox", "silu_and_mul", "add_rmsnorm")}
+            self.check(device)
+
+    def _launch(self, name, grid, args):
+        stream = self.cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        with stream:
+            self.k[name]((grid,), (ELEMENTWISE_THREADS,), args)
+
+    def rope(self, qk, cos, sin):
+        """qk: (tokens, heads, d) rotated in place (neox halves); cos, sin: (tokens, 1, d / 2) float32."""
+        if not self.cuda:
+            d = qk.shape[-1]
+            x1, x2 = qk[..., : d // 2].clone(), qk[..., d // 2:].clone()
+            qk[..., : d // 2] = x1 * cos - x2 * sin
+            qk[..., d // 2:] = x2 * cos + x1 * sin
+            return qk
+        c = self.cupy
+        self._launch("rope_neox", qk.shape[0], (c.uint64(qk.data_ptr()), c.uint64(cos.data_ptr()),
+                                                c.uint64(sin.data_ptr()), c.int32(qk.shape[1]), c.int32(qk.shape[2])))
+        return qk
+
+    def act(self, gu, out):
+        inter = gu.shape[1] // 2
+        if not self.cuda:
+            out.copy_(F.silu(gu[:, :inter]) * gu[:, inter:])
+            return out
+        c = self.cupy
+        grid = min(4 * 132, math.ceil(gu.shape[0] * inter / ELEMENTWISE_THREADS))
+        self._launch("silu_and_mul", grid, (c.uint64(gu.data_ptr()), c.uint64(out.data_ptr()),
+                                            c.int64(gu.shape[0]), c.int32(inter)))
+        return out
+
+    def norm(self, x, res, w, out, res_out):
+        if not self.cuda:
+            s = x.float() + res.float()
+            res_out.copy_(s)
+            y = res_out.float() * torch.rsqrt(res_out.float().pow(2).mean(-1, keepdim=True) + NORM_EPS)
+            out.copy_(y * w.float())
+            return out
+        c = self.cupy
+        self._launch("add_rmsnorm", x.shape[0], (c.uint64(x.data_ptr()), c.uint64(res.data_ptr()),
+                                                 c.uint64(w.data_ptr()), c.uint64(out.data_ptr()),
+                                                 c.uint64(res_out.data_ptr()), c.int32(x.shape[1]),
+                                                 c.float32(NORM_EPS)))
+        return out
+
+    def check(self, device):
+        """Each kernel against the torch ops in float32 on a small input (bf16 tolerance)."""
+        torch.manual_seed(1)
+        t, heads, d, inter, h = 5, 3, 64, 96, 320
+        qk = torch.randn(t, heads, d, device=device).to(torch.bfloat16)
+        ang = torch.rand(t, 1, d // 2, device=device) * 6.0
+        cos, sin = ang.cos().contiguous(), ang.sin().contiguous()
+        x1, x2 = qk.float()[..., : d // 2], qk.float()[..., d // 2:]
+        want = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        got = self.rope(qk.clone(), cos, sin)
+        gu = torch.randn(t, 2 * inter, device=device).to(torch.bfloat16)
+        want_act = F.silu(gu.float()[:, :inter]) * gu.float()[:, inter:]
+        got_act = self.act(gu, torch.empty(t, inter, dtype=torch.bfloat16, device=device))
+        x, r = (torch.randn(t, h, device=device).to(torch.bfloat16) for _ in range(2))
+        w = torch.randn(h, device=device).to(torch.bfloat16)
+        s = (x.float() + r.float()).to(torch.bfloat16).float()
+        want_norm = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + NORM_EPS) * w.float()
+        out, res_out = torch.empty_like(x), torch.empty_like(x)
+        self.norm(x, r, w, out, res_out)
+        torch.cuda.synchronize()
+        for name, a, b in (("rope_neox", got, want), ("silu_and_mul", got_act, want_act),
+                           ("add_rmsnorm", out, want_norm), ("add_rmsnorm residual", res_out, s)):
+            if not torch.allclose(a.float(), b, rtol=2e-2, atol=2e-2):
+                err = (a.float() - b).abs().max().item()
+                raise RuntimeError(f"elementwise kernel {name} differs from torch: max abs error {err:.4f}")
 
 
 class Timer:
@@ -185,6 +335,8 @@ class Standin:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         ts = []
         for _ in range(7):
+            with torch.cuda.stream(self.stream):  # the launch is queued before the clock starts
+                torch.cuda._sleep(int(100 * self.cycles_per_us))
             a.record(self.stream)
             self.launch(ctas, bufs, passes, duration_us)
             b.record(self.stream)
@@ -203,9 +355,9 @@ def randn(shape, dtype, device, scale=1.0):
     return (torch.randn(shape, dtype=torch.float32, device=device) * scale).to(dtype)
 
 
-def layer_ops(shape: I.Shape, tp: int, phase: str, tokens: int, dtype, device):
+def layer_ops(shape: I.Shape, tp: int, phase: str, tokens: int, dtype, device, ew: Elementwise):
     """{op: (fn(i), n_rot)} of one rank's layer at `tokens`, with rotating inputs; plus the step's
-    embedding lookup and lm_head GEMM."""
+    embedding lookup and lm_head GEMM; `ew` runs rope, SiLU-and-mul and add + RMSNorm."""
     h, d = shape.hidden, shape.head_dim
     hq, hkv, inter = shape.heads // tp, shape.kv_heads // tp, shape.intermediate // tp
     qkv_out = (hq + 2 * hkv) * d
@@ -227,30 +379,21 @@ def layer_ops(shape: I.Shape, tp: int, phase: str, tokens: int, dtype, device):
 
     rot = n_rotations(tokens * qkv_out * esz, device)
     qk = [randn((tokens, hq + hkv, d), dtype, device) for _ in range(rot)]
-    cos = randn((tokens, 1, d // 2), dtype, device)
-    sin = randn((tokens, 1, d // 2), dtype, device)
+    ang = torch.rand((tokens, 1, d // 2), device=device) * 6.0
+    cos, sin = ang.cos().contiguous(), ang.sin().contiguous()
+    ops["rope"] = (lambda i: ew.rope(qk[i], cos, sin), rot)
 
-    def rope(i):
-        x1, x2 = qk[i][..., : d // 2], qk[i][..., d // 2:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-    ops["rope"] = (rope, rot)
-
-    rot = n_rotations(tokens * 2 * inter * esz, device)
+    rot = n_rotations(tokens * 3 * inter * esz, device)
     gu = [randn((tokens, 2 * inter), dtype, device) for _ in range(rot)]
-    ops["act"] = (lambda i: F.silu(gu[i][:, :inter]) * gu[i][:, inter:], rot)
+    act_out = [torch.empty((tokens, inter), dtype=dtype, device=device) for _ in range(rot)]
+    ops["act"] = (lambda i: ew.act(gu[i], act_out[i]), rot)
 
-    rot = n_rotations(tokens * h * esz * 2, device)
+    rot = n_rotations(tokens * h * esz * 4, device)
     xs = [randn((tokens, h), dtype, device) for _ in range(rot)]
     rs = [randn((tokens, h), dtype, device) for _ in range(rot)]
+    outs = [(torch.empty_like(xs[0]), torch.empty_like(xs[0])) for _ in range(rot)]
     wn = randn((h,), dtype, device)
-
-    def norm(i):
-        s = xs[i].float() + rs[i].float()
-        y = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)
-        return (y * wn.float()).to(dtype), s.to(dtype)
-
-    ops["norm"] = (norm, rot)
+    ops["norm"] = (lambda i: ew.norm(xs[i], rs[i], wn, *outs[i]), rot)
 
     table = randn((shape.vocab // tp, h), dtype, device)
     ids = [torch.randint(0, shape.vocab // tp, (tokens,), device=device) for _ in range(4)]
@@ -293,9 +436,16 @@ def attention_op(phase, tokens, hq, hkv, d, dtype, device):
     return prefill, rot
 
 
-def measure_config(shape, tp, phase, tokens, timer, standin, comm, args, dtype, device):
+def standin_duration_us(fused_us: float, source: str, norm_us: float) -> float:
+    """How long the all-reduce holds its CTAs: the one-launch fused call's whole time; where the
+    fused call is an all-reduce followed by the add + RMSNorm kernel (`source` "allreduce ..."),
+    the all-reduce's part."""
+    return fused_us - norm_us if source.startswith("allreduce") else fused_us
+
+
+def measure_config(shape, tp, phase, tokens, timer, standin, comm, args, dtype, device, ew):
     """Rows of one (shape, tp, phase, tokens): every op's time; each GEMM's under the stand-in."""
-    ops = layer_ops(shape, tp, phase, tokens, dtype, device)
+    ops = layer_ops(shape, tp, phase, tokens, dtype, device, ew)
     rows = []
     base = {"model_shape": shape.name, "tp": tp, "phase": phase, "tokens": tokens}
     for name, (fn, rot) in ops.items():
@@ -304,7 +454,8 @@ def measure_config(shape, tp, phase, tokens, timer, standin, comm, args, dtype, 
     ctas, kernel = I.yali_ctas(shape.hidden, tokens, tp) if comm is not None else (1, "none")
     fused_us = None
     if comm is not None:
-        fused_us, _ = comm.fused_us(shape.hidden, tokens, by_op["norm"]["us_p50"], I.yali_serves(tp))
+        fused_us, source = comm.fused_us(shape.hidden, tokens, by_op["norm"]["us_p50"], I.yali_serves(tp))
+        fused_us = standin_duration_us(fused_us, source, by_op["norm"]["us_p50"])
     nbytes = I.message_bytes(shape, tokens)
     if standin is None:  # CPU: no second stream; the row says contention was not measured
         for g in GEMMS:
@@ -388,6 +539,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     timer = Timer(device, args.replays, args.budget_ms)
     standin = None if args.dry_run else Standin(device)
+    ew = Elementwise(device)
     doc = header(args, device)
     rows, t_start = [], time.time()
     for sname in args.shapes:
@@ -397,7 +549,7 @@ def main(argv=None) -> int:
             comm = I.CommTimes(tp)
             for phase, toks in (("decode", args.decode_tokens), ("prefill", args.prefill_tokens)):
                 for tokens in I.token_set(phase, toks):
-                    got = measure_config(shape, tp, phase, tokens, timer, standin, comm, args, dtype, device)
+                    got = measure_config(shape, tp, phase, tokens, timer, standin, comm, args, dtype, device, ew)
                     rows += got
                     by = {r["op"]: r for r in got}
                     layer = sum(by[o]["us_p50"] for o in ("qkv", "rope", "attn", "o_proj", "gate_up", "act", "down"))

@@ -4,7 +4,7 @@ with compute, per model shape, TP size, phase and token count (CPU only).
 Inputs: the one-GPU measurement of `measure_compute.py` (kind overlap-compute) and the committed
 two- and four-rank fused-op and all-reduce results (`inputs.py` names each file; H200 except the
 four-rank fused op at 1-2 tokens, H100 scaled to H200; sizes between two measured ones are
-interpolated linearly in log2(bytes)).
+interpolated as a power law between the two).
 
 A step now: layers x (compute + 2 fused calls) + the embedding's all-reduce + RMSNorm (a fused call
 too: 2 x layers + 1 calls a step) + the embedding lookup + the lm_head GEMM of the sampled rows +
@@ -62,6 +62,8 @@ DBO_THRESHOLDS = {"decode": 32, "prefill": 512}
 GRAPH_MAX_TOKENS = 512  # vLLM 0.33's largest CUDA-graph size: decode steps of the model run in graphs
 C32 = {"prefill_tokens": 8192, "decode_tokens": 32, "prompt": 1024, "output": 128}
 THRESHOLDS = {"c32_tokps": 1.10, "c1_tpot": 0.93}
+# The serving runs' step bucket of the concurrency runs' largest steps (checked against 8192 tokens).
+LARGE_BUCKET = "4097-8192"
 # The committed serving runs the no-overlap prediction is checked against (YALI's starts).
 SERVING = {
     ("8b", 2): ("current/serving/20261128-8b-tp2-h200-alternated", ["run-a2", "run-b2"]),
@@ -264,17 +266,23 @@ def serving_reference(shape: str, tp: int, results_dir: str = I.RESULTS) -> dict
     run, starts = SERVING[(shape, tp)]
     bench = I.load_json(f"{run}/serving-benchmark.json", results_dir)
     tpot = [r["tpot_ms_p50"] for r in bench["records"] if r["config"] == "yali" and r["concurrency"] == 1]
-    decode, prefill, files = [], [], [f"{run}/serving-benchmark.json"]
+    decode, prefill, large, files = [], [], [], [f"{run}/serving-benchmark.json"]
     for s in starts:
         st = I.load_json(f"{run}/{s}/step-times.json", results_dir)
         files.append(f"{run}/{s}/step-times.json")
         decode += [r["elapsed_ms_p50"] for r in st["records"] if r["config"] == "yali" and r["tokens"] == "1-8"]
+        large += [(r["elapsed_ms_p50"], r["mean_tokens"]) for r in st["records"]
+                  if r["config"] == "yali" and r["tokens"] == LARGE_BUCKET]
         prefill += [r["elapsed_ms_p50"] for r in st.get("lone_prefill_steps", [])
                     if r["config"] == "yali" and r["tokens"] == "513-1152"]
     if not (tpot and decode and prefill):
         raise ValueError(f"{run}: no YALI c=1 TPOT, 1-8 token step or lone 513-1152 token prefill step")
-    return {"files": files, "tpot_ms_p50": statistics.mean(tpot), "decode_step_ms_p50": statistics.mean(decode),
-            "prefill_1024_step_ms_p50": statistics.mean(prefill)}
+    ref = {"files": files, "tpot_ms_p50": statistics.mean(tpot), "decode_step_ms_p50": statistics.mean(decode),
+           "prefill_1024_step_ms_p50": statistics.mean(prefill)}
+    if large:  # the concurrency runs' largest steps (mostly prefill): p50 and their mean tokens
+        ref["large_step_ms_p50"] = statistics.mean(ms for ms, _ in large)
+        ref["large_step_tokens"] = statistics.mean(t for _, t in large)
+    return ref
 
 
 def check_against_serving(model: Model, results_dir: str = I.RESULTS) -> list[dict]:
@@ -292,6 +300,13 @@ def check_against_serving(model: Model, results_dir: str = I.RESULTS) -> list[di
             p = model.now(shape, tp, "prefill", 1024)["step_us_now"] / 1e3
             row.update(predicted_prefill_1024_ms=round(p, 3), measured_prefill_1024_ms=round(ref["prefill_1024_step_ms_p50"], 3),
                        prefill_error=round(p / ref["prefill_1024_step_ms_p50"] - 1, 4))
+        if "large_step_ms_p50" in ref and (shape, tp, "prefill", C32["prefill_tokens"], "norm") in model.m.rows:
+            # the 8192-token prediction scaled to the bucket's mean tokens (time ~ tokens at this size)
+            p = (model.now(shape, tp, "prefill", C32["prefill_tokens"])["step_us_now"] / 1e3
+                 * ref["large_step_tokens"] / C32["prefill_tokens"])
+            row.update(large_step_tokens=round(ref["large_step_tokens"], 1), predicted_large_step_ms=round(p, 3),
+                       measured_large_step_ms=round(ref["large_step_ms_p50"], 3),
+                       large_step_error=round(p / ref["large_step_ms_p50"] - 1, 4))
         out.append(row)
     return out
 
@@ -300,7 +315,7 @@ def markdown(doc: dict) -> str:
     lines = ["# Overlap model: predicted step times", "",
              f"Measurement: `{doc['inputs']['measurement']}` ({doc['host']}); committed results: "
              + ", ".join(f"`{f}`" for f in doc["inputs"]["comm_files"]) + ".", "",
-             "Sizes between two measured ones: linear in log2(bytes). Above the fused op's measured sizes: "
+             "Sizes between two measured ones: a power law between the two. Above the fused op's measured sizes: "
              "the all-reduce of the backend serving that size plus the measured add + RMSNorm.", "",
              "| shape | TP | phase | tokens | compute/layer us | fused call us | step now ms | split | dbo | flux |",
              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -324,7 +339,10 @@ def markdown(doc: dict) -> str:
                      f"{v['predicted_decode_ms']} ms predicted against a {v['measured_decode_step_ms']} ms step "
                      f"({v['decode_error_vs_step']:+.1%}) and {v['measured_tpot_ms']} ms TPOT ({v['decode_error_vs_tpot']:+.1%})"
                      + (f"; 1024-token prefill {v['predicted_prefill_1024_ms']} against {v['measured_prefill_1024_ms']} ms "
-                        f"({v['prefill_error']:+.1%})" if "prefill_error" in v else ""))
+                        f"({v['prefill_error']:+.1%})" if "prefill_error" in v else "")
+                     + (f"; {v['large_step_tokens']}-token steps ({LARGE_BUCKET} bucket, the 8192-token "
+                        f"prediction scaled) {v['predicted_large_step_ms']} against {v['measured_large_step_ms']} ms "
+                        f"({v['large_step_error']:+.1%})" if "large_step_error" in v else ""))
     lines += ["", "## Assumptions", ""] + [f"- {a}" for a in doc["assumptions"]]
     return "\n".join(lines) + "\n"
 

@@ -15,15 +15,16 @@ pytestmark = pytest.mark.skipif(_ext.library_error() is not None, reason=f"exten
 OPS = ("qkv", "rope", "attn", "o_proj", "gate_up", "act", "down", "norm", "embed", "lm_head")
 
 
-def test_interpolation_is_linear_in_log_size():
-    pts = {1024: 1.0, 4096: 3.0, 16384: 7.0}
-    assert I.interp_log_size(pts, 2048) == pytest.approx(2.0)  # halfway in log2 between 1 and 4 KiB
-    assert I.interp_log_size(pts, 8192) == pytest.approx(5.0)
+def test_interpolation_is_a_power_law_between_sizes():
+    pts = {1024: 1.0, 4096: 3.0, 16384: 7.0, 65536: 7.0}
+    assert I.interp_log_size(pts, 2048) == pytest.approx(3 ** 0.5)  # halfway in log2 between 1 and 4 KiB
+    assert I.interp_log_size(pts, 8192) == pytest.approx(3 * (7 / 3) ** 0.5)
+    assert I.interp_log_size(pts, 32768) == pytest.approx(7.0)  # flat stays flat
     assert I.interp_log_size(pts, 4096) == 3.0 and I.interp_log_size(pts, 16384) == 7.0
     with pytest.raises(ValueError, match="outside"):
         I.interp_log_size(pts, 512)
     with pytest.raises(ValueError, match="outside"):
-        I.interp_log_size(pts, 32768)
+        I.interp_log_size(pts, 131072)
 
 
 def test_committed_fused_times_interpolate_between_their_sizes():
