@@ -37,10 +37,12 @@ FLASHINFER_QUANTISES = (STATIC_FP8, NVFP4)
 
 # Routes (route's answers).
 YALI = "yali"              # YALI's fused all-reduce + RMSNorm op (then vLLM's quantisation, if any)
+YALI_QUANT = "yali-quant"  # YALI's fused all-reduce + RMSNorm + FP8 quant op (YALI_FUSE_QUANT=1)
 FLASHINFER = "flashinfer"  # left to vLLM's FlashInfer pass: all-reduce + RMSNorm + quant in one kernel
 VLLM = "vllm"              # left unfused: YALI's all-reduce, then vLLM's RMSNorm + quant fusion
 ROUTE_TEXT = {
     YALI: "YALI's fused all-reduce + RMSNorm op",
+    YALI_QUANT: "YALI's fused all-reduce + RMSNorm + FP8 quant op",
     FLASHINFER: "vLLM's FlashInfer all-reduce + RMSNorm + quant kernel",
     VLLM: "YALI's all-reduce, then vLLM's RMSNorm + quant",
 }
@@ -148,5 +150,5 @@ def norm_output_quant(norm: fx.Node) -> str | None:
 
 def summary(counts: dict[str, int]) -> str:
     """'63 to YALI's fused ..., 64 to vLLM's FlashInfer ...' for the routes with pairs."""
-    parts = [f"{counts[r]} to {ROUTE_TEXT[r]}" for r in (YALI, FLASHINFER, VLLM) if counts.get(r)]
+    parts = [f"{counts[r]} to {ROUTE_TEXT[r]}" for r in (YALI, YALI_QUANT, FLASHINFER, VLLM) if counts.get(r)]
     return ", ".join(parts) if parts else "no all-reduce + RMSNorm pair"
