@@ -7,8 +7,10 @@ vLLM 0.33's fusion passes treat an all-reduce + RMSNorm pair by what follows the
   quantisation too: one kernel.
 - Above FlashInfer's limit, ``RMSNormQuantFusionPass`` fuses RMSNorm + quantisation (static,
   dynamic per-token, per-token-group) into one kernel after the plain all-reduce.
-YALI's fused op has no quantising epilogue, so a pair whose norm output is quantised goes to
-YALI's op only where vLLM's defaults also fuse just the all-reduce and the norm and leave the
+With YALI_FUSE_QUANT=1, YALI's pass first rewrites the pairs whose norm output is quantised by a
+scheme YALI's quantising op serves (static, per-token, group-128 FP8) into that op (YALI_QUANT,
+yali_vllm/vllm_fusion.py); route decides for the pairs left, and for every pair with the setting
+off. There a pair whose norm output is quantised goes to YALI's plain fused op only where vLLM's defaults also fuse just the all-reduce and the norm and leave the
 quantisation apart: dynamic and per-group schemes within FlashInfer's ranges. Everywhere else it
 stays exactly as vLLM's defaults run it (:func:`route`). Pairs whose norm output is not quantised
 (every pair of a bf16 model, the final norm of a quantised one) go to YALI's op.

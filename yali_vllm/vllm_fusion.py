@@ -19,7 +19,14 @@ A pair whose norm output is quantised (an FP8 model) goes where yali_vllm/fusion
 says: a static FP8 one to vLLM's FlashInfer all-reduce + RMSNorm + quant kernel within
 FlashInfer's compile ranges (the pass then runs vLLM's FlashInfer pass, built beside it for a
 quantised model), every quantised one above those ranges to vLLM's RMSNorm + quant fusion after
-YALI's all-reduce; YALI has no quantising kernel yet.
+YALI's all-reduce. With YALI_FUSE_QUANT=1 the pass first rewrites each pair whose norm output is
+quantised by static, per-token or group-128 FP8 into YALI's quantising op,
+
+    torch.ops.vllm.yali_fused_allreduce_rmsnorm_quant(input, residual, weight, eps, scale, group_name,
+        scheme, group_size, scale_ue8m0, scale_layout, custom_quant) -> (quant_out, residual_out, scale)
+
+which runs the communicator's quantising kernel when ``can_fuse_quant`` accepts, else the unfused
+sequence followed by the graph's own quantisation.
 Not covered: the Gemma "(1 + weight)" variants (fp32 weight; left to YALI's all-reduce +
 vLLM's norm, or to FlashInfer's pass where it runs).
 Nothing here imports CUDA-only modules (vLLM's allreduce_rms_fusion module
