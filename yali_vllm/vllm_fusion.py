@@ -718,16 +718,22 @@ class YaliAllReduceFusionPass(VllmPatternMatcherPass):
         """The quantised pairs' patterns (YALI_FUSE_QUANT=1): QuantFP8's native code of each scheme, and
         vLLM's quant custom ops where vLLM's CUDA ops exist (their matcher needs them)."""
         names: list[str] = []
-        specs = quant_specs(custom=False)
+        custom = True
         try:
             _custom_quant_matcher(QuantSpec(SCHEME_STATIC, custom=True))
-            specs += quant_specs(custom=True)
         except Exception as e:  # no CUDA ops (a CPU build): the graphs hold no quant custom op either
             logger.debug("YALI fusion pass: no patterns of vLLM's quant custom ops (%s: %s)", type(e).__name__, e)
+            custom = False
         for eps in EPSILONS:
-            for spec in specs:
-                names += _register_quant_patterns(self.quant_patterns, eps, self.model_dtype, self.device, group_name,
-                                                  spec, self._takes_quant)
+            for spec in quant_specs(custom=False) + (quant_specs(custom=True) if custom else []):
+                try:
+                    names += _register_quant_patterns(self.quant_patterns, eps, self.model_dtype, self.device,
+                                                      group_name, spec, self._takes_quant)
+                except Exception as e:  # every rank alike: the pairs of that quantisation keep their route
+                    if not spec.custom:
+                        raise
+                    logger.warning("YALI fusion pass: no pattern for vLLM's quant custom op %s (%s: %s); those pairs "
+                                   "keep fusion_routing's route", spec.name(), type(e).__name__, e)
             torch._inductor.pattern_matcher._seen_patterns.clear()  # as in register_patterns
         return list(dict.fromkeys(names))
 
