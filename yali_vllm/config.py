@@ -192,6 +192,16 @@ def env_flag(name: str, default: bool | None = None, environ=None) -> bool:
     return SETTINGS[name].parse(raw)
 
 
+FUSE_QUANT_VAR = "YALI_FUSE_QUANT"
+
+
+def fuse_quant_enabled(environ=None) -> bool:
+    """YALI_FUSE_QUANT (settings.def, default off): whether YALI's fusion pass rewrites an all-reduce +
+    RMSNorm pair whose output is FP8-quantised into YALI's quantising op. ValueError naming it on bad
+    input."""
+    return env_flag(FUSE_QUANT_VAR, environ=environ)
+
+
 ABORT_EXIT_VAR = "YALI_ABORT_EXIT"
 EP_VAR = "YALI_EP"
 EP_SLOT_VAR = "YALI_EP_SLOT_BYTES"

@@ -7,8 +7,10 @@ vLLM 0.33's fusion passes treat an all-reduce + RMSNorm pair by what follows the
   quantisation too: one kernel.
 - Above FlashInfer's limit, ``RMSNormQuantFusionPass`` fuses RMSNorm + quantisation (static,
   dynamic per-token, per-token-group) into one kernel after the plain all-reduce.
-YALI's fused op has no quantising epilogue, so a pair whose norm output is quantised goes to
-YALI's op only where vLLM's defaults also fuse just the all-reduce and the norm and leave the
+With YALI_FUSE_QUANT=1, YALI's pass first rewrites the pairs whose norm output is quantised by a
+scheme YALI's quantising op serves (static, per-token, group-128 FP8) into that op (YALI_QUANT,
+yali_vllm/vllm_fusion.py); route decides for the pairs left, and for every pair with the setting
+off. There a pair whose norm output is quantised goes to YALI's plain fused op only where vLLM's defaults also fuse just the all-reduce and the norm and leave the
 quantisation apart: dynamic and per-group schemes within FlashInfer's ranges. Everywhere else it
 stays exactly as vLLM's defaults run it (:func:`route`). Pairs whose norm output is not quantised
 (every pair of a bf16 model, the final norm of a quantised one) go to YALI's op.
@@ -37,10 +39,12 @@ FLASHINFER_QUANTISES = (STATIC_FP8, NVFP4)
 
 # Routes (route's answers).
 YALI = "yali"              # YALI's fused all-reduce + RMSNorm op (then vLLM's quantisation, if any)
+YALI_QUANT = "yali-quant"  # YALI's fused all-reduce + RMSNorm + FP8 quant op (YALI_FUSE_QUANT=1)
 FLASHINFER = "flashinfer"  # left to vLLM's FlashInfer pass: all-reduce + RMSNorm + quant in one kernel
 VLLM = "vllm"              # left unfused: YALI's all-reduce, then vLLM's RMSNorm + quant fusion
 ROUTE_TEXT = {
     YALI: "YALI's fused all-reduce + RMSNorm op",
+    YALI_QUANT: "YALI's fused all-reduce + RMSNorm + FP8 quant op",
     FLASHINFER: "vLLM's FlashInfer all-reduce + RMSNorm + quant kernel",
     VLLM: "YALI's all-reduce, then vLLM's RMSNorm + quant",
 }
@@ -148,5 +152,5 @@ def norm_output_quant(norm: fx.Node) -> str | None:
 
 def summary(counts: dict[str, int]) -> str:
     """'63 to YALI's fused ..., 64 to vLLM's FlashInfer ...' for the routes with pairs."""
-    parts = [f"{counts[r]} to {ROUTE_TEXT[r]}" for r in (YALI, FLASHINFER, VLLM) if counts.get(r)]
+    parts = [f"{counts[r]} to {ROUTE_TEXT[r]}" for r in (YALI, YALI_QUANT, FLASHINFER, VLLM) if counts.get(r)]
     return ", ".join(parts) if parts else "no all-reduce + RMSNorm pair"

@@ -19,7 +19,14 @@ A pair whose norm output is quantised (an FP8 model) goes where yali_vllm/fusion
 says: a static FP8 one to vLLM's FlashInfer all-reduce + RMSNorm + quant kernel within
 FlashInfer's compile ranges (the pass then runs vLLM's FlashInfer pass, built beside it for a
 quantised model), every quantised one above those ranges to vLLM's RMSNorm + quant fusion after
-YALI's all-reduce; YALI has no quantising kernel yet.
+YALI's all-reduce. With YALI_FUSE_QUANT=1 the pass first rewrites each pair whose norm output is
+quantised by static, per-token or group-128 FP8 into YALI's quantising op,
+
+    torch.ops.vllm.yali_fused_allreduce_rmsnorm_quant(input, residual, weight, eps, scale, group_name,
+        scheme, group_size, scale_ue8m0, scale_layout, custom_quant) -> (quant_out, residual_out, scale)
+
+which runs the communicator's quantising kernel when ``can_fuse_quant`` accepts, else the unfused
+sequence followed by the graph's own quantisation.
 Not covered: the Gemma "(1 + weight)" variants (fp32 weight; left to YALI's all-reduce +
 vLLM's norm, or to FlashInfer's pass where it runs).
 Nothing here imports CUDA-only modules (vLLM's allreduce_rms_fusion module
@@ -29,7 +36,9 @@ needs vLLM's CUDA ops), so it loads, and the pass runs, on a CPU machine.
 # No "from __future__ import annotations": torch's schema inference reads the
 # op function's annotations, which must be real types.
 
+import functools
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,6 +49,7 @@ from vllm.compilation.passes.inductor_pass import enable_fake_mode
 from vllm.compilation.passes.vllm_inductor_pass import VllmInductorPass, VllmPatternMatcherPass
 
 from yali_vllm import fusion_routing
+from yali_vllm.quant_schemes import SCHEME_GROUP, SCHEME_PER_TOKEN, SCHEME_STATIC
 from yali_vllm.vllm_log import LOGGER, log_first_call
 
 logger = logging.getLogger(LOGGER)
@@ -188,7 +198,8 @@ def _yali_fused_allreduce_rmsnorm_fake(
 
 def register_op() -> None:
     """Registers torch.ops.vllm.yali_fused_allreduce_rmsnorm (idempotent, also
-    across re-imports of this module)."""
+    across re-imports of this module), and its quantising sibling."""
+    register_quant_op()
     if hasattr(torch.ops.vllm, OP_NAME):
         return
     from vllm.utils.torch_utils import direct_register_custom_op
@@ -203,6 +214,225 @@ def register_op() -> None:
 def fused_op():
     register_op()
     return getattr(torch.ops.vllm, OP_NAME).default
+
+
+# --------------------------------------------------------------------------
+# The quantising op (YALI_FUSE_QUANT)
+# --------------------------------------------------------------------------
+QUANT_OP_NAME = "yali_fused_allreduce_rmsnorm_quant"
+GROUP_SIZE = 128  # the per-token-group size the pass rewrites (block-FP8 models: weight_block_size [128, 128])
+
+# Layouts of a per-token-group scale [rows, hidden / group_size] (the op's `scale_layout`), each
+# allocated as vLLM's per_token_group_quant_fp8 allocates it (quantization/utils/fp8_utils.py):
+SCALE_ROW_MAJOR = 0  # strides (groups, 1)
+SCALE_COLUMN_MAJOR = 1  # strides (1, rows): column_major_scales=True (QuantFP8's native code too)
+SCALE_TMA_ALIGNED = 2  # strides (1, rows rounded up to a multiple of 4): and tma_aligned_scales=True
+# What vLLM 0.33 requests for a block-FP8 linear on Hopper (Fp8LinearMethod's block kernel,
+# model_executor/kernels/linear/scaled_mm/): with DeepGEMM installed, DeepGemmFp8BlockScaledMMKernel's
+# QuantFP8(group 128, column_major_scales=True, tma_aligned_scales=VLLM_USE_DEEP_GEMM_TMA_ALIGNED_SCALES
+# (default 1), use_ue8m0=VLLM_USE_DEEP_GEMM_E8M0 (default 1; on Hopper fp32 scales rounded up to
+# powers of two, DeepGemmQuantScaleFMT.FLOAT32_CEIL_UE8M0)): SCALE_TMA_ALIGNED with ue8m0. Without
+# DeepGEMM, CutlassFp8BlockScaledMMKernel's QuantFP8(column_major_scales=True, use_ue8m0=False):
+# SCALE_COLUMN_MAJOR. A block-FP8 model turns vLLM's quant_fp8 custom op on (VllmConfig,
+# has_blocked_weights), so its graphs hold _C.per_token_group_fp8_quant, not QuantFP8's native code.
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """The quantisation of a pair's norm output, as the graph had it: the scheme (quant_schemes),
+    its group size and ue8m0 rounding and scale layout (per-token-group), and whether the graph held
+    vLLM's quant custom op (`custom`) or QuantFP8's native code; the op's fallback runs the same."""
+
+    scheme: int
+    group_size: int = 0
+    ue8m0: bool = False
+    layout: int = SCALE_ROW_MAJOR
+    custom: bool = False
+
+    def name(self) -> str:
+        """'static', 'per-token', 'group-128[column-major,ue8m0]' (+ ' (custom op)'), for the log."""
+        base = {SCHEME_STATIC: "static", SCHEME_PER_TOKEN: "per-token"}.get(self.scheme)
+        if base is None:
+            tags = [("row-major", "column-major", "TMA-aligned")[self.layout]] + (["ue8m0"] if self.ue8m0 else [])
+            base = f"group-{self.group_size}[{','.join(tags)}]"
+        return base + (" (custom op)" if self.custom else "")
+
+
+def tma_aligned_rows(rows):
+    """`rows` rounded up to a multiple of 4, by vLLM's own get_tma_aligned_size (fp32 scales): the
+    same expression as the graph's allocation, also for a symbolic row count."""
+    from vllm.utils.deep_gemm import get_tma_aligned_size
+
+    return get_tma_aligned_size(rows, 4)
+
+
+def group_scale_strides(rows, groups, layout: int) -> tuple:
+    """The strides of a [rows, groups] scale in `layout`."""
+    if layout == SCALE_ROW_MAJOR:
+        return (groups, 1)
+    if layout == SCALE_COLUMN_MAJOR:
+        return (1, rows)
+    if layout == SCALE_TMA_ALIGNED:
+        return (1, tma_aligned_rows(rows))
+    raise ValueError(f"yali: scale_layout {layout} is not one of {SCALE_ROW_MAJOR}, {SCALE_COLUMN_MAJOR}, "
+                     f"{SCALE_TMA_ALIGNED}")
+
+
+def allocate_scale(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """The fp32 scale output of quantising `x` [rows, hidden] by `spec` (a dynamic scheme), laid
+    out as vLLM's quant op lays it out: [rows, 1] per token, [rows, hidden / group_size] in
+    spec.layout per group."""
+    rows, hidden = x.shape
+    if spec.scheme == SCHEME_PER_TOKEN:
+        return torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if spec.scheme != SCHEME_GROUP:
+        raise ValueError(f"yali: scheme {spec.scheme} has no scale output (static: the scale is an input)")
+    groups = hidden // spec.group_size
+    shape = (rows, groups)
+    if spec.layout == SCALE_ROW_MAJOR:
+        return torch.empty(shape, dtype=torch.float32, device=x.device)
+    if spec.layout == SCALE_COLUMN_MAJOR:
+        return torch.empty((groups, rows), dtype=torch.float32, device=x.device).t()
+    stride = group_scale_strides(rows, groups, spec.layout)
+    return torch.empty_strided(shape, stride, dtype=torch.float32, device=x.device)
+
+
+@functools.lru_cache(maxsize=None)
+def _native_quantiser(spec: QuantSpec):
+    """vLLM's QuantFP8 of `spec` (its native code is what the graph held)."""
+    from vllm.config import DeviceConfig, VllmConfig, get_current_vllm_config_or_none, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    shape = {SCHEME_STATIC: GroupShape.PER_TENSOR, SCHEME_PER_TOKEN: GroupShape.PER_TOKEN}.get(
+        spec.scheme, GroupShape(1, spec.group_size))
+    # A CustomOp is built under a vLLM config (none is current when the op runs a graph loaded from
+    # vLLM's compile cache); only forward_native runs here, which no config setting changes.
+    config = get_current_vllm_config_or_none() or VllmConfig(device_config=DeviceConfig(device="cpu"))
+    with set_current_vllm_config(config):
+        return QuantFP8(spec.scheme == SCHEME_STATIC, shape, column_major_scales=spec.layout != SCALE_ROW_MAJOR,
+                        tma_aligned_scales=spec.layout == SCALE_TMA_ALIGNED, use_ue8m0=spec.ue8m0,
+                        compile_native=False)
+
+
+def quantise(norm: torch.Tensor, scale, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 codes, scale) of `norm` by the quantisation the graph had: QuantFP8's native code, or
+    vLLM's quant custom op through the function vLLM's QuantFP8 calls it with."""
+    if not spec.custom:
+        return _native_quantiser(spec).forward_native(norm, scale)
+    from vllm import _custom_ops as ops
+
+    if spec.scheme == SCHEME_STATIC:
+        return ops.scaled_fp8_quant(norm, scale)
+    if spec.scheme == SCHEME_PER_TOKEN:
+        return ops.scaled_fp8_quant(norm, None, use_per_token_if_dynamic=True)
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import per_token_group_quant_fp8
+
+    return per_token_group_quant_fp8(norm, spec.group_size, column_major_scales=spec.layout != SCALE_ROW_MAJOR,
+                                     tma_aligned_scales=spec.layout == SCALE_TMA_ALIGNED, use_ue8m0=spec.ue8m0)
+
+
+def _log_first_quant_call(group, spec: QuantSpec, yali: bool) -> None:
+    name = str(getattr(group, "unique_name", "?"))
+    log_first_call("fused_quant", (name, spec, yali),
+                   "YALI fused all-reduce + RMSNorm + FP8 quant op (%s): first call on group '%s' runs %s",
+                   spec.name(), name, "YALI's quantising kernel" if yali else
+                   "the group's all-reduce, then vLLM's RMSNorm, then vLLM's quant")
+
+
+def run_quant_on_group(group, input: torch.Tensor, residual, weight: torch.Tensor, eps: float, scale,
+                       spec: QuantSpec):
+    """(fp8 codes, residual_out, scale) of the all-reduce of `input` over `group` (+ `residual`),
+    RMSNorm, FP8 quantisation by `spec`: YALI's quantising kernel when the group's YaliCommunicator
+    has one and takes the tensors (can_fuse_quant), else the unfused sequence with the graph's own
+    quantisation. The scale of a static scheme is `scale` (a copy: op outputs alias no input).
+    Every rank decides alike (same shapes, dtypes, layouts and settings)."""
+    yc = getattr(getattr(group, "device_communicator", None), "yali_comm", None)
+    can_fuse_quant = getattr(yc, "can_fuse_quant", None)
+    if can_fuse_quant is not None and can_fuse_quant(input, residual, weight, spec.scheme, spec.group_size):
+        _log_first_quant_call(group, spec, True)
+        scale_out = None if spec.scheme == SCHEME_STATIC else allocate_scale(input, spec)
+        q, res, s = yc.fused_allreduce_rmsnorm_quant(input, residual, weight, eps, spec.scheme, scale,
+                                                     group_size=spec.group_size, scale_ue8m0=spec.ue8m0,
+                                                     scale_out=scale_out)
+        return q, res, (scale.clone() if spec.scheme == SCHEME_STATIC else s)
+    _log_first_quant_call(group, spec, False)
+    norm, res = unfused(group, input, residual, weight, eps)
+    q, s = quantise(norm, scale, spec)
+    return q, res, (scale.clone() if spec.scheme == SCHEME_STATIC else s)
+
+
+def _spec(scheme: int, group_size: int, scale_ue8m0: bool, scale_layout: int, custom_quant: bool) -> QuantSpec:
+    """The QuantSpec of the op's arguments; ValueError naming a bad one."""
+    if scheme not in (SCHEME_STATIC, SCHEME_PER_TOKEN, SCHEME_GROUP):
+        raise ValueError(f"yali: scheme {scheme} is not one of {SCHEME_STATIC}, {SCHEME_PER_TOKEN}, {SCHEME_GROUP}")
+    if scheme == SCHEME_GROUP:
+        group_scale_strides(1, 1, scale_layout)  # checks scale_layout
+        if group_size <= 0:
+            raise ValueError(f"yali: group_size {group_size} must be positive")
+        return QuantSpec(scheme, int(group_size), bool(scale_ue8m0), int(scale_layout), bool(custom_quant))
+    return QuantSpec(scheme, custom=bool(custom_quant))
+
+
+def yali_fused_allreduce_rmsnorm_quant(
+    input: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    scale: torch.Tensor | None,
+    group_name: str,
+    scheme: int,
+    group_size: int,
+    scale_ue8m0: bool,
+    scale_layout: int,
+    custom_quant: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(quant_out, residual_out, scale): all-reduce of `input` over group `group_name`, plus
+    `residual` when given, RMSNorm(weight, eps), then FP8 (e4m3) quantisation by `scheme`
+    (quant_schemes: static with the input `scale`, dynamic per token, dynamic per group of
+    `group_size` with `scale_ue8m0` and the scale in `scale_layout`); `custom_quant` says which
+    vLLM quantisation the rewritten graph held (for the fallback)."""
+    spec = _spec(scheme, group_size, scale_ue8m0, scale_layout, custom_quant)
+    if spec.scheme == SCHEME_STATIC and scale is None:
+        raise ValueError("yali: the static FP8 scheme needs its scale")
+    return run_quant_on_group(_group(group_name), input, residual, weight, eps, scale, spec)
+
+
+def _yali_fused_allreduce_rmsnorm_quant_fake(
+    input: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    scale: torch.Tensor | None,
+    group_name: str,
+    scheme: int,
+    group_size: int,
+    scale_ue8m0: bool,
+    scale_layout: int,
+    custom_quant: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    spec = _spec(scheme, group_size, scale_ue8m0, scale_layout, custom_quant)
+    quant = torch.empty_like(input, dtype=torch.float8_e4m3fn)
+    scale_out = torch.empty_like(scale) if spec.scheme == SCHEME_STATIC else allocate_scale(input, spec)
+    return quant, torch.empty_like(input), scale_out
+
+
+def register_quant_op() -> None:
+    """Registers torch.ops.vllm.yali_fused_allreduce_rmsnorm_quant (idempotent)."""
+    if hasattr(torch.ops.vllm, QUANT_OP_NAME):
+        return
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    direct_register_custom_op(
+        op_name=QUANT_OP_NAME,
+        op_func=yali_fused_allreduce_rmsnorm_quant,
+        fake_impl=_yali_fused_allreduce_rmsnorm_quant_fake,
+    )
+
+
+def fused_quant_op():
+    register_quant_op()
+    return getattr(torch.ops.vllm, QUANT_OP_NAME).default
 
 
 # --------------------------------------------------------------------------
@@ -286,6 +516,117 @@ def _register_patterns(
     return ["all_reduce+rms_norm", "all_reduce+fused_add_rms_norm", "all_reduce+fused_add_rms_norm[norm only]"]
 
 
+def quant_specs(custom: bool) -> list[QuantSpec]:
+    """The quantisations the pass rewrites into YALI's quantising op: static per-tensor, dynamic per
+    token, and per group of GROUP_SIZE in each scale layout, with and without ue8m0. QuantFP8's native
+    code has no TMA-aligned layout (it ignores the flag: column-major). Column-major first: a
+    row-major pattern also matches the head of QuantFP8's native column-major code (the transposing
+    copy after it left in the graph), and the pattern matcher tries patterns in their order."""
+    layouts = ((SCALE_TMA_ALIGNED,) if custom else ()) + (SCALE_COLUMN_MAJOR, SCALE_ROW_MAJOR)
+    return [QuantSpec(SCHEME_STATIC, custom=custom), QuantSpec(SCHEME_PER_TOKEN, custom=custom)] + [
+        QuantSpec(SCHEME_GROUP, GROUP_SIZE, ue8m0, layout, custom) for layout in layouts for ue8m0 in (False, True)]
+
+
+def _custom_quant_matcher(spec: QuantSpec):
+    """vLLM's own matcher of its quant custom op for `spec` (compilation/passes/fusion/matcher_utils.py,
+    the one its RMSNorm + quant fusion matches with), as a (norm_out, scale) -> (q, scale) callable.
+    Raises where vLLM's CUDA ops are missing (its module reads them on import)."""
+    from vllm.compilation.passes.fusion.matcher_utils import MatcherQuantFP8
+    from vllm.model_executor.layers.quantization.utils import quant_utils as qu
+
+    key = {SCHEME_STATIC: qu.kFp8StaticTensorSym, SCHEME_PER_TOKEN: qu.kFp8DynamicTokenSym}.get(
+        spec.scheme, qu.kFp8Dynamic128Sym)
+    matcher = MatcherQuantFP8(key, enabled=True, has_col_major_scales=spec.layout != SCALE_ROW_MAJOR,
+                              is_e8m0=spec.ue8m0, is_tma_aligned=spec.layout == SCALE_TMA_ALIGNED)
+    return matcher.forward_custom
+
+
+def _quant_pattern_scale_input(spec: QuantSpec) -> bool:
+    """Whether the pattern of `spec` takes a scale tensor from the graph: the static scale, or the
+    TMA-aligned buffer the graph allocates for vLLM's group quant op (its matcher takes it, as
+    vLLM's does)."""
+    return spec.scheme == SCHEME_STATIC or spec.layout == SCALE_TMA_ALIGNED
+
+
+def _register_quant_patterns(
+    pm_pass: PatternMatcherPass, eps: float, dtype: torch.dtype, device, group_name: str, spec: QuantSpec,
+    extra_check,
+) -> list[str]:
+    """vLLM's all-reduce + (fused-add) RMSNorm patterns followed by the quantisation `spec` of the
+    norm output (QuantFP8's native code, or vLLM's quant custom op), each rewritten into YALI's
+    quantising op, where `extra_check(match)` accepts. Returns their names (for the log)."""
+    import vllm.ir.ops
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    op = fused_quant_op()
+    quantiser = _custom_quant_matcher(spec) if spec.custom else _native_quantiser(spec).forward_native
+    static = spec.scheme == SCHEME_STATIC
+    takes_scale = _quant_pattern_scale_input(spec)
+
+    def pattern(input, weight, residual, scale):
+        ar = tensor_model_parallel_all_reduce(input)
+        if residual is None:
+            h, res = vllm.ir.ops.rms_norm(ar, weight, eps), ar
+        else:
+            h, res = vllm.ir.ops.fused_add_rms_norm(ar, residual, weight, eps)
+        q, s = quantiser(h, scale)
+        return (q, res) if static else (q, s, res)
+
+    def replacement(input, weight, residual, scale):
+        out = op(input, residual, weight, eps, scale if static else None, group_name, spec.scheme,
+                 spec.group_size, spec.ue8m0, spec.layout, spec.custom)
+        return (out[0], out[1]) if static else (out[0], out[2], out[1])
+
+    def empty(*shape, dt=dtype):
+        return torch.empty(*shape, dtype=dt, device=device)
+
+    # A hidden size of two groups: QuantFP8's native group code pads a row shorter than a group.
+    rows, hidden = 5, 2 * GROUP_SIZE
+    scale = empty(1, 1, dt=torch.float32)
+    names = []
+    for residual in (False, True):
+        inputs = [empty(rows, hidden), empty(hidden)] + ([empty(rows, hidden)] if residual else [])
+        inputs += [scale] if takes_scale else []
+        fns = [_with_signature(f, residual, takes_scale) for f in (pattern, replacement)]
+        pm.register_replacement(fns[0], fns[1], inputs, pm.fwd_only, pm_pass,
+                                extra_check=functools.partial(extra_check, spec=spec))
+        names.append(f"all_reduce+{'fused_add_rms_norm' if residual else 'rms_norm'}+{spec.name()}")
+    return names
+
+
+def _with_signature(fn, residual: bool, scale: bool):
+    """fn(input, weight, residual, scale) as a function of the arguments a pattern takes (the pattern
+    matcher names a pattern's inputs by its function's parameters): the residual and the scale
+    only where it has them."""
+    if residual and scale:
+        return lambda input, weight, residual, scale: fn(input, weight, residual, scale)
+    if residual:
+        return lambda input, weight, residual: fn(input, weight, residual, None)
+    if scale:
+        return lambda input, weight, scale: fn(input, weight, None, scale)
+    return lambda input, weight: fn(input, weight, None, None)
+
+
+def _scale_layout_as_graph(match: pm.Match, spec: QuantSpec) -> bool:
+    """Whether the scale output YALI's op allocates for `spec` has the shape and strides of the scale
+    the matched quantisation produced (its node's meta), so the GEMMs after it read what they
+    expect. The static scale is the graph's own input: always."""
+    if spec.scheme == SCHEME_STATIC:
+        return True
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    outputs = match.output_nodes()
+    q_node, s_node = (outputs[0], outputs[1]) if len(outputs) >= 2 else (None, None)
+    q, s = (getattr(n, "meta", {}).get("val") if n is not None else None for n in (q_node, s_node))
+    if not isinstance(q, torch.Tensor) or not isinstance(s, torch.Tensor) or q.dim() != 2 or s.dim() != 2:
+        return False
+    rows, hidden = q.shape
+    groups = 1 if spec.scheme == SCHEME_PER_TOKEN else hidden // spec.group_size
+    want_strides = (1, 1) if spec.scheme == SCHEME_PER_TOKEN else group_scale_strides(rows, groups, spec.layout)
+    same = [a == b for a, b in zip((*s.shape, *s.stride()), (rows, groups, *want_strides))]
+    return s.dtype == torch.float32 and all(statically_known_true(x) for x in same)
+
+
 _logged_patterns = False
 _logged_routes: set[str] = set()
 
@@ -324,6 +665,12 @@ class YaliAllReduceFusionPass(VllmPatternMatcherPass):
         self.pass_name = "yali_allreduce_fusion_pass"
         self.patterns = PatternMatcherPass(pass_name=self.pass_name)
         self.flashinfer = flashinfer
+        from yali_vllm.config import fuse_quant_enabled
+
+        self.fuse_quant = fuse_quant_enabled()
+        # YALI_FUSE_QUANT=1: the quantised pairs' patterns, applied before the plain pairs'.
+        self.quant_patterns = PatternMatcherPass(pass_name=self.pass_name + "_quant")
+        self.quant_matched_count = 0
         self.disabled = True
         self._range = None
         self._flashinfer_range = False
@@ -340,6 +687,8 @@ class YaliAllReduceFusionPass(VllmPatternMatcherPass):
             return
         self.max_token_num = fused_max_tokens(tp, config)
         names = self.register_patterns(tp.unique_name)
+        if self.fuse_quant:
+            names += self.register_quant_patterns(tp.unique_name)
         self.disabled = False
         self.dump_patterns(config, self.patterns)
         global _logged_patterns
@@ -364,6 +713,35 @@ class YaliAllReduceFusionPass(VllmPatternMatcherPass):
             torch._inductor.pattern_matcher._seen_patterns.clear()
         return names
 
+    @enable_fake_mode
+    def register_quant_patterns(self, group_name: str) -> list[str]:
+        """The quantised pairs' patterns (YALI_FUSE_QUANT=1): QuantFP8's native code of each scheme, and
+        vLLM's quant custom ops where vLLM's CUDA ops exist (their matcher needs them)."""
+        names: list[str] = []
+        custom = True
+        try:
+            _custom_quant_matcher(QuantSpec(SCHEME_STATIC, custom=True))
+        except Exception as e:  # no CUDA ops (a CPU build): the graphs hold no quant custom op either
+            logger.debug("YALI fusion pass: no patterns of vLLM's quant custom ops (%s: %s)", type(e).__name__, e)
+            custom = False
+        for eps in EPSILONS:
+            for spec in quant_specs(custom=False) + (quant_specs(custom=True) if custom else []):
+                try:
+                    names += _register_quant_patterns(self.quant_patterns, eps, self.model_dtype, self.device,
+                                                      group_name, spec, self._takes_quant)
+                except Exception as e:  # every rank alike: the pairs of that quantisation keep their route
+                    if not spec.custom:
+                        raise
+                    logger.warning("YALI fusion pass: no pattern for vLLM's quant custom op %s (%s: %s); those pairs "
+                                   "keep fusion_routing's route", spec.name(), type(e).__name__, e)
+            torch._inductor.pattern_matcher._seen_patterns.clear()  # as in register_patterns
+        return list(dict.fromkeys(names))
+
+    def _takes_quant(self, match: pm.Match, spec: QuantSpec) -> bool:
+        """The quantised patterns' extra check: vLLM's dtype check, and YALI's op allocates the scale
+        as the graph did."""
+        return _norm_input_weight_dtype_match(match) and _scale_layout_as_graph(match, spec)
+
     def _takes(self, match: pm.Match) -> bool:
         """The patterns' extra check: vLLM's dtype check, then the pair's route is YALI's op."""
         if not _norm_input_weight_dtype_match(match):
@@ -379,6 +757,9 @@ class YaliAllReduceFusionPass(VllmPatternMatcherPass):
         # Part of Inductor's cache key: cover the pattern and routing code, and vLLM's pass if built.
         own = VllmInductorPass.hash_source(type(self), _register_patterns, _norm_input_weight_dtype_match,
                                            Path(fusion_routing.__file__).read_text())
+        if self.fuse_quant:
+            own += VllmInductorPass.hash_source(_register_quant_patterns, _scale_layout_as_graph, quant_specs,
+                                                "YALI_FUSE_QUANT=1")
         return own + (self.flashinfer.uuid() if self.flashinfer is not None else "")
 
     def yali_applies(self, compile_range) -> bool:
@@ -407,21 +788,26 @@ class YaliAllReduceFusionPass(VllmPatternMatcherPass):
         yali = compile_range is None or self.yali_applies(compile_range)
         self._flashinfer_range = compile_range is not None and self.flashinfer_applies(compile_range)
         self._routes = {}
-        self.matched_count = 0
+        self.matched_count = self.quant_matched_count = 0
         if yali and not self.disabled:
+            if self.fuse_quant:  # first: a quantised pair left to the plain patterns goes by fusion_routing
+                self.quant_matched_count = self.quant_patterns.apply(graph)
             self.matched_count = self.patterns.apply(graph)
-            VllmPatternMatcherPass.match_table[self.pass_name] += self.matched_count
+            VllmPatternMatcherPass.match_table[self.pass_name] += self.matched_count + self.quant_matched_count
         if self._flashinfer_range:
             self.flashinfer(graph)
         counts: dict[str, int] = {}
         for route in self._routes.values():
             counts[route] = counts.get(route, 0) + 1
         counts[fusion_routing.YALI] = self.matched_count
+        if self.quant_matched_count:
+            counts[fusion_routing.YALI_QUANT] = self.quant_matched_count
         self.route_counts = counts
-        if self.flashinfer is not None:
+        if self.flashinfer is not None or self.fuse_quant:
             where = "" if compile_range is None else f" in compile range {compile_range}"
             line = f"YALI fusion pass{where}: all-reduce + RMSNorm pairs {fusion_routing.summary(counts)}"
             if line not in _logged_routes:
                 _logged_routes.add(line)
                 logger.info("%s", line)
-        logger.debug("YaliAllReduceFusionPass replaced %s patterns", self.matched_count)
+        logger.debug("YaliAllReduceFusionPass replaced %s patterns (%s quantised)",
+                     self.matched_count + self.quant_matched_count, self.quant_matched_count)

@@ -170,3 +170,10 @@ def test_summary_names_each_route_with_pairs():
     assert fr.summary({}) == "no all-reduce + RMSNorm pair"
     assert fr.summary({fr.YALI: 3, fr.FLASHINFER: 0, fr.VLLM: 2}) == (
         "3 to YALI's fused all-reduce + RMSNorm op, 2 to YALI's all-reduce, then vLLM's RMSNorm + quant")
+
+
+def test_summary_counts_yalis_quantising_op():
+    """With YALI_FUSE_QUANT=1 the line per compile range counts the pairs rewritten into YALI's
+    quantising op, after YALI's plain op."""
+    assert fr.summary({fr.YALI: 1, fr.YALI_QUANT: 5, fr.FLASHINFER: 0}) == (
+        "1 to YALI's fused all-reduce + RMSNorm op, 5 to YALI's fused all-reduce + RMSNorm + FP8 quant op")

@@ -104,6 +104,31 @@ class StandInYali:
         return vllm_fusion.unfused(self.group, x, residual, weight, eps)
 
 
+class StandInYaliQuant(StandInYali):
+    """A stand-in YaliCommunicator with the quantising op of the contract: can_fuse_quant answers
+    `fuse`; the quantising call records its arguments (the scale_out layout among them) and returns
+    vLLM's unfused result quantised by vLLM's QuantFP8 native code, written into the scale_out it is
+    given, so a graph using it must still produce the model's numbers and layouts."""
+
+    def can_fuse_quant(self, x, residual, weight, scheme, group_size):
+        return self.fuse
+
+    def fused_allreduce_rmsnorm_quant(self, x, residual, weight, eps, scheme, scale, group_size=128,
+                                      scale_ue8m0=False, scale_out=None):
+        from yali_vllm.quant_schemes import SCHEME_GROUP, SCHEME_STATIC
+
+        self.calls.append({"scheme": scheme, "group_size": group_size if scheme == SCHEME_GROUP else None,
+                           "ue8m0": scale_ue8m0, "residual": residual is not None, "eps": eps,
+                           "scale_out": None if scale_out is None else [list(scale_out.shape), list(scale_out.stride())]})
+        norm, res = vllm_fusion.unfused(self.group, x, residual, weight, eps)
+        spec = vllm_fusion.QuantSpec(scheme, group_size if scheme == SCHEME_GROUP else 0, scale_ue8m0)
+        q, s = vllm_fusion.quantise(norm, scale, spec)
+        if scheme == SCHEME_STATIC:
+            return q, res, scale  # the op copies it: its outputs alias no input
+        scale_out.copy_(s)
+        return q, res, scale_out
+
+
 class StandInGroup:
     """Stand-in for a GroupCoordinator: all_reduce adds a fixed 'peer' tensor."""
 
@@ -354,6 +379,138 @@ def test_yali_serves_when_it_can_fuse():
     assert torch.equal(norm, torch.ones_like(x)) and torch.equal(res_out, torch.full_like(x, 2.0))
 
 
+# ------------------------------------------------------- the quantising op
+def test_fuse_quant_setting_is_declared_once_and_read():
+    """YALI_FUSE_QUANT: one line of settings.def (the list both C++ and Python read), a flag off by
+    default, read through yali_vllm.config; a bad value is refused naming it."""
+    lines = [ln for ln in config.SETTINGS_FILE.read_text().splitlines() if "YALI_FUSE_QUANT" in ln]
+    assert len(lines) == 1 and lines[0].startswith("YALI_PLUGIN_SETTING(YALI_FUSE_QUANT, flag, \"0\"")
+    s = config.SETTINGS[config.FUSE_QUANT_VAR]
+    assert (s.name, s.type, s.default, s.field) == ("YALI_FUSE_QUANT", "flag", "0", None)
+    assert config.fuse_quant_enabled({}) is False and config.fuse_quant_enabled({"YALI_FUSE_QUANT": ""}) is False
+    assert config.fuse_quant_enabled({"YALI_FUSE_QUANT": "1"}) is True
+    assert config.fuse_quant_enabled({"YALI_FUSE_QUANT": "off"}) is False
+    assert "YALI_FUSE_QUANT" not in config.unknown_variables({"YALI_FUSE_QUANT": "1"})
+    with pytest.raises(ValueError, match="invalid YALI_FUSE_QUANT='2'"):
+        config.fuse_quant_enabled({"YALI_FUSE_QUANT": "2"})
+
+
+def test_quant_op_registered_once_functional_schema():
+    vllm_fusion.register_op()  # registers both ops, idempotent
+    vllm_fusion.register_quant_op()
+    schema = torch.ops.vllm.yali_fused_allreduce_rmsnorm_quant.default._schema
+    # torch's schema inference writes a Python int as SymInt
+    assert str(schema).replace("SymInt ", "int ") == (
+        "vllm::yali_fused_allreduce_rmsnorm_quant(Tensor input, Tensor? residual, Tensor weight, float eps, "
+        "Tensor? scale, str group_name, int scheme, int group_size, bool scale_ue8m0, int scale_layout, "
+        "bool custom_quant) -> (Tensor, Tensor, Tensor)")
+    assert not schema.is_mutable
+
+
+@pytest.mark.parametrize("scheme, layout, shape, strides", [
+    (1, 0, (7, 1), (1, 1)),
+    (2, vllm_fusion.SCALE_ROW_MAJOR, (7, 2), (2, 1)),
+    (2, vllm_fusion.SCALE_COLUMN_MAJOR, (7, 2), (1, 7)),
+    (2, vllm_fusion.SCALE_TMA_ALIGNED, (7, 2), (1, 8)),  # 7 rows rounded up to 8
+])
+def test_quant_op_fake_impl_allocates_the_scale_as_vllm(scheme, layout, shape, strides):
+    """The fake impl (what Inductor plans the graph with) and the op allocate one scale layout each:
+    vLLM's per_token_group_quant_fp8 allocation for the same flags."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    vllm_fusion.register_op()
+    with FakeTensorMode():
+        x = torch.empty(7, 256, dtype=torch.bfloat16)
+        w = torch.empty(256, dtype=torch.bfloat16)
+        q, res, s = torch.ops.vllm.yali_fused_allreduce_rmsnorm_quant(x, x, w, EPS, None, "tp:0", scheme, 128, False,
+                                                                     layout, False)
+    assert q.shape == res.shape == (7, 256) and q.dtype == torch.float8_e4m3fn and res.dtype == torch.bfloat16
+    assert (tuple(s.shape), s.stride(), s.dtype) == (shape, strides, torch.float32)
+    real = vllm_fusion.allocate_scale(torch.empty(7, 256), vllm_fusion.QuantSpec(scheme, 128, False, layout))
+    assert (tuple(real.shape), real.stride()) == (shape, strides)
+
+
+def test_quant_op_refuses_bad_arguments_naming_them():
+    vllm_fusion.register_op()
+    x = torch.zeros(2, 128, dtype=torch.bfloat16)
+    op = torch.ops.vllm.yali_fused_allreduce_rmsnorm_quant
+    with pytest.raises(ValueError, match="scheme 5 is not one of 0, 1, 2"):
+        op(x, None, x[0], EPS, None, "tp:0", 5, 128, False, 0, False)
+    with pytest.raises(ValueError, match="scale_layout 3 is not one of 0, 1, 2"):
+        op(x, None, x[0], EPS, None, "tp:0", 2, 128, False, 3, False)
+    with pytest.raises(ValueError, match="the static FP8 scheme needs its scale"):
+        op(x, None, x[0], EPS, None, "tp:0", 0, 0, False, 0, False)
+
+
+QUANT_SPECS = {
+    "static": vllm_fusion.QuantSpec(0),
+    "per-token": vllm_fusion.QuantSpec(1),
+    "group-128": vllm_fusion.QuantSpec(2, 128),
+    "group-128-column-major-ue8m0": vllm_fusion.QuantSpec(2, 128, True, vllm_fusion.SCALE_COLUMN_MAJOR),
+}
+
+
+def _native_quant(spec, h, scale):
+    """vLLM's QuantFP8 native code for `spec`, built here as a model builds it."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    shape = {0: GroupShape.PER_TENSOR, 1: GroupShape.PER_TOKEN}.get(spec.scheme, GroupShape(1, spec.group_size))
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        q = QuantFP8(spec.scheme == 0, shape, column_major_scales=spec.layout == vllm_fusion.SCALE_COLUMN_MAJOR,
+                     use_ue8m0=spec.ue8m0, compile_native=False)
+    return q.forward_native(h, scale) if spec.scheme == 0 else q.forward_native(h)
+
+
+COMMUNICATORS = {
+    "no-communicator": lambda: None,
+    "communicator-without-quant-op": lambda: StandInYali(fuse=True),  # one built before the quantising op
+    "quant-op-refuses": lambda: StandInYaliQuant(fuse=False),
+}
+
+
+@pytest.mark.parametrize("communicator", sorted(COMMUNICATORS))
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("kind", sorted(QUANT_SPECS))
+def test_quant_fallback_is_the_unfused_sequence(kind, with_residual, communicator):
+    """Where YALI's quantising op does not run (no communicator, one without can_fuse_quant, or one
+    that refuses the tensors): the group's all-reduce, vLLM's RMSNorm, then vLLM's QuantFP8 native
+    code of the scheme; bit for bit, scales in the same layout, and a static scale that is a copy."""
+    yali = COMMUNICATORS[communicator]()
+    spec = QUANT_SPECS[kind]
+    x, peer, res, w = _tensors(hidden=256)
+    scale = torch.tensor([0.03]) if spec.scheme == 0 else None  # the static scale is an input
+    group = StandInGroup(peer, yali)
+    q, res_out, s = vllm_fusion.run_quant_on_group(group, x, res.clone() if with_residual else None, w, EPS, scale,
+                                                   spec)
+    norm, exp_res = reference(x + peer, res if with_residual else None, w, EPS)
+    exp_q, exp_s = _native_quant(spec, norm, scale)
+    assert group.calls == 1 and (yali is None or yali.calls == [])
+    assert torch.equal(q.float(), exp_q.float()) and q.dtype == torch.float8_e4m3fn
+    assert torch.equal(res_out, exp_res)
+    assert torch.equal(s, exp_s) and s.stride() == exp_s.stride()
+    if spec.scheme == 0:
+        assert s.data_ptr() != scale.data_ptr()
+
+
+def test_quant_op_runs_yalis_quantising_kernel_when_it_takes_the_tensors():
+    """A communicator whose can_fuse_quant accepts: its quantising call gets the scheme, group size,
+    ue8m0 and a scale buffer in the graph's layout; the group's all-reduce is not called again."""
+    x, peer, res, w = _tensors(hidden=256)
+    yali = StandInYaliQuant(fuse=True, group=StandInGroup(peer))
+    group = StandInGroup(peer, yali)
+    spec = QUANT_SPECS["group-128-column-major-ue8m0"]
+    q, res_out, s = vllm_fusion.run_quant_on_group(group, x, res, w, EPS, None, spec)
+    assert group.calls == 0 and yali.group.calls == 1
+    assert yali.calls == [{"scheme": 2, "group_size": 128, "ue8m0": True, "residual": True, "eps": EPS,
+                           "scale_out": [[3, 2], [1, 3]]}]
+    norm, exp_res = reference(x + peer, res, w, EPS)
+    exp_q, exp_s = _native_quant(spec, norm, None)
+    assert torch.equal(q.float(), exp_q.float()) and torch.equal(res_out, exp_res)
+    assert torch.equal(s, exp_s) and s.stride() == (1, 3)
+
+
 # ------------------------------------------------------------ patching vLLM
 @pytest.fixture
 def pass_manager_module():
@@ -427,6 +584,9 @@ def test_install_hooks_follow_vllm_config(pass_manager_module, monkeypatch):
 # it does not serve.
 CPU_WORLD_SIZES = (2, 4)
 UNSERVED_WORLD_SIZE = 3
+QUANT_OP = "vllm.yali_fused_allreduce_rmsnorm_quant.default"
+
+
 def _write_model_config(path: Path) -> str:
     from yali_vllm.models import model_config
 
@@ -540,6 +700,20 @@ def _factory_choices(cfg, tp) -> dict:
         cfg.model_config.quantization = None
     res["fp8_flashinfer"] = [type(fp8).__name__, fp8.flashinfer is built[0], len(built)]
     res["fp8_log"] = [ln for ln in handler_lines if ln.startswith("YALI fusion pass ON")]
+
+    # YALI_FUSE_QUANT=1: the ON line of a quantised model says so, and the compile-cache factor differs.
+    fusion_patch._fusion_logged.clear()
+    del handler_lines[:]
+    os.environ["YALI_FUSE_QUANT"] = "1"
+    cfg.model_config.quantization = "fp8"
+    try:
+        res["fuse_quant_factor"] = fusion_patch.fusion_cache_factor()
+        fp8 = ranged_factory(cfg)
+        res["fuse_quant_pass"] = [fp8.fuse_quant, fp8.uuid() != bf16.uuid()]
+    finally:
+        cfg.model_config.quantization = None
+        del os.environ["YALI_FUSE_QUANT"]
+    res["fuse_quant_log"] = [ln for ln in handler_lines if ln.startswith("YALI fusion pass ON")]
 
     return res
 
@@ -739,6 +913,119 @@ def _quant_results(cfg, tp, rank: int) -> dict:
     return out
 
 
+def _all_schemes_model():
+    """A decoder stretch of an FP8 model with every quantisation YALI_FUSE_QUANT rewrites, as vLLM
+    traces them with its custom ops off (vLLM's QuantFP8 native code): static per-tensor after the
+    first norm (no residual), then after fused-add norms dynamic per-token, per-group-of-128 with
+    row-major scales, per-group-of-128 with column-major ue8m0 scales (DeepGEMM's request) and static
+    per-tensor again; the final norm is not quantised."""
+    import vllm.ir.ops
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import tensor_model_parallel_all_reduce as ar
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        static = QuantFP8(True, GroupShape.PER_TENSOR, compile_native=False)
+        token = QuantFP8(False, GroupShape.PER_TOKEN, compile_native=False)
+        group = QuantFP8(False, GroupShape(1, 128), use_ue8m0=False, compile_native=False)
+        group_cm = QuantFP8(False, GroupShape(1, 128), column_major_scales=True, use_ue8m0=True, compile_native=False)
+
+    def model(x, w, scale):
+        a = ar(x)
+        h = vllm.ir.ops.rms_norm(a, w, 1e-5)
+        q1, _ = static.forward_native(h, scale)
+        h, r = vllm.ir.ops.fused_add_rms_norm(ar(x * 2), a, w, 1e-5)
+        q2, s2 = token.forward_native(h)
+        h, r = vllm.ir.ops.fused_add_rms_norm(ar(x + 1), r, w, 1e-6)
+        q3, s3 = group.forward_native(h)
+        h, r = vllm.ir.ops.fused_add_rms_norm(ar(x - 1), r, w, 1e-5)
+        q4, s4 = group_cm.forward_native(h)
+        h, r = vllm.ir.ops.fused_add_rms_norm(ar(x * 3), r, w, 1e-5)
+        q5, _ = static.forward_native(h, scale)
+        h, _ = vllm.ir.ops.fused_add_rms_norm(ar(x - 2), r, w, 1e-6)
+        return q1, q2, s2, q3, s3, q4, s4, q5, h
+
+    return model
+
+
+def _post_grad_trace(fn, args):
+    """`fn` traced as Inductor's post-grad passes see it: Inductor's decompositions, no-op ops removed
+    (what the pattern matcher traces patterns with, pm.fwd_only), in fake mode."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.fx_passes.post_grad import remove_noop_ops
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(fn, select_decomp_table(), tracing_mode="fake")(*args)
+    remove_noop_ops(gm.graph)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def _fuse_quant_results(cfg, tp, rank: int) -> dict:
+    """What YALI's pass makes of _all_schemes_model with YALI_FUSE_QUANT=1 (in FlashInfer's range, above
+    it, without vLLM's pass, and in a range YALI does not serve) and with it 0; what each rewritten
+    graph computes, with the op's fallback and with a stand-in quantising communicator."""
+    import copy
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from vllm.config.utils import Range
+
+    model = _all_schemes_model()
+    g = torch.Generator().manual_seed(rank)
+    hidden = 256
+    args = [torch.randn(5, hidden, generator=g).bfloat16(),
+            torch.randn(hidden, generator=torch.Generator().manual_seed(7)).bfloat16(), torch.tensor([0.02])]
+
+    def fresh():
+        return [a.clone() for a in args]
+
+    expected = model(*fresh())
+    traced = _post_grad_trace(model, fresh())
+    comm = tp.device_communicator
+    out: dict = {"before": _node_targets(traced)}
+
+    def run(name, setting, flashinfer_max, serve_limit, r):
+        os.environ["YALI_FUSE_QUANT"] = setting
+        try:
+            comm.yali_comm = StandInYaliQuant(fuse=False, group=tp, serve_limit=serve_limit)
+            flashinfer = RangedStandInPass(cfg, max_tokens=flashinfer_max) if flashinfer_max else None
+            p = vllm_fusion.YaliAllReduceFusionPass(cfg, flashinfer=flashinfer)
+        finally:
+            del os.environ["YALI_FUSE_QUANT"]
+        gm = copy.deepcopy(traced)
+        applies = p.is_applicable_for_range(r)
+        if applies:
+            p(gm.graph)
+            gm.recompile()
+        res = {"applies": applies, "targets": _node_targets(gm), "routes": p.route_counts,
+               "flashinfer_calls": flashinfer.calls if flashinfer else None,
+               "quant_ops": [[n.args[6], n.args[7], n.args[8], n.args[9], n.args[1] is not None, n.args[3]]
+                             for n in gm.graph.nodes if str(n.target) == QUANT_OP]}
+        for path, fuse in (("fallback", False), ("fused", True)):
+            comm.yali_comm = StandInYaliQuant(fuse=fuse, group=tp, serve_limit=serve_limit)
+            got = gm(*fresh())
+            res[path] = {"equal": [torch.equal(a.float(), b.float()) for a, b in zip(got, expected)],
+                         "strides": [a.stride() == b.stride() for a, b in zip(got, expected)],
+                         "calls": comm.yali_comm.calls}
+        out[name] = res
+
+    yali_8m = 8 << 20  # 1024 rows of the model's hidden 4096 bf16
+    run("flashinfer_range", "1", 256, yali_8m, Range(start=1, end=256))
+    run("above_flashinfer", "1", 256, yali_8m, Range(start=257, end=1024))
+    run("no_flashinfer", "1", None, yali_8m, Range(start=1, end=256))
+    run("yali_not_serving", "1", 256, 128 * 4096 * 2, Range(start=129, end=256))
+    run("off_flashinfer_range", "0", 256, yali_8m, Range(start=1, end=256))
+    run("off_above_flashinfer", "0", 256, yali_8m, Range(start=257, end=1024))
+    comm.yali_comm = None
+    from yali_vllm import fusion_routing
+
+    out["route_names"] = [fusion_routing.YALI, fusion_routing.YALI_QUANT, fusion_routing.FLASHINFER,
+                          fusion_routing.VLLM]
+    return out
+
+
 def _record(rank: int, outdir: str, body) -> None:
     """Runs `body()` in a spawned rank and writes its dict, or the error, to rank<N>.json."""
     res: dict = {}
@@ -764,7 +1051,7 @@ def _rank_worker(rank: int, port: int, world_size: int, model_dir: str, outdir: 
     def body() -> dict:
         cfg, tp = _tp_setup(rank, port, world_size, model_dir)
         return {**_factory_choices(cfg, tp), **_rewrite_results(cfg, tp, rank), "ranges": _range_results(cfg, tp),
-                "quant": _quant_results(cfg, tp, rank)}
+                "quant": _quant_results(cfg, tp, rank), "fuse_quant": _fuse_quant_results(cfg, tp, rank)}
 
     _record(rank, outdir, body)
 
@@ -820,6 +1107,25 @@ def test_ranks_quantised_model_gets_vllms_pass_inside_yalis(tp_ranks):
             "pair whose RMSNorm output is quantised to static FP8 goes to vLLM's FlashInfer all-reduce + RMSNorm + "
             "quant kernel and a dynamic or per-group one to YALI's fused op, then vLLM's quant; above that every "
             "quantised pair stays with YALI's all-reduce, then vLLM's RMSNorm + quant"]
+
+
+def test_ranks_fuse_quant_names_itself_in_the_on_line_and_the_cache_key(tp_ranks):
+    """YALI_FUSE_QUANT=1: the ON line of a quantised model says where its quantised pairs go, the
+    compile-cache factor and the pass's uuid differ from the setting off (a graph rewritten without
+    YALI's quantising op is not reused with it, nor the reverse)."""
+    n = len(tp_ranks)
+    for res in tp_ranks:
+        assert res["fuse_quant_factor"] == res["on_factor"] + "+quant"
+        assert res["fuse_quant_pass"] == [True, True]
+        assert res["fuse_quant_log"] == [
+            f"YALI fusion pass ON (replaces vLLM's FlashInfer all-reduce+RMSNorm fusion): YALI serves TP group "
+            f"'tp:0' ({n} ranks); the model is quantised (fp8) and YALI_FUSE_QUANT=1: where YALI serves the "
+            "compile range a pair whose RMSNorm output is quantised to static, per-token or group-128 FP8 goes to "
+            "YALI's fused all-reduce + RMSNorm + FP8 quant op; any other quantised pair as with YALI_FUSE_QUANT=0 "
+            "(the model is quantised (fp8): up to 256 tokens (FlashInfer's compile ranges) a pair whose RMSNorm "
+            "output is quantised to static FP8 goes to vLLM's FlashInfer all-reduce + RMSNorm + quant kernel and a "
+            "dynamic or per-group one to YALI's fused op, then vLLM's quant; above that every quantised pair stays "
+            "with YALI's all-reduce, then vLLM's RMSNorm + quant)"]
 
 
 def test_ranks_quantised_pairs_go_where_vllm_fuses_their_quantisation(tp_ranks):
@@ -955,3 +1261,60 @@ def test_ranks_unmatched_variants_stay_unfused(tp_ranks):
             assert matched == 0, name
             assert "vllm.yali_fused_allreduce_rmsnorm.default" not in targets, name
             assert _count(targets, "vllm.all_reduce.default") == 1, name
+
+
+
+def test_ranks_fuse_quant_rewrites_each_scheme_into_yalis_quant_op(tp_ranks):
+    """YALI_FUSE_QUANT=1, every compile range YALI serves (in FlashInfer's range, above it, without
+    vLLM's pass): each quantised pair (static after the first norm, then per-token, group-128
+    row-major, group-128 column-major ue8m0, static) becomes one YALI quant op node with its scheme,
+    group size, ue8m0 and scale layout, the final (unquantised) norm YALI's plain op; no all-reduce
+    or norm is left. The rewritten graph computes bit for bit what the model does, with the op's
+    fallback (the group's all-reduce, vLLM's RMSNorm, the graph's own QuantFP8 code) and through a
+    quantising communicator, which gets the scale buffer in the graph's layout."""
+    norms = ("vllm_ir.rms_norm.default", "vllm_ir.fused_add_rms_norm.default")
+    op, ar = "vllm.yali_fused_allreduce_rmsnorm.default", "vllm.all_reduce.default"
+    # [scheme, group size, ue8m0, scale layout, residual, eps] per pair, in graph order
+    want = [[0, 0, False, 0, False, 1e-5], [1, 0, False, 0, True, 1e-5], [2, 128, False, 0, True, 1e-6],
+            [2, 128, True, 1, True, 1e-5], [0, 0, False, 0, True, 1e-5]]
+    scale_out = [None, [[5, 1], [1, 1]], [[5, 2], [2, 1]], [[5, 2], [1, 5]], None]
+    for res in tp_ranks:
+        q = res["fuse_quant"]
+        yali, yali_quant = q["route_names"][:2]
+        assert _count(q["before"], ar) == 6 and _count(q["before"], QUANT_OP) == 0
+        for name, flashinfer_calls in (("flashinfer_range", 1), ("above_flashinfer", 0), ("no_flashinfer", None)):
+            r = q[name]
+            assert r["applies"] and r["routes"] == {yali: 1, yali_quant: 5}, name
+            assert r["flashinfer_calls"] == flashinfer_calls, name
+            assert r["quant_ops"] == want, name
+            assert _count(r["targets"], QUANT_OP) == 5 and _count(r["targets"], op) == 1, name
+            assert _count(r["targets"], ar) == 0 and sum(_count(r["targets"], n) for n in norms) == 0, name
+            for path in ("fallback", "fused"):
+                assert r[path]["equal"] == [True] * 9 and r[path]["strides"] == [True] * 9, (name, path)
+            assert r["fallback"]["calls"] == []
+            quant_calls = [c for c in r["fused"]["calls"] if "scheme" in c]
+            assert [[c["scheme"], c["ue8m0"], c["residual"], c["eps"]] for c in quant_calls] == [
+                [w[0], w[2], w[4], w[5]] for w in want], name
+            assert [c["scale_out"] for c in quant_calls] == scale_out, name
+
+
+def test_ranks_fuse_quant_leaves_item_routing_where_yali_does_not_serve_or_when_off(tp_ranks):
+    """Where YALI does not serve the compile range (here: YALI up to 128 tokens, FlashInfer up to 256)
+    YALI_FUSE_QUANT=1 changes nothing: vLLM's pass gets the graph as it was. With YALI_FUSE_QUANT=0
+    every pair goes where fusion_routing.route says: in FlashInfer's range the two static pairs to
+    vLLM's FlashInfer pass, the dynamic ones and the final norm to YALI's op; above it the
+    quantised pairs stay unfused."""
+    for res in tp_ranks:
+        q = res["fuse_quant"]
+        yali, _, flashinfer, vllm_ = q["route_names"]
+        r = q["yali_not_serving"]
+        assert r["applies"] and r["routes"] == {yali: 0} and r["flashinfer_calls"] == 1
+        assert r["targets"] == q["before"]
+        inside, above = q["off_flashinfer_range"], q["off_above_flashinfer"]
+        assert inside["routes"] == {yali: 4, flashinfer: 2} and inside["flashinfer_calls"] == 1
+        assert above["routes"] == {yali: 1, vllm_: 5} and above["flashinfer_calls"] == 0
+        for r in (inside, above):
+            assert r["quant_ops"] == [] and _count(r["targets"], QUANT_OP) == 0
+            assert r["fallback"]["equal"] == r["fused"]["equal"] == [True] * 9
+        assert _count(inside["targets"], "vllm.yali_fused_allreduce_rmsnorm.default") == 4
+        assert _count(above["targets"], "vllm.yali_fused_allreduce_rmsnorm.default") == 1

@@ -95,8 +95,21 @@ def _build_quietly(original: Any, config: Any) -> Any:
         return None
 
 
-def quantised_routing_note(quant: str, flashinfer: Any) -> str:
-    """What the ON line adds for a quantised model: where its pairs go (fusion_routing.route)."""
+def quantised_routing_note(quant: str, flashinfer: Any, environ=None) -> str:
+    """What the ON line adds for a quantised model: where its pairs go (YALI_FUSE_QUANT, then
+    fusion_routing.route for the pairs left)."""
+    from yali_vllm.config import fuse_quant_enabled
+
+    if fuse_quant_enabled(environ):
+        return (f"the model is quantised ({quant}) and YALI_FUSE_QUANT=1: where YALI serves the compile range a "
+                "pair whose RMSNorm output is quantised to static, per-token or group-128 FP8 goes to YALI's "
+                "fused all-reduce + RMSNorm + FP8 quant op; any other quantised pair as with YALI_FUSE_QUANT=0 ("
+                + _routing_without_fuse_quant(quant, flashinfer) + ")")
+    return _routing_without_fuse_quant(quant, flashinfer)
+
+
+def _routing_without_fuse_quant(quant: str, flashinfer: Any) -> str:
+    """Where fusion_routing.route sends a quantised model's pairs, for the ON line."""
     limit = getattr(flashinfer, "max_token_num", None)
     if getattr(flashinfer, "disabled", True) or limit is None:
         return (f"the model is quantised ({quant}) and vLLM's FlashInfer fusion is off: a pair whose RMSNorm "
@@ -147,11 +160,15 @@ def unpatch_fusion_pass() -> None:
 def fusion_cache_factor() -> str:
     """Which passes this process builds, as vLLM's compile cache key sees them: "vllm", or
     "yali@" and the hash of YALI's pass sources (a graph rewritten by another version of them is
-    not reused); "invalid (...)" for a bad knob."""
+    not reused), "+quant" with YALI_FUSE_QUANT=1; "invalid (...)" for a bad knob."""
     try:
         from yali_vllm.vllm_fusion import fusion_decision
 
-        return f"yali@{_pass_sources_hash()}" if fusion_decision()[0] else "vllm"
+        from yali_vllm.config import fuse_quant_enabled
+
+        if not fusion_decision()[0]:
+            return "vllm"
+        return f"yali@{_pass_sources_hash()}" + ("+quant" if fuse_quant_enabled() else "")
     except Exception as e:
         return f"invalid ({type(e).__name__})"
 
@@ -163,7 +180,9 @@ def _pass_sources_hash() -> str:
     from yali_vllm import config, fusion_routing, vllm_fusion
 
     h = hashlib.sha256()
-    for module in (vllm_fusion, fusion_routing, config):
+    from yali_vllm import quant_schemes
+
+    for module in (vllm_fusion, fusion_routing, config, quant_schemes):
         h.update(Path(module.__file__).read_bytes())
     return h.hexdigest()[:16]
 
