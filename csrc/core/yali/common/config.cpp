@@ -270,7 +270,7 @@ void Config::validate() const {
 #undef YALI_PLUGIN_SETTING
   // The N-rank one-shot limit is at most the N-rank limit, or the largest of the table's while
   // that is by world size (0); it is cut to the limit of a world size whose limit is lower
-  // (plan.cpp ranks_oneshot_max).
+  // (plan_table.h kRanksRows, plan.cpp ranks_oneshot_max).
   if (ranks_oneshot_max != 0) {
     const std::string top = std::to_string(ranks_max != 0 ? ranks_max : table::ranks_serve_max_of_all());
     check_bytes("YALI_DEV_RANKS_ONESHOT_MAX", ranks_oneshot_max, "4K", top.c_str(), "4K");
