@@ -22,11 +22,6 @@ from . import _ext, config, ops
 logger = logging.getLogger("yali_vllm")
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Longest row the fused all-reduce + RMSNorm kernel holds in registers: 512 threads x
-# 8 vectors x 16 bytes (hidden 32768 in bf16/fp16, 16384 in fp32). Mirrors kFusedMaxRowBytes.
-MAX_FUSED_HIDDEN_BYTES = 512 * 8 * 16
-# Most tensors one ep_dispatch carries (csrc/core/yali/common/config.h: kEpMaxParts).
-EP_MAX_TENSORS = 8
 # The dtypes ep_dispatch carries: those in which the one 32-bit word it cannot send as it is
 # (0x80008000, csrc/core/yali/ep/ep.cuh) is a pair of zeros, four fp8 zeros, an fp32 denormal or no
 # valid token or expert index. Bytes of other meanings (uint8-packed fp4 with e8m0 scales, int8,
@@ -265,15 +260,11 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def _serve_limit(cfg: dict, max_bytes: int, world_size: int) -> int:
-    """The largest message the communicator serves: above two ranks the N-rank kernels' limit
-    (YALI_DEV_RANKS_MAX, or the world size's default); with two in flash-only mode the flash
-    buffer; else max_bytes."""
-    if world_size > 2:
-        return min(max_bytes, int(_ext.ops().ranks_table(world_size)[1]))
-    if cfg["mode"] == "flash":
-        return min(max_bytes, int(cfg["flash_bytes"]))
-    return max_bytes
+def _serve_limit(table: dict, max_bytes: int) -> int:
+    """The largest message the communicator serves: the size table's (config.plan_table: the end of
+    its last all-reduce band, e.g. the N-rank kernels' limit, or the flash buffer in flash-only
+    mode) or max_bytes, whichever is lower."""
+    return min(max_bytes, int(table["limits"]["serve_max"]))
 
 
 def _check_same_everywhere(peers: list) -> None:
@@ -369,7 +360,9 @@ class YaliCommunicator:
         if self.world_size > 2 and self.config["mode"] == "stream":
             raise YaliUnavailable(f"YALI_KERNEL_MODE=stream: there is no stream kernel for {self.world_size} ranks "
                                   f"(auto or flash pick push one-shot / two-shot)")
-        self._serve_limit = _serve_limit(self.config, self.max_bytes, self.world_size)
+        # The library's size table under these settings (the same on every rank: the settings are).
+        self.table = config.plan_table(self.world_size)
+        self._serve_limit = _serve_limit(self.table, self.max_bytes)
 
         y = _ext.ops()
         ops.register_fakes()
@@ -484,7 +477,7 @@ class YaliCommunicator:
         """True when fused_allreduce_rmsnorm(x, residual, weight, eps) is served by YALI.
 
         x: [..., hidden] contiguous fp32/fp16/bf16 with hidden a multiple of 16 bytes and at
-        most MAX_FUSED_HIDDEN_BYTES per row (any address: unaligned tensors go through copies); weight: [hidden], same dtype; residual: like x or None.
+        most the table's fused_max_row_bytes per row (64 KiB: hidden 32768 in bf16; any address: unaligned tensors go through copies); weight: [hidden], same dtype; residual: like x or None.
         Messages above the one-launch limit are still served (all-reduce, then add + norm).
         """
         return self.should_use(x) and x.dim() >= 1 and self._fusable_rows(x, residual, weight)
@@ -509,7 +502,7 @@ class YaliCommunicator:
         """The row size, the norm weight and the residual fit a fused epilogue writing `out`."""
         hidden = out.shape[-1]
         row_bytes = hidden * out.element_size()
-        if row_bytes % 16 != 0 or row_bytes > MAX_FUSED_HIDDEN_BYTES:
+        if row_bytes % 16 != 0 or row_bytes > self.table["limits"]["fused_max_row_bytes"]:
             return False
         if not isinstance(weight, torch.Tensor) or weight.shape != (hidden,) or weight.dtype != out.dtype:
             return False
@@ -532,7 +525,7 @@ class YaliCommunicator:
         (refusing would send this rank to another collective than its peers)."""
         if self._handle is None or self.ep_slot_bytes == 0 or len(counts) != self.world_size:
             return False
-        if not 1 <= len(tensors) <= EP_MAX_TENSORS:
+        if not 1 <= len(tensors) <= self.table["limits"]["ep_max_parts"]:
             return False
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.dtype not in EP_DTYPES:
@@ -633,18 +626,14 @@ class YaliCommunicator:
     def describe(self) -> str:
         c = self.config
         buffers = f"buffers {_mib(int(_ext.ops().buffer_bytes(self._handle)))} per GPU"
-        if self.world_size > 2:
-            oneshot = int(_ext.ops().ranks_table(self.world_size)[0])
-            return (f"YALI all-reduce on {self.device} (world {self.world_size}): push one-shot up to "
-                    f"{_size(min(oneshot, self._serve_limit))}, push two-shot above that up to "
-                    f"{_size(self._serve_limit)}, vLLM's chain above, mode={c['mode']}, {buffers}")
-        flash_max = min(int(c["flash_bytes"]), int(c["stream_min"]), self._serve_limit)
-        return (
-            f"YALI all-reduce on {self.device} (world 2): "
-            f"flash up to {_mib(flash_max) if flash_max >= 2**20 else str(flash_max) + ' B'}, "
-            f"stream above that up to {_mib(self._serve_limit)}, mode={c['mode']}, "
-            f"{buffers}"
-        )
+        served, below = [], 0  # the size table's all-reduce bands, up to the serve limit
+        for band in self.table["allreduce"]:
+            top = min(int(band["up_to"]), self._serve_limit)
+            if top > below:
+                served.append(f"{band['kernel']} {'above that ' if served else ''}up to {_size(top)}")
+                below = top
+        return (f"YALI all-reduce on {self.device} (world {self.world_size}): {', '.join(served)}, vLLM's chain above, "
+                f"mode={c['mode']}, {buffers}")
 
     _kept: int | None = None  # a closed communicator's handle whose buffers stay (see close())
 

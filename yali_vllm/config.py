@@ -301,8 +301,34 @@ def launch_dict(values) -> dict:
 
 def fused_plan(rows: int, hidden: int, dtype, world_size: int = 2) -> dict:
     """How a fused call of `rows` x `hidden` `dtype` runs at `world_size` ranks under the current
-    settings (plan.cpp fused_launch_for), without a communicator or a GPU."""
+    settings (plan_table.h, through plan.cpp fused_launch_for), without a communicator or a GPU."""
     return launch_dict(_ext.ops().fused_plan(int(rows), int(hidden), dtype, int(world_size)))
+
+
+def plan_table(world_size: int = 2) -> dict:
+    """The library's size table (csrc/core/yali/common/plan_table.h) as `world_size` ranks use it under
+    the current settings: "allreduce", the all-reduce bands in increasing order ({"kernel", "up_to"}:
+    the kernel serves the messages above the previous band's up_to and up to its own; none above
+    the last); "fused_band", the one-launch fused op's bands ({"up_to", "row_bytes_max", "cta_bytes",
+    "row_loads_early", "cluster_max"}, the first that holds a call's message and row bytes applies;
+    0 = unbounded); "limits", a dict: serve_max (the largest message served), oneshot_max and
+    slot_bytes (N ranks), fused_one_launch_max, fused_max_row_bytes, max_ctas, epilogue_max_ctas,
+    spread_max_ctas, stream_lanes, stream_slots, max_ranks, ep_max_parts. ValueError names a bad
+    YALI_* variable."""
+    out: dict = {"allreduce": [], "fused_band": []}
+    for line in _ext.ops().plan_table(int(world_size)).splitlines():
+        name, _, values = line.partition(" ")
+        row = parse_config_string(values)
+        if name == "limits":
+            out["limits"] = row
+        else:
+            out[name].append(row)
+    return out
+
+
+def limits(world_size: int = 2) -> dict:
+    """The size table's limits at `world_size` ranks under the current settings (plan_table)."""
+    return plan_table(world_size)["limits"]
 
 
 def plan(nbytes: int, mode: str = "config", world_size: int = 2) -> tuple[str | None, int, int]:

@@ -420,13 +420,10 @@ std::vector<int64_t> plan(int64_t nbytes, int64_t mode, int64_t world) {
 }
 
 std::string config_string() { return config_from_env().to_string(); }
-// The N-rank table's limits for `world` ranks: [push one-shot up to, the largest message served,
-// one rank's slot of the push area].
-std::vector<int64_t> ranks_table(int64_t world) {
-  check_world(world, 3);
-  const yali::Config c = config_from_env();
-  return {int64_t(yali::ranks_oneshot_max(c, int(world))), int64_t(std::min(yali::ranks_max_for(c, int(world)), c.max_bytes)),
-          int64_t(yali::ranks_slot_bytes(c, int(world)))};
+// The size table as `world` ranks use it under the settings, one row a line (plan.h: plan_text).
+std::string plan_table(int64_t world) {
+  check_world(world);
+  return yali::plan_text(config_from_env(), int(world));
 }
 int64_t shared_bytes_for_env(int64_t world) {
   check_world(world);
@@ -523,7 +520,7 @@ STABLE_TORCH_LIBRARY(yali, m) {
       "Tensor(a!) norm_out, Tensor(b!) residual_out) -> ()");
   m.def("plan(int nbytes, int mode=-1, int world=2) -> int[]");
   m.def("config_string() -> str");
-  m.def("ranks_table(int world) -> int[]");
+  m.def("plan_table(int world=2) -> str");
   m.def("shared_bytes_for_env(int world=2) -> int");
   m.def("buffer_bytes(int comm) -> int");
   m.def("device_calls(int comm) -> int");
@@ -552,7 +549,7 @@ STABLE_TORCH_LIBRARY_IMPL(yali, CompositeExplicitAutograd, m) {
   m.impl("attach_peer", TORCH_BOX(&attach_peer));
   m.impl("plan", TORCH_BOX(&plan));
   m.impl("config_string", TORCH_BOX(&config_string));
-  m.impl("ranks_table", TORCH_BOX(&ranks_table));
+  m.impl("plan_table", TORCH_BOX(&plan_table));
   m.impl("shared_bytes_for_env", TORCH_BOX(&shared_bytes_for_env));
   m.impl("buffer_bytes", TORCH_BOX(&buffer_bytes));
   m.impl("device_calls", TORCH_BOX(&device_calls));

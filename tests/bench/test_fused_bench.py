@@ -459,6 +459,14 @@ def test_write_outputs_names_n_ranks_and_their_tolerance(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the GPU test plan
+def needs_library():
+    """Skips a test that reads the library's size table where the extension is not built."""
+    from yali_vllm import _ext
+
+    if _ext.library_error() is not None:
+        pytest.skip(f"extension not built: {_ext.library_error()}")
+
+
 def test_gpu_fused_plan_covers_the_spec():
     from tests.gpu import test_fused as tf
 
@@ -477,16 +485,24 @@ def test_gpu_fused_plan_covers_the_spec():
     # 513 x 8192 x bf16 crosses the 8 MiB one-launch limit; 256 x 8192 x bf16 does not
     assert 513 * 8192 * 2 > 8 << 20 >= 256 * 8192 * 2
     assert ("bf16", 8192, 513, True) in keys
-    # every fp16/bf16 row fits the fused kernel's row limit
-    from yali_vllm.communicator import MAX_FUSED_HIDDEN_BYTES
 
-    assert all(p["hidden"] * (4 if p["dtype"] == "fp32" else 2) <= MAX_FUSED_HIDDEN_BYTES for p in plan)
+
+def test_gpu_fused_plan_rows_fit_the_fused_kernel():
+    # every row of the plan fits the fused kernel's row limit, as the library's size table gives it
+    from tests.gpu import test_fused as tf
+    from yali_vllm import config
+
+    needs_library()
+    longest = config.limits()["fused_max_row_bytes"]
+    assert all(p["hidden"] * (4 if p["dtype"] == "fp32" else 2) <= longest for p in tf.fused_plan())
 
 
 def test_gpu_fused_sweep_launch_overrides():
     # The default sweep checks the size table only when no launch knob is set (experiments.sh runs
     # the whole fused suite with YALI_DEV_FUSED_CLUSTER=8, where the table cannot hold).
     from tests.gpu import test_fused as tf
+
+    needs_library()  # the checks read the library's size table
 
     assert tf.fused_launch_overrides({"YALI_TIMEOUT_S": "60", "YALI_DEV_PDL": "0", "YALI_ENABLE": "1"}) == {}
     env = {"YALI_DEV_FUSED_BATCH_POLL_MIN": "0", "YALI_DEV_FUSED_CLUSTER": "", "YALI_DEV_FLASH_BYTES": "4M",
@@ -501,18 +517,23 @@ def test_gpu_fused_sweep_launch_overrides():
 
 
 def test_gpu_fused_sweep_cluster_rule():
-    # plan.cpp: fused_launch_for: clusters of up to 8 CTAs up to 128 KiB by the size table, the
-    # largest power of two dividing the grid; YALI_DEV_FUSED_CLUSTER overrides.
+    # The GPU sweep's cluster rule: the largest power of two dividing the grid, up to the cluster_max
+    # of the library's size table band that holds the call; YALI_DEV_FUSED_CLUSTER overrides.
     from tests.gpu import test_fused as tf
+    from tests.size_table import fused_band
+    from yali_vllm import config
 
+    needs_library()
+    bands = config.plan_table(2)["fused_band"]
     table = {"fused_cluster": -1}
-    assert [tf.expected_fused_cluster(16384 * t, g, table) for t, g in ((1, 4), (2, 8), (8, 32), (16, 32))] == \
-        [4, 8, 8, 1]
-    assert tf.expected_fused_cluster(32 * 16384, 128, table) == 1  # above 128 KiB
-    assert tf.expected_fused_cluster(16384, 6, table) == 2 and tf.expected_fused_cluster(16384, 5, table) == 1
-    assert tf.expected_fused_cluster(16384, 4, {"fused_cluster": 0}) == 1
-    assert tf.expected_fused_cluster(128 * 16384, 128, {"fused_cluster": 8}) == 8
-    assert tf.expected_fused_cluster(16384, 8, {"fused_cluster": 2}) == 2
+    for t, g in ((1, 4), (2, 8), (8, 32), (16, 32), (32, 128)):  # rows of 16 KiB
+        most = fused_band(bands, 16384 * t, 16384)["cluster_max"]
+        assert tf.expected_fused_cluster(16384 * t, t, g, table) == min(most, g & -g), (t, g)
+    assert {fused_band(bands, 16384 * t, 16384)["cluster_max"] for t in (1, 32)} == {8, 1}  # both kinds of band
+    assert tf.expected_fused_cluster(16384, 1, 6, table) == 2 and tf.expected_fused_cluster(16384, 1, 5, table) == 1
+    assert tf.expected_fused_cluster(16384, 1, 4, {"fused_cluster": 0}) == 1
+    assert tf.expected_fused_cluster(128 * 16384, 128, 128, {"fused_cluster": 8}) == 8
+    assert tf.expected_fused_cluster(16384, 1, 8, {"fused_cluster": 2}) == 2
     cfg = {"fused_cluster": -1}
     ok = (16384, 1, {"grid": 4, "cta_bytes": 4096, "row_loads_early": 0, "cluster": 4})
     assert tf.check_overridden_launches([ok], cfg) == []
@@ -527,6 +548,8 @@ def test_gpu_fused_sweep_launch_model_matches_measured_launches():
     # loads first by default, and its config says so). The runs whose config has the row split
     # knob (`fused_split`, since removed) at 1 are whole-row runs that recorded their launches.
     from tests.gpu import test_fused as tf
+
+    needs_library()  # the checks read the library's size table
 
     run = REPO / "benchmarks/results/current/fused/20261122-launch-sweep"
     docs = {f: json.loads(f.read_text()) for f in sorted(run.glob("*/fused-*.json"))}

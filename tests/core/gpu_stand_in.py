@@ -7,7 +7,7 @@ abort record, the EP size checks, which mirror csrc/core/yali/ep/ep.cu); the ker
 dispatch and combine), as gloo collectives over the communicator's group; and the GPU's memory: a
 communicator's tensors live on the CPU (its device becomes the CPU before its self-test, which
 then runs as written). Real: every decision and exchange of yali_vllm, the library's settings and
-size table (config_string, plan, ranks_table, fused_plan, build_info), torch.distributed over gloo.
+size table (config_string, plan, plan_table, fused_plan, build_info), torch.distributed over gloo.
 
 install() patches the current process only: call it inside a spawned rank. A rank can be made to
 fail one step (FAIL_STEPS) to check that every rank of the group still ends alike."""

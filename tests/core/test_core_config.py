@@ -12,7 +12,6 @@ import torch
 import yali_vllm
 from yali_vllm import _ext, config
 from yali_vllm.communicator import servable
-from ..fused_bands import two_rank_band
 
 pytestmark = pytest.mark.skipif(_ext.library_error() is not None, reason=f"extension not built: {_ext.library_error()}")
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -282,29 +281,13 @@ def test_sm90a_code_is_in_the_library():
 
 
 def test_fused_cluster_knob(monkeypatch):
-    # default: clusters by message size (plan.cpp: fused_launch_for); the knob sets the most CTAs of one
+    # default: clusters by message size (plan_table.h: kFusedBands); the knob sets the most CTAs of one
     assert config.kernel_config()["fused_cluster"] == -1
     assert config.fused_plan(1, 8192, torch.bfloat16)["cluster"] == 4
     monkeypatch.setenv("YALI_DEV_FUSED_CLUSTER", "0")
     assert config.kernel_config()["fused_cluster"] == 0 and config.fused_plan(1, 8192, torch.bfloat16)["cluster"] == 1
     monkeypatch.setenv("YALI_DEV_FUSED_CLUSTER", "8")
     assert config.fused_plan(64, 8192, torch.bfloat16)["cluster"] == 8  # above 128 KiB too
-
-
-@pytest.mark.parametrize("rows, hidden, launch", [
-    (1, 8192, (4 * KiB, 0, 4)),     # up to 128 KiB: 4 KiB per CTA, loads after, clusters of up to 8
-    (16, 4096, (4 * KiB, 0, 8)),
-    (24, 4096, (4 * KiB, 0, 1)),    # up to 256 KiB, rows of at most 8 KiB: 4 KiB per CTA, loads after
-    (32, 4096, (4 * KiB, 0, 1)),
-    (16, 8192, (8 * KiB, 1, 1)),    # up to 256 KiB, larger rows: 8 KiB per CTA, loads first
-    (33, 4096, (1 * KiB, 0, 1)),    # above: 1 KiB per CTA
-])
-def test_two_rank_fused_size_table(rows, hidden, launch):
-    # plan.cpp: fused_launch_for, bf16 (current/fused/20261128-tp2-h200-launch-band)
-    p = config.fused_plan(rows, hidden, torch.bfloat16)
-    assert (p["cta_bytes"], p["row_loads_early"], p["cluster"]) == launch, p
-    # the GPU sweep (tests/gpu/test_fused.py) checks real launches against the same bands
-    assert two_rank_band(rows * hidden * 2, hidden * 2) == launch[:2]
 
 
 # ---- every setting declared once (csrc/core/yali/common/settings.def), read by C++ and Python

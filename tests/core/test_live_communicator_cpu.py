@@ -36,11 +36,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def _sizes_to_check(limit: int, cfg: dict, world: int) -> list[int]:
     """Sizes at every boundary of the size table up to `limit`: the small sizes, each power of two
     and its neighbours, the configured switch points and the limit."""
-    from yali_vllm import _ext
+    from yali_vllm import config
 
     points = [1 << p for p in range(4, 32)] + [int(v) for v in cfg.values() if isinstance(v, int) and v > 0]
-    if world > 2:
-        points += [int(v) for v in _ext.ops().ranks_table(world)]
+    limits = config.limits(world)
+    points += [int(limits[k]) for k in ("serve_max", "oneshot_max", "slot_bytes", "fused_one_launch_max") if limits[k]]
     near = {p + d for p in points + [limit] for d in (-16, -4, -2, 0, 2, 4, 16)}
     return sorted(s for s in near | set(range(2, 4097, 2)) if 0 < s <= limit)
 
@@ -64,10 +64,8 @@ def _should_use_boundaries(comm) -> dict:
 
 
 def _can_fuse_cases(comm) -> dict:
-    from yali_vllm.communicator import MAX_FUSED_HIDDEN_BYTES
-
     bf16 = torch.bfloat16
-    longest = MAX_FUSED_HIDDEN_BYTES // 2
+    longest = comm.table["limits"]["fused_max_row_bytes"] // 2
 
     def fuse(rows, hidden, dtype=bf16, residual="like", weight="like"):
         x = torch.empty(rows, hidden, dtype=dtype)
@@ -235,11 +233,11 @@ def _limit(world: int, name: str) -> int:
     """The serve limit scenario `name` must give at `world` ranks: its YALI_MAX_BYTES or max_bytes
     (2 GiB by default), at two ranks in flash mode at most the flash buffer (8 MiB), above two ranks
     at most the N-rank table's largest message."""
-    from yali_vllm import _ext
+    from yali_vllm import config
 
     limit = {"small": SMALL_MAX, "flash-small": SMALL_MAX, "arg": ARG_MAX}.get(name, 2 << 30)
     if world > 2:
-        return min(limit, int(_ext.ops().ranks_table(world)[1]))
+        return min(limit, int(config.limits(world)["serve_max"]))
     return min(limit, 8 << 20) if name.startswith("flash") else limit
 
 

@@ -30,7 +30,7 @@ def test_table_one_shot_then_two_shot_then_the_chain(world, oneshot_max, top):
     assert config.plan(oneshot_max + 16, world_size=world)[0] == "push-twoshot"
     assert config.plan(top, world_size=world)[0] == "push-twoshot"
     assert config.plan(top + 16, world_size=world)[0] is None  # vLLM's chain
-    assert torch.ops.yali.ranks_table(world)[1] == top
+    assert config.limits(world)["serve_max"] == top
     # two-shot CTAs: 1 KiB of each rank's segment per CTA
     assert config.plan(oneshot_max + 16 * KiB, world_size=world)[1] == min(128, -(-(oneshot_max + 16 * KiB) // world // KiB))
 
@@ -54,7 +54,8 @@ def test_knobs_move_the_boundaries(monkeypatch):
     assert config.plan(64 * KiB, world_size=8)[0] == "push-oneshot"
     assert config.plan(64 * KiB + 16, world_size=8)[0] == "push-twoshot"
     assert config.plan(1 * MiB + 16, world_size=8)[0] is None
-    assert list(torch.ops.yali.ranks_table(8)) == [64 * KiB, 1 * MiB, 128 * KiB]  # slot: 1 MiB / 8
+    limits = config.limits(8)
+    assert (limits["oneshot_max"], limits["serve_max"], limits["slot_bytes"]) == (64 * KiB, 1 * MiB, 128 * KiB)  # 1 MiB / 8
 
 
 def test_stream_mode_has_no_n_rank_kernel(monkeypatch):
@@ -65,7 +66,7 @@ def test_stream_mode_has_no_n_rank_kernel(monkeypatch):
 
 
 def test_fused_spread_knob(monkeypatch):
-    assert config.kernel_config()["ranks_fused_spread"] == 4  # the default (plan.cpp)
+    assert config.kernel_config()["ranks_fused_spread"] == 4  # the default (settings.def, plan_table.h)
     monkeypatch.setenv("YALI_DEV_RANKS_FUSED_SPREAD", "0")
     assert config.kernel_config()["ranks_fused_spread"] == 0
 
@@ -110,15 +111,16 @@ def test_bad_knobs_name_the_variable(monkeypatch, var, value, fragment):
 def test_buffer_is_the_push_area_and_call_slots(world, top):
     # 2 parities x 2 phases x N slots of max(one-shot limit, top / N) (256-byte multiples), and the
     # call slots (2 x N x 16 B in one 256-byte area): about 4 x top, no two-rank area.
-    slot = torch.ops.yali.ranks_table(world)[2]
-    assert slot == -(-max(torch.ops.yali.ranks_table(world)[0], -(-top // 16 // world) * 16) // 256) * 256
+    limits = config.limits(world)
+    slot = limits["slot_bytes"]
+    assert slot == -(-max(limits["oneshot_max"], -(-top // 16 // world) * 16) // 256) * 256
     assert torch.ops.yali.shared_bytes_for_env(world) == 256 + 4 * world * slot
     assert 4 * top <= torch.ops.yali.shared_bytes_for_env(world) <= 4 * top + 8 * KiB
 
 
 @pytest.mark.parametrize("world", [4, 6, 8])
 def test_fused_one_launch_stops_at_512_kib(world, monkeypatch):
-    # 32 tokens of hidden 8192 in bf16 (plan.cpp kRanksFusedOneLaunchMax), whatever YALI_DEV_RANKS_MAX
+    # 32 tokens of hidden 8192 in bf16 (plan_table.h kRanksRows), whatever YALI_DEV_RANKS_MAX
     # makes the slot above it
     def one_launch(rows):
         return config.fused_plan(rows, 8192, torch.bfloat16, world_size=world)["one_launch"]
@@ -132,7 +134,7 @@ def test_fused_one_launch_stops_at_512_kib(world, monkeypatch):
 def test_fused_one_launch_never_exceeds_the_slot(monkeypatch):
     # 8 ranks with YALI_DEV_RANKS_MAX=1M: a 256 KiB slot (the one-shot limit), 16 rows of hidden 8192
     monkeypatch.setenv("YALI_DEV_RANKS_MAX", "1M")
-    assert torch.ops.yali.ranks_table(8)[2] == 256 * KiB
+    assert config.limits(8)["slot_bytes"] == 256 * KiB
     assert [config.fused_plan(r, 8192, torch.bfloat16, world_size=8)["one_launch"] for r in (16, 17)] == [1, 0]
 
 

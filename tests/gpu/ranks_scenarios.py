@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from yali_vllm import _ext, config
+from yali_vllm import config
 from yali_vllm.communicator import YaliCommunicator
 
 from . import reliability
@@ -180,13 +180,12 @@ def table_of(world_size: int):
     return lambda nbytes: config.plan(nbytes, world_size=world_size)[0]
 
 
-TWO_RANK_SWITCH = 8 << 20  # two ranks switch from flash-push to stream here
-
-
 def serve_top(world_size: int) -> int:
-    """The flash-push / stream switch at two ranks; above, the largest message the N-rank kernels
-    serve (YALI_DEV_RANKS_MAX, or the world size's default)."""
-    return TWO_RANK_SWITCH if world_size == 2 else int(_ext.ops().ranks_table(world_size)[1])
+    """The flash-push / stream switch at two ranks (the end of the size table's first all-reduce
+    band); above, the largest message the N-rank kernels serve (YALI_DEV_RANKS_MAX, or the world
+    size's row of the table)."""
+    table = config.plan_table(world_size)
+    return int(table["allreduce"][0]["up_to"] if world_size == 2 else table["limits"]["serve_max"])
 
 
 def probe_top(world_size: int) -> int:

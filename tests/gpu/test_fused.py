@@ -8,7 +8,9 @@ import os
 
 import pytest
 
-from ..fused_bands import two_rank_band
+from yali_vllm import config as yali_config
+
+from ..size_table import fused_band
 from . import scenarios
 from .pair import run_pair
 from .scenarios import suite_part
@@ -41,13 +43,12 @@ def fused_plan():
     return plan
 
 
-# Knobs that change how a one-launch fused call runs (plan.cpp: fused_launch_for): every
+# Knobs that change how a one-launch fused call runs (plan_table.h: kFusedBands): every
 # YALI_DEV_FUSED_* (clusters, batched poll) and the flash limit the fused op shares.
 # scripts/gpu_host/experiments.sh runs this whole file with one of them set
 # (YALI_DEV_FUSED_CLUSTER=8), where the default size table cannot hold.
 DEV_KNOB_PREFIX = "YALI_DEV_"
 FLASH_LAUNCH_KNOBS = ("FLASH_BYTES",)  # besides every FUSED_* knob
-MAX_CTAS = 128  # the most CTAs of a fused launch (config.h: kMaxFlashCtas)
 
 
 def fused_launch_overrides(environ=None) -> dict:
@@ -59,15 +60,21 @@ def fused_launch_overrides(environ=None) -> dict:
             and (k[len(DEV_KNOB_PREFIX):].startswith("FUSED_") or k[len(DEV_KNOB_PREFIX):] in FLASH_LAUNCH_KNOBS)}
 
 
-CLUSTER_TABLE_MAX_BYTES = 128 << 10  # plan.cpp: fused_launch_for launches clusters up to here
+def two_rank_table() -> dict:
+    """The library's size table at two ranks (plan_table.h, read through the library: it loads
+    without a GPU)."""
+    return yali_config.plan_table(2)
 
 
-def expected_fused_cluster(nbytes: int, grid: int, config: dict) -> int:
-    """CTAs per thread block cluster of a one-launch fused call (plan.cpp: fused_launch_for): the largest
-    power of two up to the limit (YALI_DEV_FUSED_CLUSTER, or 8 up to 128 KiB and 1 above by the
-    size table) that divides the grid."""
+def expected_fused_cluster(nbytes: int, rows: int, grid: int, config: dict) -> int:
+    """CTAs per thread block cluster of a one-launch fused call of `nbytes` in `rows` rows: the
+    largest power of two up to the limit (YALI_DEV_FUSED_CLUSTER, or else the cluster_max of the
+    size table's band that holds the call) that divides the grid."""
     knob = int(config.get("fused_cluster", -1))
-    limit = max(knob, 1) if knob >= 0 else (8 if nbytes <= CLUSTER_TABLE_MAX_BYTES else 1)
+    if knob >= 0:
+        limit = max(knob, 1)
+    else:
+        limit = fused_band(two_rank_table()["fused_band"], nbytes, nbytes // rows)["cluster_max"]
     cluster = 1
     while cluster * 2 <= limit and grid % (cluster * 2) == 0:
         cluster *= 2
@@ -83,11 +90,11 @@ def check_overridden_launches(launches, config: dict) -> list[str]:
     """What still holds of the one-launch calls `launches` ((bytes, rows, launch) triples) when
     launch knobs are set: a CTA for every row (up to the most CTAs) and the clusters. Returns the
     violations."""
-    bad = []
+    bad, most = [], two_rank_table()["limits"]["max_ctas"]
     for nbytes, rows, l in launches:
-        if not min(rows, MAX_CTAS) <= l["grid"] <= MAX_CTAS:
-            bad.append(f"{nbytes} B / {rows} rows: grid {l['grid']} not in [{min(rows, MAX_CTAS)}, {MAX_CTAS}]: {l}")
-        cluster = expected_fused_cluster(nbytes, l["grid"], config)
+        if not min(rows, most) <= l["grid"] <= most:
+            bad.append(f"{nbytes} B / {rows} rows: grid {l['grid']} not in [{min(rows, most)}, {most}]: {l}")
+        cluster = expected_fused_cluster(nbytes, rows, l["grid"], config)
         if "cluster" in l and l["cluster"] != cluster:
             bad.append(f"{nbytes} B / {rows} rows: clusters of {l['cluster']}, expected {cluster}: {l}")
     return bad
@@ -122,16 +129,21 @@ def test_fused_sweep_matches_vllm_reference(suite):
         bad = check_overridden_launches(launches, parts[0]["config"])
         assert not bad, f"{len(bad)} launches do not follow {overrides}:\n" + "\n".join(bad[:20])
     else:
-        # The default launch follows the fused size table (plan.cpp: fused_launch_for): the sweep
-        # ran each of its three bands.
-        bands = {(l["cta_bytes"], l["row_loads_early"]) for _, _, l in launches}
-        assert bands == {(4096, 0), (8192, 1), (1024, 0)}, bands
+        # The default launch follows the library's fused size table (plan_table.h: kFusedBands):
+        # the sweep ran every band of it.
+        table = two_rank_table()
+        bands, most = table["fused_band"], table["limits"]["max_ctas"]
+        ran = set()
         for nbytes, rows, l in launches:
-            assert (l["cta_bytes"], l["row_loads_early"]) == two_rank_band(nbytes, nbytes // rows), (nbytes, rows, l)
-            senders = min(128, -(-nbytes // l["cta_bytes"]))
-            assert l["grid"] == max(senders, min(rows, 128)), (nbytes, rows, l)
-            # thread block clusters up to 128 KiB (for the GEMM after the op), as large as the grid allows
-            assert l["cluster"] == expected_fused_cluster(nbytes, l["grid"], parts[0]["config"]), (nbytes, l)
+            band = fused_band(bands, nbytes, nbytes // rows)
+            ran.add(bands.index(band))
+            assert (l["cta_bytes"], l["row_loads_early"]) == (band["cta_bytes"], band["row_loads_early"]), \
+                (nbytes, rows, l, band)
+            senders = min(most, -(-nbytes // l["cta_bytes"]))
+            assert l["grid"] == max(senders, min(rows, most)), (nbytes, rows, l)
+            # thread block clusters by the band (for the GEMM after the op), as large as the grid allows
+            assert l["cluster"] == expected_fused_cluster(nbytes, rows, l["grid"], parts[0]["config"]), (nbytes, l)
+        assert ran == set(range(len(bands))), f"the sweep ran bands {sorted(ran)} of {bands}"
         assert {l["cluster"] for _, _, l in launches} >= {1, 8}
     # What the tolerance allowed (shown with -rA / on failure): worst norm_out distance.
     stats = parts[0]["stats"]

@@ -253,7 +253,7 @@ StreamArgs Rank::stream_args(const void* in, void* out, size_t nbytes, const Pla
 
 namespace {
 
-// Maps the fused op's launch (fused_launch_for, plan.cpp: the one place that decides it) to a
+// Maps the fused op's launch (fused_launch_for over plan_table.h: the one place that decides it) to a
 // kernel instance.
 template <typename T, int kV>
 cudaError_t launch_fused_with(const FusedArgs& a, const FusedLaunch& l, cudaStream_t stream) {

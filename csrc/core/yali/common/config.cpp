@@ -268,11 +268,11 @@ void Config::validate() const {
 #include "yali/common/settings.def"
 #undef YALI_SETTING
 #undef YALI_PLUGIN_SETTING
-  // The N-rank one-shot limit is at most the N-rank limit, or its largest default (16 MiB) while
+  // The N-rank one-shot limit is at most the N-rank limit, or the largest of the table's while
   // that is by world size (0); it is cut to the limit of a world size whose limit is lower
-  // (plan.cpp ranks_oneshot_max).
+  // (plan_table.h kRanksRows, plan.cpp ranks_oneshot_max).
   if (ranks_oneshot_max != 0) {
-    const std::string top = std::to_string(ranks_max != 0 ? ranks_max : size_t(16) << 20);
+    const std::string top = std::to_string(ranks_max != 0 ? ranks_max : table::ranks_serve_max_of_all());
     check_bytes("YALI_DEV_RANKS_ONESHOT_MAX", ranks_oneshot_max, "4K", top.c_str(), "4K");
   }
   static_assert(kMaxFusedSpread == 8, "the spreads checked here are 2, 4 and 8");

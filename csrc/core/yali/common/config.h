@@ -1,4 +1,4 @@
-// Run-time configuration. The size tables that use it are in plan.h.
+// Run-time configuration. The size table that uses it is plan_table.h (looked up by plan.h).
 //
 // Everything a user or tuner can change is declared in settings.def (name, type, default,
 // bounds) and read here, once, from environment variables, and validated: a bad value throws
@@ -42,12 +42,6 @@ constexpr int kStreamThreads = 512;  // half senders, half receivers
 // kFlashThreads threads x 8 vectors x 16 bytes (hidden 32768 in 16-bit types).
 constexpr size_t kFusedMaxRowBytes = size_t(kFlashThreads) * 8 * 16;
 
-// The stream ring: 128 lanes (one CTA each) of 8 slots of YALI_DEV_SLOT_BYTES, the best of the ring
-// shapes measured side by side (plan.cpp).
-constexpr int kStreamLanes = 128;
-constexpr int kStreamSlots = 8;
-static_assert(kStreamLanes <= kMaxLanes && kStreamSlots <= kMaxSlots, "the stream flag words hold the ring");
-
 // The value types of the settings (settings.def: type) and their defaults' parsers, which read a
 // default as a user writes the value ("8M", "-1", "auto"). A default that does not parse throws
 // std::logic_error naming the setting (tests/core/test_core_config.py reads every default).
@@ -63,7 +57,7 @@ KernelMode default_mode(const char* name, const char* text);
 // One member per YALI_SETTING of settings.def (its `field`: mode, max_bytes, timeout_s,
 // flash_bytes, stream_min, push_cta_bytes, slot_bytes, pdl, fused_batch_poll_min,
 // fused_cluster, ranks_max, ranks_oneshot_max, ranks_fused_one_launch_max, ranks_fused_spread,
-// ranks_two_shot_round), holding its default: the measured best on 2xH200 (plan.cpp gives the
+// ranks_two_shot_round), holding its default: the measured best on 2xH200 (plan_table.h gives the
 // measurement behind each).
 struct Config {
 #define YALI_SETTING(name, field, type, def, low, high, step, help) setting_##type field = default_##type(#name, def);
