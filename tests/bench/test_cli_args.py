@@ -3,9 +3,6 @@ the command's own parser (exit 2, the value and the accepted range named) before
 anything starts, and the defaults still parse to what they were."""
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 
 from benchmarks import allreduce_bench as ab
@@ -14,7 +11,6 @@ from benchmarks import load_test as lt
 from benchmarks import serving_bench as sb
 from benchmarks.common import cli_args
 from benchmarks.serving import bench_run, schema
-from examples import serve_demo as sd
 
 
 def refused(parse, argv, capsys, *named, value=None):
@@ -250,36 +246,3 @@ def test_benchmarks_refuse_more_ranks_than_gpus_before_spawning(main, monkeypatc
     with pytest.raises(SystemExit, match=f"--world-size {n} needs {n} GPUs"):
         main(["--world-size", str(n), "--out", str(tmp_path)])
     assert not any(tmp_path.iterdir())
-
-
-# ----------------------------------------------------------------------------- serve_demo
-@pytest.mark.parametrize("value", ["nan", "inf", "0", "-5"])
-def test_serve_demo_refuses_bad_startup_timeout(value, capsys):
-    refused(sd.build_parser().parse_args, ["--startup-timeout", value], capsys, "finite number > 0")
-
-
-def test_serve_demo_defaults_to_a_directory_of_this_user():
-    args = sd.build_parser().parse_args([])
-    assert args.dir == os.path.join(tempfile.gettempdir(), f"yali-model-{os.getuid()}")
-    assert (args.force, args.startup_timeout) == (False, 900)
-
-
-def test_serve_demo_rewrites_its_own_dir_and_refuses_another_non_empty_one(tmp_path, monkeypatch, capsys):
-    pytest.importorskip("torch")
-    pytest.importorskip("mistral_common")
-    import shutil
-
-    monkeypatch.setattr(shutil, "which", lambda *a, **k: None)  # stops after writing the model: no server
-    monkeypatch.setattr(sd, "DEFAULT_DIR", str(tmp_path / "own"))
-    assert sd.main([]) == 0 and sd.main([]) == 0  # a re-run rewrites its own directory
-    assert (tmp_path / "own" / "config.json").is_file()
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / "config.json").write_text("theirs")
-    with pytest.raises(SystemExit) as e:
-        sd.main(["--dir", str(other)])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert str(other) in err and "--force" in err and (other / "config.json").read_text() == "theirs"
-    assert sd.main(["--dir", str(other), "--force"]) == 0
-    assert (other / "tekken.json").is_file()

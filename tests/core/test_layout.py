@@ -1,0 +1,43 @@
+"""The product stays apart from the rest of the repository: its Python (yali_vllm/, examples/)
+imports nothing of the repository but the package yali_vllm itself (function-local imports
+included), so that it runs from the installed wheel."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PRODUCT_PYTHON = ("yali_vllm", "examples")
+PACKAGE = "yali_vllm"
+
+
+def repository_roots() -> set[str]:
+    """The names a module of this repository can be imported by: its top-level folders and .py files."""
+    return {p.name for p in REPO.iterdir() if p.is_dir() and not p.name.startswith(".")} | {
+        p.stem for p in REPO.glob("*.py")}
+
+
+def imported_roots(path: Path) -> set[str]:
+    """The first name of every absolute module `path` imports, anywhere in the file."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_product_imports_nothing_of_the_repository_but_its_package():
+    lab = repository_roots() - {PACKAGE}
+    assert {"benchmarks", "tests", "scripts", "examples"} <= lab
+    files = [p for top in PRODUCT_PYTHON for p in (REPO / top).rglob("*.py")]
+    assert len(files) >= 20, files
+    found = {str(p.relative_to(REPO)): sorted(imported_roots(p) & lab) for p in files}
+    assert {f: n for f, n in found.items() if n} == {}, "the product imports from outside the package"
+
+
+def test_the_import_check_sees_function_local_imports(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("import os\n\ndef f():\n    from benchmarks.serving import http\n    import lab.x\n")
+    assert imported_roots(sample) == {"os", "benchmarks", "lab"}
