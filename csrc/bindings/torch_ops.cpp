@@ -31,7 +31,6 @@
 #include <unordered_set>
 #include <vector>
 
-#include "testing/testing.h"
 #include "yali/common/config.h"
 #include "yali/common/plan.h"
 #include "yali/communicator.h"
@@ -466,25 +465,6 @@ int64_t device_count() {
   return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
 
-// Test-only (tests/gpu/test_reliability.py, the PDL case): a foreign kernel on torch's current stream
-// of `device` that triggers its programmatic dependents at once and never waits.
-void testing_early_trigger(int64_t device, int64_t spin_ns) {
-  YALI_CHECK_VALUE(spin_ns >= 0, "spin_ns must be >= 0, got ", spin_ns);
-  const torch::stable::accelerator::DeviceGuard guard(device);
-  const cudaError_t e = yali::testing::launch_early_trigger_kernel(current_stream(int(device)), uint64_t(spin_ns));
-  YALI_CHECK(e == cudaSuccess, "testing_early_trigger launch failed: ", cudaGetErrorString(e));
-}
-
-// Test-only (tests/gpu/test_progress.py): `ctas` CTAs on torch's current stream of `device` that
-// each hold a whole SM for spin_ns nanoseconds.
-void testing_occupy(int64_t device, int64_t ctas, int64_t spin_ns) {
-  YALI_CHECK_VALUE(ctas >= 1 && ctas <= 1024, "ctas must be in [1, 1024], got ", ctas);
-  YALI_CHECK_VALUE(spin_ns >= 0, "spin_ns must be >= 0, got ", spin_ns);
-  const torch::stable::accelerator::DeviceGuard guard(device);
-  const cudaError_t e = yali::testing::launch_occupy_kernel(current_stream(int(device)), int(ctas), uint64_t(spin_ns));
-  YALI_CHECK(e == cudaSuccess, "testing_occupy launch failed: ", cudaGetErrorString(e));
-}
-
 // The torch the library was compiled against and the stable ABI version it targets.
 // Also readable from the file itself (yali_vllm/_ext.py does, when the library fails to load).
 std::string build_info() { return yali_build_info; }
@@ -514,8 +494,6 @@ STABLE_TORCH_LIBRARY(yali, m) {
   m.def("fused_plan(int rows, int hidden, ScalarType dtype, int world=2) -> int[]");
   m.def("device_count() -> int");
   m.def("build_info() -> str");
-  m.def("testing_early_trigger(int device, int spin_ns) -> ()");  // test-only
-  m.def("testing_occupy(int device, int ctas, int spin_ns) -> ()");  // test-only
   // expert parallelism (see the block above)
   m.def("ep_serves_dispatch(int comm, int[] row_bytes, int[] counts) -> bool");
   m.def("ep_serves_combine(int comm, int hidden, ScalarType dtype, int[] counts) -> bool");
@@ -543,8 +521,6 @@ STABLE_TORCH_LIBRARY_IMPL(yali, CompositeExplicitAutograd, m) {
   m.impl("fused_plan", TORCH_BOX(&fused_plan));
   m.impl("device_count", TORCH_BOX(&device_count));
   m.impl("build_info", TORCH_BOX(&build_info));
-  m.impl("testing_early_trigger", TORCH_BOX(&testing_early_trigger));
-  m.impl("testing_occupy", TORCH_BOX(&testing_occupy));
   m.impl("ep_serves_dispatch", TORCH_BOX(&ep_serves_dispatch));
   m.impl("ep_serves_combine", TORCH_BOX(&ep_serves_combine));
 }

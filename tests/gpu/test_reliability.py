@@ -8,6 +8,7 @@ from . import reliability
 from yali_vllm.communicator import shared_gpu_allowed
 
 from .pair import run_pair
+from .testing_ops import needs_testing_ops
 
 TIMEOUT_S = 4.0  # YALI_TIMEOUT_S of the watchdog cases
 MARGIN_S = 20.0  # trap, error propagation and (shared GPU) the other process's time slices
@@ -70,6 +71,7 @@ def test_close_frees_after_both_unmapped_and_reopens():
 PDL_ITERATIONS = 2_000 if shared_gpu_allowed() else 100_000
 
 
+@needs_testing_ops
 @pytest.mark.timeout(300)
 def test_a_foreign_pdl_kernel_that_never_waits_cannot_overlap_two_calls():
     """DESIGN_LOG §7: PDL orders a kernel only after the grid just before it. A foreign kernel that
