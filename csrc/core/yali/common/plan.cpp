@@ -1,6 +1,6 @@
 // The size tables, with the measurement behind each choice. All numbers are
 // from 2xH200 NV18 (bf16 unless said otherwise); the result files are under
-// benchmarks/results/, and docs/DESIGN_LOG.md keeps what was tried and left.
+// lab/results/, and lab/DESIGN_LOG.md keeps what was tried and left.
 #include "yali/common/plan.h"
 
 #include <algorithm>
