@@ -6,6 +6,11 @@ Python symbol, so one build loads in every supported torch (2.11 through 2.14) a
 every Python. It is compiled against whatever torch is installed (pip's
 --no-build-isolation), which must be 2.11 or newer.
 Hopper: TORCH_CUDA_ARCH_LIST defaults to 9.0a (sm_90a).
+
+YALI_BUILD_TESTING=1 also builds the test-only kernels (csrc/testing) as a library of their own,
+tests/gpu/yali_testing.abi3.so (torch.ops.yali_testing), which some GPU tests launch:
+    YALI_BUILD_TESTING=1 python setup.py build_ext --inplace
+It lies outside the package, so no wheel ever holds it.
 """
 import glob
 import os
@@ -26,11 +31,9 @@ _built_against = tuple(int(p) for p in torch.__version__.split("+")[0].split("."
 if _built_against < TARGET:
     raise SystemExit(f"yali-vllm builds against torch >= {TARGET[0]}.{TARGET[1]}; torch {torch.__version__} is installed")
 
-# The core (csrc/core/yali: common/, one folder per op, the communicator) and the test-only
-# kernels (csrc/testing), then the torch op layer.
+# The core (csrc/core/yali: common/, one folder per op, the communicator), then the torch op layer.
 sources = sorted(
     glob.glob("csrc/core/yali/**/*.cu", recursive=True) + glob.glob("csrc/core/yali/**/*.cpp", recursive=True)
-    + glob.glob("csrc/testing/*.cu")
 ) + ["csrc/bindings/torch_ops.cpp"]
 defines = [
     f"-DTORCH_TARGET_VERSION=0x{TARGET[0]:02x}{TARGET[1]:02x}000000000000ULL",
@@ -39,16 +42,30 @@ defines = [
     f'-DYALI_TORCH_TARGET="{TARGET[0]}.{TARGET[1]}"',
 ]
 
+
+def extension(name: str, ext_sources: list[str]) -> CUDAExtension:
+    return CUDAExtension(
+        name=name,
+        sources=ext_sources,
+        include_dirs=[os.path.abspath("csrc/core"), os.path.abspath("csrc")],
+        extra_compile_args={"cxx": ["-O3", "-std=c++20", *defines], "nvcc": ["-O3", "-std=c++17"]},
+        py_limited_api=True,
+    )
+
+
+def build_testing() -> bool:
+    value = os.environ.get("YALI_BUILD_TESTING", "0")
+    if value not in ("0", "1"):
+        raise SystemExit(f"YALI_BUILD_TESTING={value!r}: 1 builds the test-only kernels as well, 0 (default) does not")
+    return value == "1"
+
+
+extensions = [extension("yali_vllm._C", sources)]
+if build_testing():  # the test-only kernels: tests/gpu/yali_testing.abi3.so, outside the package
+    extensions.append(extension("tests.gpu.yali_testing", ["csrc/testing/testing.cu", "csrc/testing/testing_ops.cpp"]))
+
 setup(
-    ext_modules=[
-        CUDAExtension(
-            name="yali_vllm._C",
-            sources=sources,
-            include_dirs=[os.path.abspath("csrc/core"), os.path.abspath("csrc")],
-            extra_compile_args={"cxx": ["-O3", "-std=c++20", *defines], "nvcc": ["-O3", "-std=c++17"]},
-            py_limited_api=True,
-        )
-    ],
+    ext_modules=extensions,
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     options={"bdist_wheel": {"py_limited_api": "cp310"}},  # requires-python >= 3.10
 )

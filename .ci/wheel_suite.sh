@@ -20,6 +20,8 @@ import shutil, yali_vllm, yali_vllm._ext as e, torch
 assert shutil.which("nvcc") is None, shutil.which("nvcc")
 assert "site-packages" in yali_vllm.__file__, yali_vllm.__file__
 assert e.library_error() is None, e.library_error()
+import os
+assert not [f for f in os.listdir(os.path.dirname(yali_vllm.__file__)) if "testing" in f], "test-only kernels in the wheel"
 print("[ci] wheel: yali_vllm from", yali_vllm.__file__, "| torch", torch.__version__, "|", torch.ops.yali.build_info())
 PY
-env -u CUDA_HOME PATH="$venv/bin:$no_nvcc_path" "$venv/bin/pytest" -q -p no:cacheprovider tests
+env -u CUDA_HOME PATH="$venv/bin:$no_nvcc_path" "$venv/bin/pytest" -q -p no:cacheprovider  # pyproject.toml's testpaths: tests/, lab/tests/

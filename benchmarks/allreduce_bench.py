@@ -186,7 +186,7 @@ class Backends:
 
 # ----------------------------------------------------------------------------- timing
 # Smallest message whose eager per-call time is the GPU's time: below it every backend measured
-# the same 35-75 us host-pacing floor (benchmarks/results/current/allreduce/20261122-pdl/allreduce.md, eager table).
+# the same 35-75 us host-pacing floor (lab/results/current/allreduce/20261122-pdl/allreduce.md, eager table).
 EAGER_MIN_BYTES = 8 << 20
 
 

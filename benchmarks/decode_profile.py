@@ -5,7 +5,7 @@ of the trace grouped by class (YALI, FlashInfer all-reduce fusion, vLLM custom
 all-reduce, NCCL, GEMM, attention, other) with their time and the idle gap
 before and after each kernel on its stream.
 
-Why: the 70B serving run (benchmarks/results/archive/serving/20261122-70b-first) shows the
+Why: the 70B serving run (lab/results/archive/serving/20261122-70b-first) shows the
 yali server about 1 ms per token slower than vllm-default although the fused
 microbenchmark puts the two fused kernels within 0.1 us of each other; the gaps
 around the fused kernels inside the model are what this measures.

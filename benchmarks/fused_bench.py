@@ -33,7 +33,7 @@ the world size.
   python -m benchmarks.fused_bench                          # hidden 8192, bf16, 1..512 tokens
   python -m benchmarks.fused_bench --world-size 8           # 8 ranks, one GPU each
   python -m benchmarks.fused_bench --hidden 4096,8192 --dtypes bf16,fp16 --budget-s 300
-  python -m benchmarks.fused_bench --report-only benchmarks/results/archive/fused/20261122-first-kernel/fused.json
+  python -m benchmarks.fused_bench --report-only lab/results/archive/fused/20261122-first-kernel/fused.json
 """
 from __future__ import annotations
 

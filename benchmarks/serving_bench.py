@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bench-estimate-s", type=positive_float, default=25.0, help="assumed bench time until one is observed (budget planning)")
     p.add_argument("--estimates-file", type=Path, default=None,
                    help="JSON of the start-up and point times observed per workload: read to plan the budget before this "
-                        "run observes its own, updated after each observation (scripts/gpu_host/serving.sh keeps one in "
+                        "run observes its own, updated after each observation (lab/gpu_host/serving.sh keeps one in "
                         "~/.cache beside vLLM's compile cache); default none")
     p.add_argument(
         "--bench-runner",

@@ -31,4 +31,5 @@ if [ "$SKIP_INSTALL" != 1 ]; then
   # Built against the installed torch; pip leaves vLLM's torch alone (yali-vllm accepts 2.11-2.14).
   python -m pip install -q --no-build-isolation -e ".[bench,test]"
 fi
-python -m examples.serve_demo "$@"
+# The example needs the installed package only: run as a script, it imports nothing else of this tree.
+python examples/serve_demo.py "$@"

@@ -31,10 +31,10 @@ WORLD_SIZES = (2, 4, 6, 8)
 # output tokens/s, TTFT). A plugin that makes a server slower is not on by default.
 ON_BY_DEFAULT = {
     2: "8B TP=2 on 2xH200, two alternated starts each: TTFT 0.79x at concurrency 1, concurrency-32 tokens/s "
-       "1.041x, c=1 TPOT no different (benchmarks/results/current/serving/20261128-8b-tp2-h200-alternated)",
+       "1.041x, c=1 TPOT no different (lab/results/current/serving/20261128-8b-tp2-h200-alternated)",
     4: "70B TP=4 on 4xH200, two alternated starts each: not slower (TPOT 0.994x at concurrency 1 and 0.987x "
        "at 8; concurrency-32 tokens/s and TTFT within the spread between starts, c=32 TTFT p50 1216 against "
-       "1077 ms with a 198 ms spread) (benchmarks/results/current/serving/20261128-70b-tp4-h200-alternated)",
+       "1077 ms with a 198 ms spread) (lab/results/current/serving/20261128-70b-tp4-h200-alternated)",
 }
 # Why each other world size the kernels serve is off by default (its result file, where one exists).
 OFF_BY_DEFAULT = {

@@ -1,10 +1,10 @@
-"""Shared helpers for yali-vllm benchmark result files (kept under ``benchmarks/results/``).
+"""Shared helpers for yali-vllm benchmark result files (kept under ``lab/results/``).
 
 Every result file is one JSON object with the common keys returned by
 :func:`results_header` (``kind``, ``date``, ``command``, ``host``, ``versions``, ``gpus``;
 for a run of several ranks also ``gpus_used``), ``world_size`` (``world_sizes`` for a
 gpu-test-run) and ``shared_gpu`` (:func:`with_schema_keys`), plus ``records`` and whatever the
-benchmark kind adds (see docs/BENCHMARKS.md and benchmarks/results/README.md).
+benchmark kind adds (see docs/BENCHMARKS.md and lab/results/README.md).
 
 Everything here is cheap and safe on a machine without a GPU: every probe
 (nvidia-smi, git, torch, vLLM) is optional and yields ``None`` when missing.
@@ -35,7 +35,7 @@ _ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 def output_dir() -> Path:
     """Where a benchmark writes when no --out is given: per user under the system temp dir, outside
-    the repository (the JSON and markdown worth keeping go to benchmarks/results/, see its README)."""
+    the repository (the JSON and markdown worth keeping go to lab/results/, see its README)."""
     import tempfile
 
     return Path(tempfile.gettempdir()) / f"yali-results-{os.getuid()}"
@@ -145,7 +145,7 @@ def parse_gpu_ids(csv_text: str) -> list[dict[str, str]]:
 def gpu_ids() -> list[dict[str, str]]:
     """Which physical GPUs ran this (UUID, serial, PCI bus, VBIOS); [] without nvidia-smi. Hosts
     of the same type differ in some effects (the GEMM after the fused op,
-    benchmarks/results/current/decode-gemm/20261122-gate-up), so a result names its GPUs."""
+    lab/results/current/decode-gemm/20261122-gate-up), so a result names its GPUs."""
     text = run_probe(["nvidia-smi", "--query-gpu=" + ",".join(GPU_ID_FIELDS), "--format=csv,noheader"])
     return parse_gpu_ids(text) if text else []
 

@@ -31,7 +31,6 @@
 #include <unordered_set>
 #include <vector>
 
-#include "testing/testing.h"
 #include "yali/common/config.h"
 #include "yali/common/plan.h"
 #include "yali/communicator.h"
@@ -463,44 +462,6 @@ int64_t device_count() {
   return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
 
-// Test-only (tests/gpu/test_reliability.py, the PDL case): a foreign kernel on torch's current stream
-// of `device` that triggers its programmatic dependents at once and never waits. With `watched` (the
-// output of the call just before, poisoned with all-ones words), it first adds the all-ones words it
-// samples there to `incomplete` (one int32).
-void testing_early_trigger(int64_t device, int64_t spin_ns, const std::optional<Tensor>& watched,
-                           const std::optional<Tensor>& incomplete) {
-  YALI_CHECK_VALUE(spin_ns >= 0, "spin_ns must be >= 0, got ", spin_ns);
-  YALI_CHECK_VALUE(watched.has_value() == incomplete.has_value(), "watched and incomplete go together");
-  const uint32_t* words = nullptr;
-  size_t nwords = 0;
-  uint32_t* count = nullptr;
-  if (watched.has_value()) {
-    YALI_CHECK_VALUE(on(*watched, int(device)) && on(*incomplete, int(device)), "watched and incomplete must be on device ",
-                     device);
-    YALI_CHECK_VALUE(watched->is_contiguous() && (size_t(watched->numel()) * watched->element_size()) % 4 == 0,
-                     "watched must be contiguous, a whole number of 32-bit words");
-    YALI_CHECK_VALUE(incomplete->scalar_type() == ScalarType::Int && incomplete->numel() == 1,
-                     "incomplete must be one int32");
-    words = static_cast<const uint32_t*>(watched->data_ptr());
-    nwords = size_t(watched->numel()) * watched->element_size() / 4;
-    count = static_cast<uint32_t*>(incomplete->data_ptr());
-  }
-  const torch::stable::accelerator::DeviceGuard guard(device);
-  const cudaError_t e =
-      yali::testing::launch_early_trigger_kernel(current_stream(int(device)), uint64_t(spin_ns), words, nwords, count);
-  YALI_CHECK(e == cudaSuccess, "testing_early_trigger launch failed: ", cudaGetErrorString(e));
-}
-
-// Test-only (tests/gpu/test_progress.py): `ctas` CTAs on torch's current stream of `device` that
-// each hold a whole SM for spin_ns nanoseconds.
-void testing_occupy(int64_t device, int64_t ctas, int64_t spin_ns) {
-  YALI_CHECK_VALUE(ctas >= 1 && ctas <= 1024, "ctas must be in [1, 1024], got ", ctas);
-  YALI_CHECK_VALUE(spin_ns >= 0, "spin_ns must be >= 0, got ", spin_ns);
-  const torch::stable::accelerator::DeviceGuard guard(device);
-  const cudaError_t e = yali::testing::launch_occupy_kernel(current_stream(int(device)), int(ctas), uint64_t(spin_ns));
-  YALI_CHECK(e == cudaSuccess, "testing_occupy launch failed: ", cudaGetErrorString(e));
-}
-
 // The torch the library was compiled against and the stable ABI version it targets.
 // Also readable from the file itself (yali_vllm/_ext.py does, when the library fails to load).
 std::string build_info() { return yali_build_info; }
@@ -530,8 +491,6 @@ STABLE_TORCH_LIBRARY(yali, m) {
   m.def("fused_plan(int rows, int hidden, ScalarType dtype, int world=2) -> int[]");
   m.def("device_count() -> int");
   m.def("build_info() -> str");
-  m.def("testing_early_trigger(int device, int spin_ns, Tensor? watched=None, Tensor(a!)? incomplete=None) -> ()");  // test-only
-  m.def("testing_occupy(int device, int ctas, int spin_ns) -> ()");  // test-only
   // expert parallelism (see the block above)
   m.def("ep_serves_dispatch(int comm, int[] row_bytes, int[] counts) -> bool");
   m.def("ep_serves_combine(int comm, int hidden, ScalarType dtype, int[] counts) -> bool");
@@ -559,8 +518,6 @@ STABLE_TORCH_LIBRARY_IMPL(yali, CompositeExplicitAutograd, m) {
   m.impl("fused_plan", TORCH_BOX(&fused_plan));
   m.impl("device_count", TORCH_BOX(&device_count));
   m.impl("build_info", TORCH_BOX(&build_info));
-  m.impl("testing_early_trigger", TORCH_BOX(&testing_early_trigger));
-  m.impl("testing_occupy", TORCH_BOX(&testing_occupy));
   m.impl("ep_serves_dispatch", TORCH_BOX(&ep_serves_dispatch));
   m.impl("ep_serves_combine", TORCH_BOX(&ep_serves_combine));
 }

@@ -6,7 +6,7 @@
 
 namespace yali::testing {
 
-// A foreign kernel as the PDL transitivity case needs it (docs/DESIGN_LOG.md §7): one CTA,
+// A foreign kernel as the PDL transitivity case needs it (lab/DESIGN_LOG.md §7): one CTA,
 // launched on `stream` with programmatic stream serialization, that triggers its dependents at
 // once, never waits for the grid before it (griddepcontrol.wait) and spins `spin_ns` nanoseconds.
 // Legal CUDA: it declares no dependency on the kernel before it.

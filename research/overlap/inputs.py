@@ -13,7 +13,7 @@ import statistics
 from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RESULTS = os.path.join(REPO, "benchmarks", "results")
+RESULTS = os.path.join(REPO, "lab", "results")
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ SHAPES = {
 TPS = (2, 4)
 DECODE_TOKENS = (1, 8, 16, 32, 64)
 PREFILL_TOKENS = (512, 1024, 2048, 4096, 8192)
-# The committed serving runs: 1024-token prompts, 128 output tokens (benchmarks/results/current/serving/
+# The committed serving runs: 1024-token prompts, 128 output tokens (lab/results/current/serving/
 # 20261128-8b-tp2-h200-alternated and 20261128-70b-tp4-h200-alternated, `--random-input-len 1024
 # --random-output-len 128 --max-model-len 2048`). A decode sequence attends over 1024 + 64 tokens
 # (the middle of its output); a prefill step carries whole 1024-token prompts (a step of T tokens:
@@ -75,7 +75,7 @@ def message_bytes(shape: Shape, tokens: int) -> int:
     return tokens * shape.hidden * 2
 
 
-# The committed results the model reads (paths under benchmarks/results/). All are bf16, CUDA-graph
+# The committed results the model reads (paths under lab/results/). All are bf16, CUDA-graph
 # timings (p50 per op), YALI's default tables, NV18.
 FUSED_FILES = {
     # 2xH200: hidden 4096 and 8192, 1-2048 tokens

@@ -420,7 +420,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--compute", required=True, help="measure_compute.py's JSON (kind overlap-compute)")
     p.add_argument("--out", required=True, help="directory for overlap-model.json, .md and .png")
-    p.add_argument("--results-dir", default=I.RESULTS, help="the committed results (benchmarks/results)")
+    p.add_argument("--results-dir", default=I.RESULTS, help="the committed results (lab/results)")
     a = p.parse_args(argv)
     doc = build(a.compute, a.results_dir)
     from benchmarks.common.results import write_results

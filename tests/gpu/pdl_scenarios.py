@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from yali_vllm import _ext
 from yali_vllm.communicator import YaliCommunicator
 
+from . import testing_ops
 from .scenarios import _device
 
 SLOW_RANK_CYCLES = 200_000  # the last rank's sleep before call n: about 100 us at the H200's clock
@@ -49,7 +49,7 @@ def foreign_kernel_after_a_slow_call(rank, group, case, steps):
     dev = _device()
     comm = YaliCommunicator(group, dev)
     world = comm.world_size
-    testing = _ext.ops()
+    testing = testing_ops.ops()
     shape = (size,) if op == "all_reduce" else size
     x = _ints(shape, rank, dtype, dev)
     want = _expected(shape, world, dtype, dev)
@@ -72,7 +72,7 @@ def foreign_kernel_after_a_slow_call(rank, group, case, steps):
             else:  # F watches the norm output (the last kernel's), the sum is checked in residual_out
                 comm.fused_allreduce_rmsnorm(x, None, weight, 1e-6, norm_out=out, residual_out=residual_out)
                 got = residual_out
-            testing.testing_early_trigger(dev.index, FOREIGN_SPIN_NS, out, incomplete)
+            testing.early_trigger(dev.index, FOREIGN_SPIN_NS, out, incomplete)
             nxt = comm.all_reduce(small)
             wrong.add_((got != want).sum() + (nxt != small_want).sum())
         comm.synchronize()

@@ -1,5 +1,5 @@
 """YALI's kernels while another kernel holds all but one SM of a GPU for a bounded time
-(testing_occupy, csrc/testing/testing.cu): their CTAs reach the SMs late, one at a time and in
+(occupy, csrc/testing/testing.cu): their CTAs reach the SMs late, one at a time and in
 another order on each rank; every call must still complete, exactly (small-integer inputs, as in
 delay_scenarios), without the watchdog. Because the SMs come back after OCCUPY_NS, a kernel whose
 CTAs wait for peer CTAs that cannot run beside them completes too, only later: the call times
@@ -18,9 +18,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from yali_vllm import _ext
 from yali_vllm.communicator import YaliCommunicator
 
+from . import testing_ops
 from .ranks_scenarios import kernel_spans, probe_top, small_ints, table_of
 from .scenarios import _device
 
@@ -37,13 +37,13 @@ def span_counts(world_size: int) -> list[int]:
 
 def calls_beside_busy_sms(rank, group, busy: str) -> dict:
     """Each all-reduce of span_counts and each fused shape, REPEATS times, launched while
-    testing_occupy holds all but one SM of this GPU for OCCUPY_NS on another stream ("all": on every
+    the test kernel occupy holds all but one SM of this GPU for OCCUPY_NS on another stream ("all": on every
     rank; "rank0": on rank 0 only, whose CTAs then trail the others'). Returns the wrong elements,
     any error, and the calls' times (milliseconds, CUDA events: about OCCUPY_NS when a call had to
     wait for the SMs)."""
     dev = _device()
     comm = YaliCommunicator(group, dev)
-    y = _ext.ops()
+    busy_kernel = testing_ops.ops()
     n_ranks, bf16 = comm.world_size, torch.bfloat16
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     side = torch.cuda.Stream(dev)
@@ -70,7 +70,7 @@ def calls_beside_busy_sms(rank, group, busy: str) -> dict:
                 torch.cuda.synchronize(dev)
                 if busy == "all" or rank == 0:
                     with torch.cuda.stream(side):
-                        y.testing_occupy(dev.index, sms - 1, OCCUPY_NS)
+                        busy_kernel.occupy(dev.index, sms - 1, OCCUPY_NS)
                     torch.cuda._sleep(2000)  # the busy kernel's CTAs reach the SMs first
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -89,11 +89,11 @@ def calls_beside_busy_sms(rank, group, busy: str) -> dict:
 
 
 def load_busy_kernel(dev) -> None:
-    """Launches testing_occupy once on one SM for 1 us, and torch's sleep kernel (which the scenarios
+    """Launches the test kernel occupy once on one SM for 1 us, and torch's sleep kernel (which the scenarios
     run behind the busy kernel), and waits: their modules are loaded after this. (With CUDA's lazy
     loading the first launch of torch.cuda._sleep beside the busy kernel waited for it to end, so
     the calls behind it ran on an idle GPU.)"""
-    _ext.ops().testing_occupy(dev.index, 1, 1000)
+    testing_ops.ops().occupy(dev.index, 1, 1000)
     torch.cuda._sleep(1000)
     torch.cuda.synchronize(dev)
 
@@ -111,7 +111,7 @@ LONG_SHAPES = {2: ((256, 8192), (512, 8192), (1024, 4096), (2048, 2048)), 4: ((6
 
 
 def fused_beside_long_occupier(rank, group) -> dict:
-    """Every shape of LONG_SHAPES once without and then once beside testing_occupy, which holds all
+    """Every shape of LONG_SHAPES once without and then once beside the test kernel occupy, which holds all
     but FREE_SMS SMs of this rank's GPU for LONG_OCCUPY_NS on another stream. Returns any error (a
     trap after YALI_TIMEOUT_S: a call waited for CTAs that had no SM), the wrong elements of the
     residual output (the exact sum) and of the normalised output (bitwise the call without the busy
@@ -133,7 +133,7 @@ def fused_beside_long_occupier(rank, group) -> dict:
     side = torch.cuda.Stream(dev)
     busy_done = torch.cuda.Event()
     with torch.cuda.stream(side):
-        _ext.ops().testing_occupy(dev.index, sms - FREE_SMS[n_ranks], LONG_OCCUPY_NS)
+        testing_ops.ops().occupy(dev.index, sms - FREE_SMS[n_ranks], LONG_OCCUPY_NS)
         busy_done.record(side)
     torch.cuda._sleep(100_000)  # the busy kernel's CTAs reach the SMs first
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

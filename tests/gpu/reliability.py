@@ -207,17 +207,17 @@ PDL_CALLS_PER_GRAPH = 64
 def foreign_pdl_kernel_between_calls(rank, group, iterations, seed):
     """YALI call A (1 MiB fp32, after a random GPU sleep on one rank, so that A waits in its
     exchange), then a foreign kernel launched with programmatic stream serialization that triggers
-    its dependents at once and never waits (testing_early_trigger), then YALI call B (2 KiB), each
+    its dependents at once and never waits (the test kernel early_trigger), then YALI call B (2 KiB), each
     checked on the device against the two ranks' sum; captured PDL_CALLS_PER_GRAPH times per CUDA
     graph and replayed until `iterations` triples ran. If B could start before A completed (PDL is
     not transitive: DESIGN_LOG §7), the two calls would share a parity: wrong sums or a hang that
     YALI_TIMEOUT_S turns into a YaliError. Returns the wrong elements, the abort record and the
     triples run."""
-    from yali_vllm import _ext
+    from . import testing_ops
 
     dev = _device()
     comm = YaliCommunicator(group, dev)
-    y = _ext.ops()
+    foreign = testing_ops.ops()
     a0, a1 = inputs(seed, 1 << 18, torch.float32, dev)
     b0, b1 = inputs(seed + 1, 512, torch.float32, dev)
     ref_a, ref_b = reference(a0, a1), reference(b0, b1)
@@ -231,7 +231,7 @@ def foreign_pdl_kernel_between_calls(rank, group, iterations, seed):
         for j in range(PDL_CALLS_PER_GRAPH):
             torch.cuda._sleep(sleeps[j])
             out_a = comm.all_reduce(mine_a)
-            y.testing_early_trigger(dev.index, spins[j])
+            foreign.early_trigger(dev.index, spins[j])
             out_b = comm.all_reduce(mine_b)
             wrong.add_((out_a != ref_a).sum() + (out_b != ref_b).sum())
 

@@ -8,9 +8,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from yali_vllm import _ext, config
+from yali_vllm import config
 from yali_vllm.communicator import YaliCommunicator
 
+from . import testing_ops
 from .scenarios import _device
 
 FREE_SMS = 2  # SMs the busy kernel leaves: at most 4 CTAs of 512 threads fit on one
@@ -47,18 +48,18 @@ def _stalled_call(comm: YaliCommunicator, kind: str, dev):
 def stalled_call_record(rank, group, kind: str, wait_s: float) -> dict:
     """Every rank runs the call once (its kernel loaded: with CUDA's lazy loading a kernel's first
     launch waits for every running kernel of the process), then a different small call, so that
-    the last call the GPU ran is not the stalled one. Rank 0 then starts testing_occupy on all but
+    the last call the GPU ran is not the stalled one. Rank 0 then starts the test kernel occupy on all but
     FREE_SMS SMs for `wait_s` seconds and issues the call alone; the other ranks stay alive without
     it. Rank 0's CTAs that run wait for the peers' data and give up after YALI_TIMEOUT_S; its last
     CTA, which checks the call, never runs. Returns rank 0's record (read from host memory; no CUDA
     call after the trap), the text it must name as this rank's call, and when it appeared."""
     dev = _device()
     comm = YaliCommunicator(group, dev)
-    y = _ext.ops()
+    busy_kernel = testing_ops.ops()
     call, expected, ctas = _stalled_call(comm, kind, dev)
     call()
     comm.all_reduce(torch.ones(1024, dtype=torch.float32, device=dev))  # the last call before: another one
-    y.testing_occupy(dev.index, 1, 1000)
+    busy_kernel.occupy(dev.index, 1, 1000)
     torch.cuda._sleep(1000)
     comm.synchronize()
     dist.barrier(group)
@@ -68,7 +69,7 @@ def stalled_call_record(rank, group, kind: str, wait_s: float) -> dict:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     side = torch.cuda.Stream(dev)
     with torch.cuda.stream(side):
-        y.testing_occupy(dev.index, sms - FREE_SMS, int(wait_s * 1e9))
+        busy_kernel.occupy(dev.index, sms - FREE_SMS, int(wait_s * 1e9))
     torch.cuda._sleep(2_000_000)  # the busy kernel's CTAs reach the SMs first
     t0 = time.time()
     call()

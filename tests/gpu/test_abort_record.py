@@ -5,6 +5,7 @@ import pytest
 
 from . import stall_scenarios as st
 from .pair import run_ranks
+from .testing_ops import needs_testing_ops
 
 STALL_TIMEOUT_S = 3.0  # YALI_TIMEOUT_S of the stalled call
 STALL_WAIT_S = STALL_TIMEOUT_S + 30.0  # how long the busy kernel holds the SMs and rank 0 waits for its record
@@ -12,6 +13,7 @@ RECORD_MARGIN_S = 20.0  # trap and, with the processes sharing one GPU, their tu
 
 
 @pytest.mark.gpu
+@needs_testing_ops
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("kind", ["all_reduce", "fused"])
 @pytest.mark.parametrize("world_size", [2, 4], ids=lambda n: f"{n}-ranks")

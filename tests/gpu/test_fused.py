@@ -45,7 +45,7 @@ def fused_plan():
 
 # Knobs that change how a one-launch fused call runs (plan_table.h: kFusedBands): every
 # YALI_DEV_FUSED_* (clusters, batched poll) and the flash limit the fused op shares.
-# scripts/gpu_host/experiments.sh runs this whole file with one of them set
+# lab/gpu_host/experiments.sh runs this whole file with one of them set
 # (YALI_DEV_FUSED_CLUSTER=8), where the default size table cannot hold.
 DEV_KNOB_PREFIX = "YALI_DEV_"
 FLASH_LAUNCH_KNOBS = ("FLASH_BYTES",)  # besides every FUSED_* knob

@@ -14,12 +14,14 @@ from yali_vllm import _ext
 
 from . import progress_scenarios as ps
 from .pair import run_ranks
+from .testing_ops import needs_testing_ops
 
 WORLD_SIZES = (2, 4, 8)
 BOUND_S = {2: 120, 4: 150, 8: 200}
 
 
 @pytest.mark.gpu
+@needs_testing_ops
 @pytest.mark.timeout(max(BOUND_S.values()) + 30)
 @pytest.mark.parametrize("busy", ["all", "rank0"])
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=lambda n: f"{n}-ranks")
@@ -37,6 +39,7 @@ LONG_BOUND_S = {2: 150, 4: 200}
 
 
 @pytest.mark.gpu
+@needs_testing_ops
 @pytest.mark.timeout(max(LONG_BOUND_S.values()) + 30)
 @pytest.mark.parametrize("world_size", sorted(ps.LONG_SHAPES), ids=lambda n: f"{n}-ranks")
 def test_whole_row_fused_calls_complete_while_other_kernels_hold_most_sms(world_size):

@@ -8,6 +8,7 @@ from . import pdl_scenarios, reliability
 from yali_vllm.communicator import shared_gpu_allowed
 
 from .pair import run_pair, run_ranks
+from .testing_ops import needs_testing_ops
 
 TIMEOUT_S = 4.0  # YALI_TIMEOUT_S of the watchdog cases
 MARGIN_S = 20.0  # trap, error propagation and (shared GPU) the other process's time slices
@@ -70,6 +71,7 @@ def test_close_frees_after_both_unmapped_and_reopens():
 PDL_ITERATIONS = 2_000 if shared_gpu_allowed() else 100_000
 
 
+@needs_testing_ops
 @pytest.mark.timeout(300)
 def test_a_foreign_pdl_kernel_that_never_waits_cannot_overlap_two_calls():
     """DESIGN_LOG §7: PDL orders a kernel only after the grid just before it. A foreign kernel that
@@ -91,6 +93,7 @@ PDL_STEPS = 100
 PDL_CASES = [(c, n) for c in sorted(pdl_scenarios.CASES) for n in (2, 4) if c != "stream" or n == 2]
 
 
+@needs_testing_ops
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("case,world_size", PDL_CASES, ids=[f"{n}-ranks-{c}" for c, n in PDL_CASES])
 def test_a_foreign_pdl_kernel_starts_only_after_the_call_before_ended(case, world_size):

@@ -119,7 +119,7 @@ def _fresh_compile_cache(tmp_path_factory):
 # runs of this module differ only where they must. It is not enough for bitwise tokens: compiled
 # with it, vLLM's custom all-reduce and NCCL (no YALI) chose differently at one position of one
 # prompt of four, where each run's top two tokens share the top logprob bit for bit
-# (benchmarks/results/current/gpu-tests/20261128-tp2-h200-compiled-ties); compiled runs are
+# (lab/results/current/gpu-tests/20261128-tp2-h200-compiled-ties); compiled runs are
 # therefore compared by the near-tie rule of check_same_greedy.
 INDUCTOR_DETERMINISTIC = {"TORCHINDUCTOR_DETERMINISTIC": "1"}
 

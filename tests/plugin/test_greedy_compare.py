@@ -2,7 +2,7 @@
 (tests/greedy_compare.py), on runs shaped like real ones: it accepts the tie at which vLLM's own
 custom all-reduce and NCCL choose differently on 2xH200 (each run's top two tokens share the top
 logprob bit for bit)
-(benchmarks/results/current/gpu-tests/20261128-tp2-h200-compiled-ties) and refuses what a wrong
+(lab/results/current/gpu-tests/20261128-tp2-h200-compiled-ties) and refuses what a wrong
 all-reduce would give."""
 
 from __future__ import annotations

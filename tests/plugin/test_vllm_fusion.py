@@ -167,8 +167,8 @@ def test_every_listed_reason_names_a_committed_result():
     committed (with its README); every world size on by default names its serving run."""
     repo = Path(__file__).resolve().parents[2]
     reasons = [*config.ON_BY_DEFAULT.values(), *config.OFF_BY_DEFAULT.values()]
-    named = [path for reason in reasons for path in re.findall(r"benchmarks/results/[\w./-]+[\w-]", reason)]
-    assert all("benchmarks/results/current/serving/" in why for why in config.ON_BY_DEFAULT.values())
+    named = [path for reason in reasons for path in re.findall(r"lab/results/[\w./-]+[\w-]", reason)]
+    assert all("lab/results/current/serving/" in why for why in config.ON_BY_DEFAULT.values())
     for path in named:
         assert (repo / path / "README.md").is_file(), path
 

@@ -29,7 +29,7 @@ def wrap_all_reduce(orig_all_reduce: Any) -> Any:
         if yc is None:
             return orig_all_reduce(self, input_)
         # YALI first for every size it serves: it measured faster than vLLM's custom
-        # all-reduce and NCCL at every size and dtype (benchmarks/results/current/allreduce/20261122-before-pdl).
+        # all-reduce and NCCL at every size and dtype (lab/results/current/allreduce/20261122-before-pdl).
         yali = yc.should_use(input_)
         if logger.isEnabledFor(logging.INFO):
             # One line the first time each (dtype, power-of-two size class, backend) is

@@ -40,7 +40,7 @@ struct StreamArgs {
 // One CTA per lane: its first half (sender warps) and second half (receiver
 // warps) each move whole chunks together and meet at named barriers. (A
 // variant with one independent pipeline per warp measured slower at every size:
-// benchmarks/results/tune-*.md.)
+// lab/results/tune-*.md.)
 template <typename T>
 __global__ void __launch_bounds__(kStreamThreads, 1) stream_kernel(StreamArgs a) {
   const DependentLaunchScope dependent_launch;

@@ -29,7 +29,7 @@
 // system-scope release fence before the descriptor store and an acquire load after it would make
 // it an order of CUDA's memory model instead; measured, the pair costs 1.4 us per 2 KiB call at two
 // ranks (2.56 -> 3.98 us) and 1.6 us at four (3.41 -> 5.04 us)
-// (benchmarks/results/current/allreduce/20261126-tp4-h100-release-fence, docs/DESIGN_LOG.md), half
+// (lab/results/current/allreduce/20261126-tp4-h100-release-fence, lab/DESIGN_LOG.md), half
 // the whole exchange, so the kernels do not issue it.
 #pragma once
 #include "yali/common/kernel_common.cuh"

@@ -13,7 +13,7 @@
 namespace yali {
 
 enum class KernelMode : int { Auto = 0, Flash = 1, Stream = 2 };
-// Ids 1, 2 and 4 were the retired flash one-shot, two-shot and flash-ll kernels (docs/DESIGN_LOG.md).
+// Ids 1, 2 and 4 were the retired flash one-shot, two-shot and flash-ll kernels (lab/DESIGN_LOG.md).
 enum class Kernel : int {
   None = 0, Stream = 3, FlashPush = 5,
   PushOneShot = 6, PushTwoShot = 7,  // N ranks (n_rank.cuh)
