@@ -618,6 +618,9 @@ def _rank_worker(rank: int, port: int, world_size: int, outdir: str) -> None:
             del os.environ["YALI_FUSION"]
         res["cuda_fusion_set_agrees"] = _decision(comm)
         os.environ.pop("YALI_FUSION", None)
+        os.environ["YALI_FUSE_QUANT"] = "1" if rank == 0 else "0"  # quantised pairs to YALI on rank 0 only
+        res["cuda_fuse_quant_differs"] = _decision(comm)
+        os.environ.pop("YALI_FUSE_QUANT")
         del os.environ["YALI_WORLD_SIZES"]  # the default: two and four ranks
         res["cuda_default_world_sizes"] = _decision(comm)
         os.environ["YALI_WORLD_SIZES"] = "8"  # leaves this group's world size out
@@ -705,7 +708,10 @@ def test_ranks_agree_on_yali_enable(cpu_ranks):
     assert "unknown YALI_* variable(s) YALI_MAX_BYTE='1M'" in reason and warn
     reason, warn = same_on_every_rank(cpu_ranks, "cuda_fusion_differs")
     settings = ["on"] + ["off"] * (n - 1)
-    assert f"YALI_FUSION settings differ: {settings}" in reason and warn
+    assert f"YALI_FUSION / YALI_FUSE_QUANT settings differ: {settings}" in reason and warn
+    reason, warn = same_on_every_rank(cpu_ranks, "cuda_fuse_quant_differs")
+    settings = ["on, quant on"] + ["on"] * (n - 1)
+    assert f"YALI_FUSE_QUANT settings differ: {settings}" in reason and warn
     reason, warn = same_on_every_rank(cpu_ranks, "cuda_fusion_set_agrees")
     assert "YALI_FUSION" not in reason and ("YALI unavailable" in reason or "cannot be imported" in reason)
     reason, warn = same_on_every_rank(cpu_ranks, "cuda_no_custom_ar")

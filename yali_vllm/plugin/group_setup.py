@@ -43,12 +43,14 @@ def _local_info(comm: Any) -> dict[str, Any]:
 
 
 def _fusion_setting() -> str:
-    """This rank's YALI_FUSION as it is understood ("on"/"off", or the error), for comparison:
-    the ranks must build the same compile passes."""
+    """This rank's YALI_FUSION and YALI_FUSE_QUANT as they are understood ("on"/"off" and
+    "quant on"/"quant off", or the error), for comparison: the ranks must build the same compile
+    passes."""
     try:
+        from yali_vllm.config import fuse_quant_enabled
         from yali_vllm.vllm_fusion import fusion_enabled
 
-        return "on" if fusion_enabled() else "off"
+        return ("on" if fusion_enabled() else "off") + (", quant on" if fuse_quant_enabled() else "")
     except Exception as e:
         return f"invalid ({e})"
 
@@ -142,7 +144,7 @@ def setup_yali(comm: Any, *, platform_is_cuda: bool, stateless: bool = False) ->
     # in FlashInfer's.
     fusion = [i["fusion"] for i in infos]
     if len(set(fusion)) > 1:
-        return Decision(None, f"the ranks' YALI_FUSION settings differ: {fusion}", True)
+        return Decision(None, f"the ranks' YALI_FUSION / YALI_FUSE_QUANT settings differ: {fusion}", True)
 
     yc, why = _create_communicator(comm)
     # Agree: YALI is used only if every rank has it, otherwise a rank would
