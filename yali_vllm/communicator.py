@@ -498,6 +498,54 @@ class YaliCommunicator:
             return tuple(r_ if o is None else o.copy_(r_) for o, r_ in zip(outs, (n, r)))
         return ops.fused_allreduce_rmsnorm(self._handle, x, residual, weight, eps, norm_out, residual_out)
 
+    def can_fuse_quant(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, scheme: int,
+                       group_size: int = 128) -> bool:
+        """True when fused_allreduce_rmsnorm_quant(x, residual, weight, eps, scheme, ...) is served by YALI:
+        can_fuse's limits, x in bf16 or fp16, a known scheme, and for the group scheme a group size of
+        64 or 128 that divides the hidden size."""
+        if scheme not in (ops.SCHEME_STATIC, ops.SCHEME_PER_TOKEN, ops.SCHEME_GROUP) or x.dtype not in ops.QUANT_DTYPES:
+            return False
+        if scheme == ops.SCHEME_GROUP and (group_size not in ops.QUANT_GROUP_SIZES or x.shape[-1] % group_size):
+            return False
+        return self.can_fuse(x, residual, weight)
+
+    def fused_allreduce_rmsnorm_quant(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                                      eps: float, scheme: int, scale: torch.Tensor | None, group_size: int = 128,
+                                      scale_ue8m0: bool = False, scale_out: torch.Tensor | None = None,
+                                      quant_out: torch.Tensor | None = None,
+                                      residual_out: torch.Tensor | None = None,
+                                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(quant_out, residual_out, scale) of all-reduce(x) [+ residual] -> RMSNorm(weight, eps) ->
+        FP8 e4m3 by `scheme` (ops.fused_allreduce_rmsnorm_quant has the arithmetic). `scale`: the
+        one-element input scale of the static scheme (ignored otherwise); the dynamic schemes write
+        `scale_out` (for the group scheme in any layout the caller needs, e.g. column-major), or a new
+        [rows, 1] / row-major [rows, hidden / group_size] tensor. Outputs not given are allocated
+        (residual_out like x). Raises ValueError/TypeError/RuntimeError naming the problem for inputs
+        can_fuse_quant() refuses."""
+        if self._handle is None:
+            raise RuntimeError("yali: fused_allreduce_rmsnorm_quant on a closed YaliCommunicator")
+        self._note_capture()
+        if scheme == ops.SCHEME_STATIC:
+            if scale is None:
+                raise ValueError("yali: scale (the static scheme's input scale) is required")
+            scale_arg = scale
+        else:
+            scale_arg = scale_out if scale_out is not None else ops.quant_scale_out(x, scheme, group_size)
+        if residual_out is None:
+            residual_out = torch.empty_like(x)
+        if _unaligned(x, residual, weight, quant_out, residual_out):
+            # Through aligned copies; outputs given at an unaligned address receive the result.
+            q, r, _ = ops.fused_allreduce_rmsnorm_quant(self._handle, aligned(x), aligned(residual), aligned(weight),
+                                                        eps, None, torch.empty_like(x), scale_arg, scheme,
+                                                        group_size, scale_ue8m0)
+            return (q if quant_out is None else quant_out.copy_(q), residual_out.copy_(r), scale_arg)
+        return ops.fused_allreduce_rmsnorm_quant(self._handle, x, residual, weight, eps, quant_out, residual_out,
+                                                 scale_arg, scheme, group_size, scale_ue8m0)
+
+    def fused_quant_launch(self, rows: int, hidden: int, dtype: torch.dtype, scheme: int, group_size: int = 128) -> dict:
+        """How a quantising fused call runs (as fused_launch)."""
+        return config.launch_dict(_ext.ops().fused_quant_launch(self._handle, rows, hidden, dtype, scheme, group_size))
+
     def _fusable_rows(self, out: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
         """The row size, the norm weight and the residual fit a fused epilogue writing `out`."""
         hidden = out.shape[-1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import _ext
+from .quant_schemes import SCHEME_GROUP, SCHEME_PER_TOKEN, SCHEME_STATIC
 
 _registered = False
 
@@ -29,6 +30,14 @@ def register_fakes() -> None:
           residual_out: torch.Tensor) -> None:
         torch._check(norm_out.shape == input.shape, lambda: "yali: norm_out must have input's shape")
         torch._check(residual_out.shape == input.shape, lambda: "yali: residual_out must have input's shape")
+
+    @torch.library.register_fake("yali::fused_allreduce_rmsnorm_quant")
+    def _(comm: int, input: torch.Tensor, residual, weight: torch.Tensor, eps: float, quant_out: torch.Tensor,
+          residual_out, scale: torch.Tensor, scheme: int, group_size: int, scale_ue8m0: bool) -> None:
+        torch._check(quant_out.shape == input.shape, lambda: "yali: quant_out must have input's shape")
+        torch._check(quant_out.dtype == torch.float8_e4m3fn, lambda: "yali: quant_out must be float8_e4m3fn")
+        if residual_out is not None:
+            torch._check(residual_out.shape == input.shape, lambda: "yali: residual_out must have input's shape")
 
     @torch.library.register_fake("yali::ep_dispatch")
     def _(comm: int, inputs: list[torch.Tensor], outputs: list[torch.Tensor], counts: list[int]) -> None:
@@ -75,6 +84,73 @@ def fused_allreduce_rmsnorm(comm: int, x: torch.Tensor, residual: torch.Tensor |
         residual_out = torch.empty_like(x)
     _launch(torch.ops.yali.fused_allreduce_rmsnorm, comm, x, residual, weight, float(eps), norm_out, residual_out)
     return norm_out, residual_out
+
+
+QUANT_GROUP_SIZES = (64, 128)
+QUANT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def quant_call_refusal(x: torch.Tensor, quant_out: torch.Tensor | None, scale: torch.Tensor, scheme: int,
+                       group_size: int) -> str | None:
+    """Why a quantising fused call cannot run with these arguments (the argument named), or None:
+    the checks that need no GPU (the op checks devices, layouts and overlaps again)."""
+    if scheme not in (SCHEME_STATIC, SCHEME_PER_TOKEN, SCHEME_GROUP):
+        return f"yali: scheme must be 0 (static), 1 (per-token) or 2 (per-token-group), got {scheme!r}"
+    if x.dtype not in QUANT_DTYPES:
+        return f"yali: input must be bfloat16 or float16 for the quantising fused op, got {x.dtype}"
+    if x.dim() < 1 or x.shape[-1] == 0:
+        return "yali: input must be [..., hidden] with hidden > 0"
+    hidden = x.shape[-1]
+    rows = x.numel() // hidden
+    if quant_out is not None and (quant_out.dtype != torch.float8_e4m3fn or quant_out.shape != x.shape):
+        return f"yali: quant_out must be a float8_e4m3fn tensor of input's shape {tuple(x.shape)}, got " \
+               f"{tuple(quant_out.shape)} {quant_out.dtype}"
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+        return "yali: scale must be a float32 tensor"
+    if scheme == SCHEME_STATIC and scale.numel() != 1:
+        return f"yali: scale must hold one element for the static scheme, got {tuple(scale.shape)}"
+    if scheme == SCHEME_PER_TOKEN and scale.numel() != rows:
+        return f"yali: scale must be [{rows}, 1] for the per-token scheme, got {tuple(scale.shape)}"
+    if scheme == SCHEME_GROUP:
+        if group_size not in QUANT_GROUP_SIZES:
+            return f"yali: group_size must be 64 or 128, got {group_size!r}"
+        if hidden % group_size:
+            return f"yali: group_size {group_size} must divide the hidden size {hidden}"
+        if scale.shape != (rows, hidden // group_size):
+            return f"yali: scale must be [{rows}, {hidden // group_size}] for the group scheme, got {tuple(scale.shape)}"
+    return None
+
+
+def quant_scale_out(x: torch.Tensor, scheme: int, group_size: int = 128) -> torch.Tensor:
+    """A new scale output for a dynamic scheme: [rows, 1] (per-token) or row-major
+    [rows, hidden / group_size] (group)."""
+    rows = x.numel() // x.shape[-1]
+    cols = 1 if scheme == SCHEME_PER_TOKEN else x.shape[-1] // group_size
+    return torch.empty((rows, cols), dtype=torch.float32, device=x.device)
+
+
+def fused_allreduce_rmsnorm_quant(comm: int, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                                  eps: float, quant_out: torch.Tensor | None, residual_out: torch.Tensor | None,
+                                  scale: torch.Tensor, scheme: int, group_size: int = 128,
+                                  scale_ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """All-reduce + residual add + RMSNorm as fused_allreduce_rmsnorm, the normalised rows (rounded to
+    x.dtype, as norm_out holds them) quantised to FP8 e4m3 with vLLM's arithmetic (csrc/core/yali/
+    fused/quant.cuh) into quant_out (new when None):
+      scheme 0 (static): `scale` is the one-element input scale, q = e4m3(clamp(y * (1 / scale)));
+      scheme 1 (dynamic per-token): `scale` [rows, 1] receives max(row absmax / 448, 1 / (448 * 512));
+      scheme 2 (dynamic per-token-group of group_size 64 or 128): `scale` [rows, hidden / group_size],
+        any strides, receives max(group absmax, 1e-10) / 448, rounded up to a power of two with
+        scale_ue8m0.
+    residual_out (may be residual itself, or None: not stored) as in fused_allreduce_rmsnorm.
+    Returns (quant_out, residual_out, scale). Raises ValueError naming the argument it refuses."""
+    why = quant_call_refusal(x, quant_out, scale, scheme, group_size)
+    if why:
+        raise ValueError(why)
+    if quant_out is None:
+        quant_out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    _launch(torch.ops.yali.fused_allreduce_rmsnorm_quant, comm, x, residual, weight, float(eps), quant_out,
+            residual_out, scale, int(scheme), int(group_size), bool(scale_ue8m0))
+    return quant_out, residual_out, scale
 
 
 def ep_dispatch(comm: int, inputs: list[torch.Tensor], outputs: list[torch.Tensor], counts: list[int]) -> None:

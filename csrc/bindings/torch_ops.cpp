@@ -18,6 +18,7 @@
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/core/ScalarType.h>
 
@@ -294,6 +295,98 @@ void fused_allreduce_rmsnorm(int64_t handle, const Tensor& input, const std::opt
              r->aborted() ? after_abort(*r) : std::string(" (tensors must be 16-byte aligned)"));
 }
 
+// quant_out (FP8 e4m3) and scale = the FP8 quantisation by `scheme` (quant.h: 0 static, 1 per-token,
+// 2 per-token-group) of RMSNorm(all_reduce(input) [+ residual]); residual_out as in
+// fused_allreduce_rmsnorm, or not stored when absent.
+void fused_allreduce_rmsnorm_quant(int64_t handle, const Tensor& input, const std::optional<Tensor>& residual,
+                                   const Tensor& weight, double eps, const Tensor& quant_out,
+                                   const std::optional<Tensor>& residual_out, const Tensor& scale, int64_t scheme,
+                                   int64_t group_size, bool scale_ue8m0) {
+  const yali::Rank* r = get(handle);
+  YALI_CHECK_VALUE(on(input, r->device()), "input must be on cuda:", r->device(), ", got ", device_of(input));
+  YALI_CHECK_VALUE(input.dim() >= 1 && input.size(-1) > 0, "input must be [..., hidden] with hidden > 0");
+  YALI_CHECK_VALUE(input.scalar_type() == ScalarType::BFloat16 || input.scalar_type() == ScalarType::Half,
+                   "input must be bfloat16 or float16 for the quantising fused op, got ", input.scalar_type());
+  YALI_CHECK_VALUE(input.is_contiguous(), "input must be contiguous");
+  const int64_t hidden = input.size(-1);
+  const int64_t rows = input.numel() / hidden;
+  const yali::DType dt = to_dtype(input.scalar_type());
+  auto like_input = [&](const Tensor& t) {
+    return on(t, r->device()) && t.scalar_type() == input.scalar_type() && same_shape(t, input) && t.is_contiguous();
+  };
+  YALI_CHECK_VALUE(on(quant_out, r->device()) && quant_out.scalar_type() == ScalarType::Float8_e4m3fn &&
+                       same_shape(quant_out, input) && quant_out.is_contiguous(),
+                   "quant_out must be a contiguous float8_e4m3fn tensor of input's shape ", shape_of(input), ", got ",
+                   shape_of(quant_out), " ", quant_out.scalar_type());
+  if (residual) YALI_CHECK_VALUE(like_input(*residual), "residual must be a contiguous tensor like input");
+  if (residual_out)
+    YALI_CHECK_VALUE(like_input(*residual_out), "residual_out must be a contiguous tensor like input (shape ",
+                     shape_of(input), ")");
+  YALI_CHECK_VALUE(on(weight, r->device()) && weight.scalar_type() == input.scalar_type() && weight.dim() == 1 &&
+                       weight.size(0) == hidden && weight.is_contiguous(),
+                   "weight must be a contiguous [", hidden, "] tensor of input's dtype and device, got ",
+                   shape_of(weight), " ", weight.scalar_type());
+  YALI_CHECK_VALUE(scheme >= 0 && scheme <= 2, "scheme must be 0 (static per-tensor), 1 (dynamic per-token) or 2 ",
+                   "(dynamic per-token-group), got ", scheme);
+  const auto s = yali::QuantScheme(int(scheme));
+  YALI_CHECK_VALUE(on(scale, r->device()) && scale.scalar_type() == ScalarType::Float,
+                   "scale must be a float32 tensor on cuda:", r->device(), ", got ", scale.scalar_type(), " on ",
+                   device_of(scale));
+  yali::QuantOut q{quant_out.data_ptr(), static_cast<float*>(scale.data_ptr()), 0, 0, 0, 0};
+  if (s == yali::QuantScheme::Static) {
+    YALI_CHECK_VALUE(scale.numel() == 1, "scale must hold one element for the static scheme, got ", shape_of(scale));
+  } else if (s == yali::QuantScheme::PerToken) {
+    YALI_CHECK_VALUE(scale.numel() == rows && scale.is_contiguous(), "scale must be a contiguous [", rows,
+                     ", 1] tensor for the per-token scheme (one scale per row), got ", shape_of(scale));
+    q.row_stride = 1;
+  } else {
+    YALI_CHECK_VALUE(group_size == 64 || group_size == 128, "group_size must be 64 or 128, got ", group_size);
+    YALI_CHECK_VALUE(hidden % group_size == 0, "group_size ", group_size, " must divide the hidden size ", hidden);
+    YALI_CHECK_VALUE(scale.dim() == 2 && scale.size(0) == rows && scale.size(1) == hidden / group_size,
+                     "scale must be [", rows, ", ", hidden / group_size, "] (rows, hidden / group_size) for the ",
+                     "group scheme, got ", shape_of(scale));
+    q.row_stride = scale.stride(0);
+    q.group_stride = scale.stride(1);
+    q.ue8m0 = scale_ue8m0 ? 1 : 0;
+  }
+  const int group = s == yali::QuantScheme::Group ? int(group_size) : 0;
+  if (const char* why = yali::quant_scheme_refusal(s, size_t(rows), size_t(hidden), group, q.row_stride, q.group_stride))
+    fail(Err::Value, why);
+  const size_t row_bytes = size_t(hidden) * input.element_size();
+  const void* res = residual ? residual->data_ptr() : nullptr;
+  void* res_out = residual_out ? residual_out->data_ptr() : nullptr;
+  const size_t groups = s == yali::QuantScheme::Group ? size_t(hidden / group_size) : 1;
+  const size_t scale_bytes =
+      s == yali::QuantScheme::Static ? 4
+      : rows == 0                     ? 0
+                                      : (size_t(q.row_stride) * size_t(rows - 1) + size_t(q.group_stride) * (groups - 1) + 1) * 4;
+  const char* overlap = yali::fused_quant_overlap_refusal(
+      input.data_ptr(), res, weight.data_ptr(), quant_out.data_ptr(), res_out, scale.data_ptr(),
+      size_t(rows) * row_bytes, row_bytes, size_t(rows) * size_t(hidden), scale_bytes, s != yali::QuantScheme::Static);
+  YALI_CHECK_VALUE(overlap == nullptr, overlap);
+  if (rows == 0) return;
+  YALI_CHECK_VALUE(row_bytes % 16 == 0 && row_bytes <= yali::kFusedMaxRowBytes, "a row of ", hidden, " ",
+                   input.scalar_type(), " elements (", row_bytes, " bytes) is not served: it must be a multiple of ",
+                   "16 bytes and at most ", yali::kFusedMaxRowBytes, " bytes");
+  YALI_CHECK_VALUE(reinterpret_cast<uintptr_t>(quant_out.data_ptr()) % 16 == 0,
+                   "quant_out must be 16-byte aligned (a sliced view may not be)");
+  YALI_CHECK_VALUE(reinterpret_cast<uintptr_t>(scale.data_ptr()) % 4 == 0, "scale must be 4-byte aligned");
+  const size_t nbytes = size_t(rows) * row_bytes;
+  const yali::FusedLaunch l = r->fused_quant_launch(size_t(rows), size_t(hidden), dt, s, group);
+  YALI_CHECK_VALUE(l.one_launch || r->plan(nbytes, r->config().mode).kernel != yali::Kernel::None, "a ", nbytes,
+                   "-byte fused all-reduce is not served (", serve_limit(*r, false), ")");
+  const torch::stable::accelerator::DeviceGuard guard(r->device());
+  // The two-launch path's sum, where residual_out cannot hold it (Rank::fused_quant_workspace).
+  std::optional<Tensor> workspace;
+  if (r->fused_quant_workspace(size_t(rows), size_t(hidden), dt, s, group, res, res_out))
+    workspace = torch::stable::empty_like(input);
+  const cudaError_t e = r->fused_allreduce_rmsnorm_quant(
+      input.data_ptr(), res, weight.data_ptr(), float(eps), q, s, group, res_out,
+      workspace ? workspace->data_ptr() : nullptr, size_t(rows), size_t(hidden), dt, current_stream(r->device()));
+  YALI_CHECK(e == cudaSuccess, "fused_allreduce_rmsnorm_quant launch failed: ", cudaGetErrorString(e),
+             r->aborted() ? after_abort(*r) : std::string(" (tensors must be 16-byte aligned)"));
+}
+
 // ------------------------------------------------------------------ expert parallelism
 // Every rank's token count as the core takes them; the list must name every rank.
 std::vector<uint32_t> ep_counts(const yali::Rank& r, const std::vector<int64_t>& counts) {
@@ -449,6 +542,14 @@ std::vector<int64_t> fused_launch(int64_t handle, int64_t rows, int64_t hidden, 
   YALI_CHECK_VALUE(rows > 0 && hidden > 0, "fused_launch needs rows > 0 and hidden > 0, got ", rows, ", ", hidden);
   return launch_values(get(handle)->fused_launch(size_t(rows), size_t(hidden), to_dtype(dtype)));
 }
+// How a quantising fused call of this shape and scheme runs (the same values).
+std::vector<int64_t> fused_quant_launch(int64_t handle, int64_t rows, int64_t hidden, ScalarType dtype, int64_t scheme,
+                                        int64_t group_size) {
+  YALI_CHECK_VALUE(rows > 0 && hidden > 0, "fused_quant_launch needs rows > 0 and hidden > 0, got ", rows, ", ", hidden);
+  YALI_CHECK_VALUE(scheme >= 0 && scheme <= 2, "scheme must be 0, 1 or 2, got ", scheme);
+  return launch_values(get(handle)->fused_quant_launch(size_t(rows), size_t(hidden), to_dtype(dtype),
+                                                       yali::QuantScheme(int(scheme)), int(group_size)));
+}
 // The same from the settings alone (no communicator, no GPU): the fused op's launch table of `world` ranks.
 std::vector<int64_t> fused_plan(int64_t rows, int64_t hidden, ScalarType dtype, int64_t world) {
   YALI_CHECK_VALUE(rows > 0 && hidden > 0, "fused_plan needs rows > 0 and hidden > 0, got ", rows, ", ", hidden);
@@ -479,6 +580,10 @@ STABLE_TORCH_LIBRARY(yali, m) {
   m.def(
       "fused_allreduce_rmsnorm(int comm, Tensor input, Tensor? residual, Tensor weight, float eps, "
       "Tensor(a!) norm_out, Tensor(b!) residual_out) -> ()");
+  m.def(
+      "fused_allreduce_rmsnorm_quant(int comm, Tensor input, Tensor? residual, Tensor weight, float eps, "
+      "Tensor(a!) quant_out, Tensor(b!)? residual_out, Tensor(c!) scale, int scheme, int group_size, "
+      "bool scale_ue8m0) -> ()");
   m.def("plan(int nbytes, int mode=-1, int world=2) -> int[]");
   m.def("config_string() -> str");
   m.def("plan_table(int world=2) -> str");
@@ -489,6 +594,7 @@ STABLE_TORCH_LIBRARY(yali, m) {
   m.def("abort_message(int comm) -> str");
   m.def("fused_launch(int comm, int rows, int hidden, ScalarType dtype) -> int[]");
   m.def("fused_plan(int rows, int hidden, ScalarType dtype, int world=2) -> int[]");
+  m.def("fused_quant_launch(int comm, int rows, int hidden, ScalarType dtype, int scheme, int group_size) -> int[]");
   m.def("device_count() -> int");
   m.def("build_info() -> str");
   // expert parallelism (see the block above)
@@ -516,6 +622,7 @@ STABLE_TORCH_LIBRARY_IMPL(yali, CompositeExplicitAutograd, m) {
   m.impl("abort_message", TORCH_BOX(&abort_message));
   m.impl("fused_launch", TORCH_BOX(&fused_launch));
   m.impl("fused_plan", TORCH_BOX(&fused_plan));
+  m.impl("fused_quant_launch", TORCH_BOX(&fused_quant_launch));
   m.impl("device_count", TORCH_BOX(&device_count));
   m.impl("build_info", TORCH_BOX(&build_info));
   m.impl("ep_serves_dispatch", TORCH_BOX(&ep_serves_dispatch));
@@ -525,6 +632,7 @@ STABLE_TORCH_LIBRARY_IMPL(yali, CompositeExplicitAutograd, m) {
 STABLE_TORCH_LIBRARY_IMPL(yali, CUDA, m) {
   m.impl("all_reduce", TORCH_BOX(&all_reduce));
   m.impl("fused_allreduce_rmsnorm", TORCH_BOX(&fused_allreduce_rmsnorm));
+  m.impl("fused_allreduce_rmsnorm_quant", TORCH_BOX(&fused_allreduce_rmsnorm_quant));
   m.impl("ep_dispatch", TORCH_BOX(&ep_dispatch));
   m.impl("ep_combine", TORCH_BOX(&ep_combine));
 }

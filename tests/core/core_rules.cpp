@@ -3,6 +3,9 @@
 //   overlap A NA B NB                                    -> 1 or 0 (ranges_overlap)
 //   all_reduce IN OUT N                                  -> ok, or why out is refused
 //   fused IN RESIDUAL WEIGHT NORM_OUT RESIDUAL_OUT N ROW -> ok, or why an output is refused
+//   fused_quant IN RESIDUAL WEIGHT QUANT_OUT RESIDUAL_OUT SCALE N ROW QUANT_BYTES SCALE_BYTES SCALE_IS_OUTPUT
+//                                                        -> ok, or why an output is refused (quant.h)
+//   quant_bits SCHEME GROUP_SIZE UE8M0                   -> the scheme's descriptor bits (quant_desc_bits)
 //   call OP KERNEL NBYTES DTYPE CTAS W3                  -> the descriptor's four words (call_desc)
 //   abort RANK WORLD TIMEOUT_S KERNEL BLOCK WHAT EXPECTED SEEN PEER M0 M1 M2 M3 T0 T1 T2 T3
 //                                                        -> the abort message (abort_text)
@@ -14,6 +17,7 @@
 
 #include "yali/common/abort_text.h"
 #include "yali/common/overlap.h"
+#include "yali/common/quant.h"
 
 namespace {
 
@@ -38,6 +42,18 @@ std::string run(std::istringstream& q) {
     uint64_t in, residual, weight, norm_out, residual_out, n, row;
     q >> in >> residual >> weight >> norm_out >> residual_out >> n >> row;
     return answer(yali::fused_overlap_refusal(at(in), at(residual), at(weight), at(norm_out), at(residual_out), n, row));
+  }
+  if (op == "fused_quant") {
+    uint64_t in, residual, weight, quant_out, residual_out, scale, n, row, quant_bytes, scale_bytes, scale_is_output;
+    q >> in >> residual >> weight >> quant_out >> residual_out >> scale >> n >> row >> quant_bytes >> scale_bytes >>
+        scale_is_output;
+    return answer(yali::fused_quant_overlap_refusal(at(in), at(residual), at(weight), at(quant_out), at(residual_out),
+                                                    at(scale), n, row, quant_bytes, scale_bytes, scale_is_output != 0));
+  }
+  if (op == "quant_bits") {
+    int scheme, group_size, ue8m0;
+    q >> scheme >> group_size >> ue8m0;
+    return std::to_string(yali::quant_desc_bits(yali::QuantScheme(scheme), group_size, ue8m0 != 0));
   }
   if (op == "call") {
     uint32_t kind, kernel, dtype, ctas;

@@ -1,4 +1,4 @@
-"""The core's pure C++ rules (overlap.h, abort_text.cpp) built with the host compiler into a small
+"""The core's pure C++ rules (overlap.h, quant.h, abort_text.cpp) built with the host compiler into a small
 query program (core_rules.cpp) for the CPU tests: no CUDA, no GPU, no extension."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SOURCES = ["tests/core/core_rules.cpp", "csrc/core/yali/common/abort_text.cpp", "csrc/core/yali/common/config.cpp",
-           "csrc/core/yali/common/plan.cpp"]
+           "csrc/core/yali/common/plan.cpp", "csrc/core/yali/common/quant.cpp"]
 
 
 @functools.lru_cache(maxsize=None)

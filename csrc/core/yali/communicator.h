@@ -12,6 +12,7 @@
 #include "yali/common/layout.h"
 #include "yali/common/overlap.h"
 #include "yali/common/plan.h"
+#include "yali/common/quant.h"
 
 namespace yali {
 
@@ -74,6 +75,22 @@ class Rank {
   cudaError_t fused_allreduce_rmsnorm(const void* in, const void* residual, const void* weight, float eps,
                                       void* norm_out, void* residual_out, size_t rows, size_t hidden, DType dtype,
                                       cudaStream_t stream) const;
+  // The same, its normalised rows quantised to FP8 e4m3 (fused/quant.cuh: vLLM's arithmetic) into
+  // q.out and q.scale by `scheme` instead of being stored: fp16 and bf16 rows. `residual_out` may
+  // be nullptr (not stored). The two-launch path all-reduces into residual_out, or into
+  // `workspace` (rows x hidden of dtype) where residual_out is nullptr or `residual` itself
+  // (fused_quant_workspace says when). Refuses (cudaErrorInvalidValue) what the plain op refuses,
+  // quant_scheme_refusal and fused_quant_overlap_refusal (quant.h), and q.out not 16-byte aligned
+  // or q.scale not 4-byte aligned.
+  cudaError_t fused_allreduce_rmsnorm_quant(const void* in, const void* residual, const void* weight, float eps,
+                                            const QuantOut& q, QuantScheme scheme, int group_size,
+                                            void* residual_out, void* workspace, size_t rows, size_t hidden,
+                                            DType dtype, cudaStream_t stream) const;
+  FusedLaunch fused_quant_launch(size_t rows, size_t hidden, DType dtype, QuantScheme scheme, int group_size) const;
+  // Whether a quantising call of this shape needs a workspace (two launches, and residual_out is
+  // nullptr or residual itself).
+  bool fused_quant_workspace(size_t rows, size_t hidden, DType dtype, QuantScheme scheme, int group_size,
+                             const void* residual, const void* residual_out) const;
   bool fused_one_launch(size_t rows, size_t hidden, DType dtype) const;
   FusedLaunch fused_launch(size_t rows, size_t hidden, DType dtype) const;  // fused_launch_for(config())
 

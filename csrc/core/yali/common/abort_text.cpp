@@ -12,6 +12,17 @@ bool same_call(const CallDesc& a, const CallDesc& b) {
   return true;
 }
 
+// The FP8 quantisation of a fused call's descriptor (quant.h: quant_desc_bits), "" for none.
+std::string quant_text(uint32_t bits) {
+  switch (bits & 0x3u) {
+    case 0: return "";
+    case 1: return " + FP8 static quant";
+    case 2: return " + FP8 per-token quant";
+    default:
+      return " + FP8 group-" + std::to_string(64 * ((bits >> 3) & 0xfu)) + " quant" + ((bits & 0x4u) ? " (ue8m0)" : "");
+  }
+}
+
 // YALI_TIMEOUT_S as set: "4", "0.5".
 std::string seconds(double s) {
   char buf[32];
@@ -28,7 +39,8 @@ std::string describe_call(const CallDesc& d) {
   const uint32_t op = d.w[2] & 0x3u, dtype = (d.w[2] >> 6) & 0x3u, ctas = (d.w[2] >> 8) & 0xfffu;
   const Kernel kernel = Kernel((d.w[2] >> 2) & 0xfu);
   const std::string what =
-      op == uint32_t(CallOp::Fused)       ? "fused all-reduce + RMSNorm of hidden " + std::to_string(d.w[3]) + ", "
+      op == uint32_t(CallOp::Fused)       ? "fused all-reduce + RMSNorm" + quant_text(d.w[3] >> 16) + " of hidden " +
+                                                std::to_string(d.w[3] & 0xffffu) + ", "
       : op == uint32_t(CallOp::AllReduce) ? std::string("all_reduce of ")
       : op == uint32_t(CallOp::Ep)        ? (kernel == Kernel::EpGather ? "EP dispatch (tokens and layout " : "EP combine (tokens and layout ") +
                                                 std::to_string(d.w[3]) + ") of "

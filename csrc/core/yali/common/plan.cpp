@@ -184,4 +184,20 @@ std::string plan_text(const Config& c, int world) {
   return o.str();
 }
 
+FusedLaunch fused_quant_launch_for(const Config& c, size_t rows, size_t hidden, DType dtype, int world, int scheme,
+                                   int group_size) {
+  FusedLaunch l = fused_launch_for(c, rows, hidden, dtype, world);
+  if (!l.one_launch || l.spread <= 1 || scheme != 2 || group_size <= 0) return l;
+  // A group's scales need the whole group in one CTA (fused/quant.cuh): slices of
+  // ceil(row_vecs / spread) vectors (split_range) must be whole groups.
+  const size_t row_vecs = hidden * dtype_size(dtype) / 16, group_vecs = size_t(group_size) * dtype_size(dtype) / 16;
+  if (group_vecs > 0 && ceil_div(row_vecs, size_t(l.spread)) % group_vecs == 0) return l;
+  FusedLaunch two;  // as fused_launch_for above its one-launch size
+  two.one_launch = false;
+  two.grid = int(std::min<size_t>(rows, table::kEpilogueMaxCtas));
+  two.row_vecs_per_thread = fused_launch_for(c, rows, hidden, dtype, 2).row_vecs_per_thread;  // whole rows
+  two.pdl = l.pdl;
+  return two;
+}
+
 }  // namespace yali

@@ -87,4 +87,10 @@ FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType 
 // op plan_table returns it; the Python package reads its limits there (yali_vllm/config.py).
 std::string plan_text(const Config& c, int world);
 
+// The quantising fused op's launch (Rank::fused_allreduce_rmsnorm_quant) for `scheme`
+// (quant.h: 0 static, 1 per-token, 2 per-token-group of `group_size`): the plain op's, except that
+// a row spread over a cluster whose slices are not whole groups (group scheme) runs in two launches.
+FusedLaunch fused_quant_launch_for(const Config& c, size_t rows, size_t hidden, DType dtype, int world, int scheme,
+                                   int group_size);
+
 }  // namespace yali

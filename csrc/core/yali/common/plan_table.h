@@ -1,7 +1,7 @@
 // YALI's size table: every size boundary, band and launch choice, one literal row each, indexed by
 // world size and message bytes (and row bytes where the fused op needs them). The comment line of a
-// row names why it holds and its result folder under benchmarks/results/; the numbers are from
-// 2xH200 NV18 in bf16 unless a row says otherwise, and docs/DESIGN_LOG.md keeps what was tried and
+// row names why it holds and its result folder under lab/results/; the numbers are from
+// 2xH200 NV18 in bf16 unless a row says otherwise, and lab/DESIGN_LOG.md keeps what was tried and
 // left. plan.cpp looks the rows up (plan_for, fused_launch_for, ranks_max_for, ...) and nothing else
 // holds a boundary; the library exports the table resolved under the settings (plan_text, the torch
 // op plan_table), which the Python package and the tests read.

@@ -39,6 +39,7 @@
 // into norm_out and then add_rmsnorm_kernel, the same epilogue on its own.
 #pragma once
 #include "yali/common/exchange.cuh"
+#include "yali/fused/quant.cuh"
 
 namespace yali {
 
@@ -58,6 +59,7 @@ struct FusedArgs {
   ExchangeArgs x;         // exchange: x.in is the input, x.nbytes = rows * row bytes
   const void* sum;        // add_rmsnorm_kernel: the all-reduced input (may be norm_out)
   RowNorm n;
+  QuantOut q;             // the quantising instances (kQ != None): the FP8 output; n.norm_out unused
 };
 
 // Sum of v over the CTA, the same bits in every thread and on both ranks
@@ -80,11 +82,15 @@ __device__ __forceinline__ float block_sum(float v) {
 // the all-reduced row in s[u], of the residual row in r[u] (unused without a
 // residual) and of the weight in w[u]: every load was issued before the wait
 // that precedes this, so no memory latency is left in here but the stores.
-template <typename T, int kV>
+// kQ != None: the row is quantised (quant.cuh) into *q instead of being stored as norm_out, and
+// residual_out may be nullptr (not stored).
+template <typename T, int kV, QuantScheme kQ = QuantScheme::None>
 __device__ __forceinline__ void rmsnorm_row(const RowNorm& a, int row, const Vec16 (&s)[kV], const Vec16 (&r)[kV],
-                                            const Vec16 (&w)[kV]) {
+                                            const Vec16 (&w)[kV], const QuantOut* q = nullptr) {
   constexpr int kN = 16 / sizeof(T);
   const size_t base = size_t(row) * a.row_vecs;
+  float static_inv = 0.f;  // Static: 1 / scale, as vLLM's static_scaled_fp8_quant computes it
+  if constexpr (kQ == QuantScheme::Static) static_inv = __fdiv_rn(1.f, *q->scale);
   float z[kV][kN];
   float sq = 0.f;
 #pragma unroll
@@ -98,20 +104,26 @@ __device__ __forceinline__ void rmsnorm_row(const RowNorm& a, int row, const Vec
 #pragma unroll
       for (int i = 0; i < kN; ++i) z[u][i] += rr[i];
     }
-    store_vec(static_cast<Vec16*>(a.residual_out) + base + j, pack<T>(z[u]));
+    if constexpr (kQ == QuantScheme::None) store_vec(static_cast<Vec16*>(a.residual_out) + base + j, pack<T>(z[u]));
+    else if (a.residual_out) store_vec(static_cast<Vec16*>(a.residual_out) + base + j, pack<T>(z[u]));
 #pragma unroll
     for (int i = 0; i < kN; ++i) sq = fmaf(z[u][i], z[u][i], sq);
   }
   const float inv_rms = rsqrtf(block_sum(sq) / float(a.hidden) + a.eps);
+  if constexpr (kQ != QuantScheme::None) {
+    quantize_row<T, kV, kQ>(*q, row, base, 0, a.row_vecs, z, w, inv_rms, static_inv, true,
+                            [](float m) { return block_max(m); }, nullptr);
+  } else {
 #pragma unroll
-  for (int u = 0; u < kV; ++u) {
-    const int j = threadIdx.x + u * kFlashThreads;
-    if (j >= a.row_vecs) continue;
-    float ww[kN], o[kN];
-    unpack<T>(w[u], ww);
+    for (int u = 0; u < kV; ++u) {
+      const int j = threadIdx.x + u * kFlashThreads;
+      if (j >= a.row_vecs) continue;
+      float ww[kN], o[kN];
+      unpack<T>(w[u], ww);
 #pragma unroll
-    for (int i = 0; i < kN; ++i) o[i] = round_to<T>(z[u][i] * inv_rms) * ww[i];
-    store_vec(static_cast<Vec16*>(a.norm_out) + base + j, pack<T>(o));
+      for (int i = 0; i < kN; ++i) o[i] = round_to<T>(z[u][i] * inv_rms) * ww[i];
+      store_vec(static_cast<Vec16*>(a.norm_out) + base + j, pack<T>(o));
+    }
   }
 }
 
@@ -158,7 +170,8 @@ __device__ __forceinline__ FusedWork fused_work(int rows, int row_vecs) {
 // go out before the epoch fetch (inside a model they come from DRAM and have the
 // whole wait to land), or after the send, so that they do not queue in front of
 // the epoch fetch and the sent vectors of this CTA. FusedLaunch::row_loads_early.
-template <typename T, int kV, bool kBatchPoll, bool kRowLoadsEarly>
+// kQ != None: the quantising op (quant.cuh), a.q its FP8 output.
+template <typename T, int kV, bool kBatchPoll, bool kRowLoadsEarly, QuantScheme kQ = QuantScheme::None>
 __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kernel(FusedArgs a) {
   const DependentLaunchScope dependent_launch;
   constexpr int kU = 4;  // sent vectors in flight per thread
@@ -219,13 +232,14 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_allreduce_rmsnorm_kern
         clear_push(from_peer + base + j);
       }
     }
-    rmsnorm_row<T, kV>(a.n, row, x, r, w);
+    if constexpr (kQ == QuantScheme::None) rmsnorm_row<T, kV>(a.n, row, x, r, w);
+    else rmsnorm_row<T, kV, kQ>(a.n, row, x, r, w, &a.q);
   }
 }
 
 // The epilogue alone, for messages above the one-launch size: a.sum holds the
 // all-reduce output (written by the YALI all-reduce launched just before).
-template <typename T, int kV>
+template <typename T, int kV, QuantScheme kQ = QuantScheme::None>
 __global__ void __launch_bounds__(kFlashThreads, 1) add_rmsnorm_kernel(FusedArgs a) {
   const DependentLaunchScope dependent_launch;
   if (blockIdx.x == 0 && threadIdx.x == 0)
@@ -235,7 +249,8 @@ __global__ void __launch_bounds__(kFlashThreads, 1) add_rmsnorm_kernel(FusedArgs
   for (int row = blockIdx.x; row < a.n.rows; row += gridDim.x) {
     load_row(s, a.sum, row, a.n);
     load_row(r, a.n.residual, row, a.n);
-    rmsnorm_row<T, kV>(a.n, row, s, r, w);
+    if constexpr (kQ == QuantScheme::None) rmsnorm_row<T, kV>(a.n, row, s, r, w);
+    else rmsnorm_row<T, kV, kQ>(a.n, row, s, r, w, &a.q);
   }
 }
 

@@ -33,13 +33,15 @@ __device__ __forceinline__ int fused_ranks_exchange(const RanksArgs& x, Vec16 (&
 struct FusedRanksArgs {
   RanksArgs x;  // x.in is the input, x.nbytes = rows * row bytes; x.out unused
   RowNorm n;
+  QuantOut q;   // the quantising instances (kQ != None): the FP8 output; n.norm_out unused
 };
 
 // The fused all-reduce + residual add + RMSNorm for N ranks, one launch: push one-shot's exchange
 // (the message cut into one chunk per sending CTA, sent to every other rank), then per row of mine
 // (fused_work) the rank-order sum (as push one-shot returns it) and fused.cuh's epilogue.
 // kRowLoadsEarly as there.
-template <typename T, int kV, bool kRowLoadsEarly, int kW>
+// kQ != None: the quantising op (quant.cuh), a.q its FP8 output.
+template <typename T, int kV, bool kRowLoadsEarly, int kW, QuantScheme kQ = QuantScheme::None>
 __global__ void __launch_bounds__(kFlashThreads, 1) fused_ranks_kernel(FusedRanksArgs a) {
   const DependentLaunchScope dependent_launch;
   constexpr int kU = 4;
@@ -70,7 +72,8 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_ranks_kernel(FusedRank
       const int j = t + u * kFlashThreads;
       if (j < a.n.row_vecs) x[u] = sum_ranks<T, kW>(a.x, parity, base + j, canonical<T>(x[u]), Kernel::PushOneShot);
     }
-    rmsnorm_row<T, kV>(a.n, row, x, r, w);
+    if constexpr (kQ == QuantScheme::None) rmsnorm_row<T, kV>(a.n, row, x, r, w);
+    else rmsnorm_row<T, kV, kQ>(a.n, row, x, r, w, &a.q);
   }
 }
 
@@ -89,9 +92,16 @@ __device__ __forceinline__ void load_slice(Vec16 (&v)[kV], const void* base, siz
 // The epilogue on a slice (fused.cuh's rmsnorm_row): z = sum [+ residual] to residual_out, then
 // z * rsqrt(row's mean square + eps), rounded, times the weight, to norm_out; `row_sq` turns this
 // CTA's sum of squares into the row's. Both outputs are stored after row_sq.
-template <typename T, int kV, typename RowSq>
+// kQ != None: the slice is quantised (quant.cuh) into *q instead, after `row_max` turned this CTA's
+// max into the row's (PerToken), and residual_out (nullptr: not stored) after that; `row` is the
+// row, `row_first` the slice's first vector in it, `writes_row_scale`: this CTA stores its scale.
+template <typename T, int kV, typename RowSq, QuantScheme kQ = QuantScheme::None, typename RowMax = RowSq>
 __device__ __forceinline__ void rmsnorm_slice(const RowNorm& a, size_t first, int count, const Vec16 (&s)[kV],
-                                              const Vec16 (&r)[kV], const Vec16 (&w)[kV], RowSq row_sq) {
+                                              const Vec16 (&r)[kV], const Vec16 (&w)[kV], RowSq row_sq,
+                                              const QuantOut* q = nullptr, int row = 0, int row_first = 0,
+                                              bool writes_row_scale = false, RowMax* row_max = nullptr) {
+  float static_inv = 0.f;  // Static: 1 / scale, as vLLM's static_scaled_fp8_quant computes it
+  if constexpr (kQ == QuantScheme::Static) static_inv = __fdiv_rn(1.f, *q->scale);
   constexpr int kN = 16 / sizeof(T);
   float z[kV][kN];
   float sq = 0.f;
@@ -111,16 +121,21 @@ __device__ __forceinline__ void rmsnorm_slice(const RowNorm& a, size_t first, in
   // Both outputs stored after the cluster's sum: the release fence of its barrier waits for no
   // output store.
   const float inv_rms = rsqrtf(row_sq(block_sum(sq)) / float(a.hidden) + a.eps);
+  if constexpr (kQ != QuantScheme::None) {
+    quantize_row<T, kV, kQ>(*q, row, first, row_first, count, z, w, inv_rms, static_inv, writes_row_scale, *row_max,
+                            static_cast<Vec16*>(a.residual_out));
+  } else {
 #pragma unroll
-  for (int u = 0; u < kV; ++u) {
-    const int j = threadIdx.x + u * kFlashThreads;
-    if (j >= count) continue;
-    store_vec(static_cast<Vec16*>(a.residual_out) + first + j, pack<T>(z[u]));
-    float ww[kN], o[kN];
-    unpack<T>(w[u], ww);
+    for (int u = 0; u < kV; ++u) {
+      const int j = threadIdx.x + u * kFlashThreads;
+      if (j >= count) continue;
+      store_vec(static_cast<Vec16*>(a.residual_out) + first + j, pack<T>(z[u]));
+      float ww[kN], o[kN];
+      unpack<T>(w[u], ww);
 #pragma unroll
-    for (int i = 0; i < kN; ++i) o[i] = round_to<T>(z[u][i] * inv_rms) * ww[i];
-    store_vec(static_cast<Vec16*>(a.norm_out) + first + j, pack<T>(o));
+      for (int i = 0; i < kN; ++i) o[i] = round_to<T>(z[u][i] * inv_rms) * ww[i];
+      store_vec(static_cast<Vec16*>(a.norm_out) + first + j, pack<T>(o));
+    }
   }
 }
 
@@ -132,7 +147,10 @@ __device__ __forceinline__ void rmsnorm_slice(const RowNorm& a, size_t first, in
 // for its own slice, which the same CTA of every rank sends, and writes only the outputs of its
 // slice, which no CTA sends: an output over the input cannot be read by a peer, and no CTA waits for
 // one that is not scheduled.
-template <typename T, int kV, int kW>
+// kQ != None: the quantising op (quant.cuh), a.q its FP8 output; PerToken adds the cluster's maxima
+// as it adds the sums of squares, after a second cluster barrier; the group scheme needs slices of
+// whole groups (the launch sees to it).
+template <typename T, int kV, int kW, QuantScheme kQ = QuantScheme::None>
 __global__ void __launch_bounds__(kFlashThreads, 1) fused_ranks_spread_kernel(FusedRanksArgs a) {
   namespace cg = cooperative_groups;
   const DependentLaunchScope dependent_launch;
@@ -161,7 +179,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_ranks_spread_kernel(Fu
     const size_t j = slice.begin + t + size_t(u) * kFlashThreads;
     if (j < slice.end) x[u] = sum_ranks<T, kW>(a.x, parity, base + j, canonical<T>(x[u]), Kernel::PushOneShot);
   }
-  rmsnorm_slice<T, kV>(a.n, chunk.begin, count, x, r, w, [&](float sq) {
+  const auto row_sq = [&](float sq) {
     // Every CTA stores its sum into slot s of every CTA's shared memory, then one cluster barrier
     // (release / acquire): after it each CTA reads only its own copies, so none waits for another
     // to finish reading before it leaves.
@@ -171,7 +189,23 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_ranks_spread_kernel(Fu
     float total = 0.f;
     for (int c = 0; c < spread; ++c) total += cta_sqs[c];  // in cluster rank order: the same bits everywhere
     return total;
-  });
+  };
+  if constexpr (kQ == QuantScheme::None) {
+    rmsnorm_slice<T, kV>(a.n, chunk.begin, count, x, r, w, row_sq);
+  } else {
+    __shared__ float cta_maxes[kMaxFusedSpread];  // [c]: CTA c's max of |y|, stored here by CTA c
+    auto row_max = [&](float m) {
+      // As row_sq, into slots of their own: every CTA has passed the first barrier, and reads
+      // its maxima only after the second.
+      if (t < spread) *cluster.map_shared_rank(&cta_maxes[s], t) = m;
+      cluster.sync();
+      float top = 0.f;
+      for (int c = 0; c < spread; ++c) top = fmaxf(top, cta_maxes[c]);
+      return top;
+    };
+    rmsnorm_slice<T, kV, decltype(row_sq), kQ>(a.n, chunk.begin, count, x, r, w, row_sq, &a.q, row,
+                                                int(slice.begin), s == 0, &row_max);
+  }
 }
 
 }  // namespace yali
