@@ -195,9 +195,10 @@ __global__ void __launch_bounds__(kFlashThreads, 1) fused_ranks_spread_kernel(Fu
   } else {
     __shared__ float cta_maxes[kMaxFusedSpread];  // [c]: CTA c's max of |y|, stored here by CTA c
     auto row_max = [&](float m) {
-      // As row_sq, into slots of their own: every CTA has passed the first barrier, and reads
-      // its maxima only after the second.
-      if (t < spread) *cluster.map_shared_rank(&cta_maxes[s], t) = m;
+      // m is this thread's max: first the CTA's (block_max), then as row_sq, into slots of their
+      // own: every CTA has passed the first barrier, and reads its maxima only after the second.
+      const float mine = block_max(m);
+      if (t < spread) *cluster.map_shared_rank(&cta_maxes[s], t) = mine;
       cluster.sync();
       float top = 0.f;
       for (int c = 0; c < spread; ++c) top = fmaxf(top, cta_maxes[c]);

@@ -61,7 +61,7 @@ __device__ __forceinline__ uint2 to_e4m3x8(const float (&v)[8]) {
 // The epilogue's quantisation for one row (or one slice of it), by every thread of the CTA.
 // Thread t holds vector first + j of the whole [rows, row_vecs] input, j = t + u * kFlashThreads <
 // count, the row's vector row_first + j: z (the fp32 sum, residual added), w (the weight).
-// `row_max(m)` turns this CTA's max of |y| into the row's (PerToken), `static_inv` is 1 / scale
+// `row_max(m)` turns this thread's max of |y| into the row's (PerToken), `static_inv` is 1 / scale
 // (Static); `writes_row_scale`: this CTA stores the row's scale (PerToken). `residual_out`: where
 // z goes after the row's reductions (nullptr: stored already, or not wanted).
 template <typename T, int kV, QuantScheme kQ, typename RowMax>
