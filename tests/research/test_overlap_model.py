@@ -7,7 +7,7 @@ import pytest
 
 from research.overlap import inputs as I
 from research.overlap import measure_compute, model
-from tests.bench.test_results_files import test_result_file_follows_schema as check_schema
+from lab.tests.test_results_files import test_result_file_follows_schema as check_schema
 from yali_vllm import _ext
 
 pytestmark = pytest.mark.skipif(_ext.library_error() is not None, reason=f"extension not built: {_ext.library_error()}")
