@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="after the measured points of each config's first repeat, profile one streamed request of this many "
         "tokens with vLLM's torch profiler and write decode-profile.json/.md (kernel time per class and the gaps "
-        "around them, see decode_profile.py) under --out; 0 = no profile. The profiler is configured on the server "
+        "around them, see lab/decode_profile.py) under --out; 0 = no profile. The profiler is configured on the server "
         "but only runs for that request, after the measurements",
     )
     p.add_argument(

@@ -52,8 +52,8 @@ Kinds beyond the schema's (rows as `lab/tests/test_results_files.py` checks them
 
 | kind | written by | a row |
 | --- | --- | --- |
-| `allreduce-tuning` | `benchmarks/tune.py` | `variant`, `env`, `mode`, `bytes`, `dtype`, `us_p50`, `us_min`, `busbw_gbps`: one kernel configuration at one size |
-| `decode-profile` | `benchmarks/serving_bench.py --profile-tokens`, `benchmarks/decode_profile.py --merge` | `config`, `rank`, `kernel_class`, `count`, `mean_us` (and totals per token): a server's kernels by class over a profiled request |
+| `allreduce-tuning` | `lab/tune.py` | `variant`, `env`, `mode`, `bytes`, `dtype`, `us_p50`, `us_min`, `busbw_gbps`: one kernel configuration at one size |
+| `decode-profile` | `benchmarks/serving_bench.py --profile-tokens`, `lab/decode_profile.py --merge` | `config`, `rank`, `kernel_class`, `count`, `mean_us` (and totals per token): a server's kernels by class over a profiled request |
 | `serving-step-times` | `benchmarks/serving_bench.py` (`step-times.json`) | `config`, `tokens`, `steps`, `elapsed_ms_mean`, `elapsed_ms_p50`, `elapsed_ms_p90`, `elapsed_ms_max`: the engine's step times by batch tokens |
 | `decode-gemm` | `research/decode_gemm_bench.py`, `research/gemm_after_bench.py` | `setup`, `graph`, `name`, `tokens`, `us_per_call`: one GEMM or layer graph after a given kernel |
 | `layer-overlap-bench` | the layer benchmark of the removed prefill overlap | `model`, `layer`, `tokens`, `us_p50` |

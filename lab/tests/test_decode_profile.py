@@ -1,4 +1,4 @@
-"""CPU tests of benchmarks/decode_profile.py: kernel classification, the per-stream
+"""CPU tests of lab/decode_profile.py: kernel classification, the per-stream
 gap analysis on a synthetic torch-profiler trace, rows per config/rank, and the
 server command it would run."""
 import gzip
@@ -65,7 +65,7 @@ def test_rows_from_traces_per_config_and_rank(tmp_path):
 
 
 def test_dry_run_adds_the_torch_profiler(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "benchmarks.decode_profile", "--dry-run",
+    out = subprocess.run([sys.executable, "-m", "lab.decode_profile", "--dry-run",
                           "--model-size", "8b", "--model-dir", str(tmp_path / "m"), "--out", str(tmp_path / "o"),
                           "--configs", "yali"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -142,7 +142,7 @@ def test_merge_keeps_every_record_and_lists_sources(tmp_path):
         with gzip.open(d / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz", "wt") as f:
             json.dump(TRACE, f)
         paths.append(bench_run.write_decode_profile(run, 2, "70b"))
-    out = subprocess.run([sys.executable, "-m", "benchmarks.decode_profile", "--merge",
+    out = subprocess.run([sys.executable, "-m", "lab.decode_profile", "--merge",
                           *map(str, paths), "--out", str(tmp_path / "merged")], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr

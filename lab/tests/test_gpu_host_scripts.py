@@ -76,7 +76,7 @@ def test_script_sources_env_before_running_python(script):
 def test_only_existing_kernel_knobs_are_named():
     known = known_dev_knobs()
     assert "YALI_DEV_FUSED_BATCH_POLL_MIN" in known and "YALI_DEV_BATCH_POLL" not in known
-    files = [*SCRIPTS, REPO / "benchmarks" / "tune.py", *sorted((REPO / "tests" / "gpu").glob("*.py"))]
+    files = [*SCRIPTS, REPO / "lab" / "tune.py", *sorted((REPO / "tests" / "gpu").glob("*.py"))]
     for f in files:
         # names in settings, not in comments that record what was removed
         code = "\n".join(line.split("#", 1)[0] for line in f.read_text().splitlines())

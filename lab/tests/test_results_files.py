@@ -25,8 +25,8 @@ ROW_KEYS = {
     "overlap-model": ["model_shape", "tp", "tokens", "phase", "compute_us", "allreduce_us", "overlap_cost_us",
                       "step_us_now", "step_us_overlap", "predicted_speedup"],
     "overlap-compute": ["model_shape", "tp", "phase", "tokens", "op", "us_p50"],  # research/overlap/measure_compute.py
-    "allreduce-tuning": ["variant", "bytes"],  # the project's own kinds: benchmarks/tune.py,
-    "decode-profile": ["config", "rank", "kernel_class", "count", "mean_us"],  # benchmarks/decode_profile.py
+    "allreduce-tuning": ["variant", "bytes"],  # the project's own kinds: lab/tune.py,
+    "decode-profile": ["config", "rank", "kernel_class", "count", "mean_us"],  # lab/decode_profile.py
     "decode-gemm": ["setup", "graph", "name", "tokens", "us_per_call"],  # archived: research/decode_gemm_bench.py (618a435)
     "decode-prefetch": ["shape", "tokens", "correct", "ours_vs_cublas", "pass"],  # archived: research/decode_prefetch/bench.py (ddf7ac1)
     "moe-dispatch-combine": ["backend", "dtype", "hidden", "topk", "tokens", "dispatch_us_p50", "combine_us_p50",

@@ -1,7 +1,7 @@
-"""benchmarks/tune.py's variant selection per world size (CPU only)."""
+"""lab/tune.py's variant selection per world size (CPU only)."""
 import pytest
 
-from benchmarks import tune
+from lab import tune
 
 
 def test_default_variants_follow_the_world_size():

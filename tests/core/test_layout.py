@@ -84,7 +84,8 @@ def test_the_deploy_files_name_no_lab_path():
 # Where the lab's files were before lab/ held them. The result files under lab/results keep the paths
 # their runs recorded.
 OLD_PATHS = re.compile(r"benchmarks/results|scripts/gpu_host|docs/DESIGN_LOG\.md|tests/bench\b|"
-                       r"scripts[/.](results_index|record_test_run|mutate_decisions)")
+                       r"scripts[/.](results_index|record_test_run|mutate_decisions)|"
+                       r"benchmarks[/.](tune|decode_profile)\b")
 
 
 def test_no_file_names_a_lab_path_from_before_lab():

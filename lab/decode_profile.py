@@ -10,8 +10,8 @@ yali server about 1 ms per token slower than vllm-default although the fused
 microbenchmark puts the two fused kernels within 0.1 us of each other; the gaps
 around the fused kernels inside the model are what this measures.
 
-  python -m benchmarks.decode_profile --model-size 70b --out /tmp/prof   # on the GPU host
-  python -m benchmarks.decode_profile --report-only DIR/traces --out DIR  # analyse traces again
+  python -m lab.decode_profile --model-size 70b --out /tmp/prof   # on the GPU host
+  python -m lab.decode_profile --report-only DIR/traces --out DIR  # analyse traces again
 
 Writes decode-profile.json (kind decode-profile: one row per config x rank x
 kernel class) and decode-profile.md under --out; the traces stay in --out/traces.

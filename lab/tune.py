@@ -3,8 +3,8 @@
 communicator per variant) to choose the size -> kernel table in
 csrc/core/yali/common/plan.cpp. Per-op time inside CUDA graphs, median of replays.
 
-  python -m benchmarks.tune --out /tmp/yali-results --name tune-<date>
-  python -m benchmarks.tune --world-size 8 --variants ranks   # the N-rank table's boundary and CTA size
+  python -m lab.tune --out /tmp/yali-results --name tune-<date>
+  python -m lab.tune --world-size 8 --variants ranks   # the N-rank table's boundary and CTA size
 """
 from __future__ import annotations
 
