@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Measures YALI kernel configurations side by side (one process per rank, one
 communicator per variant) to choose the size -> kernel table in
-csrc/core/yali/common/plan.cpp. Per-op time inside CUDA graphs, median of replays.
+csrc/core/yali/common/plan_table.h. Per-op time inside CUDA graphs, median of replays.
 
   python -m lab.tune --out /tmp/yali-results --name tune-<date>
   python -m lab.tune --world-size 8 --variants ranks   # the N-rank table's boundary and CTA size
