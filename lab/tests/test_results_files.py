@@ -24,7 +24,7 @@ ROW_KEYS = {
     "gpu-test-run": ["test", "outcome", "duration_s"],
     "overlap-model": ["model_shape", "tp", "tokens", "phase", "compute_us", "allreduce_us", "overlap_cost_us",
                       "step_us_now", "step_us_overlap", "predicted_speedup"],
-    "overlap-compute": ["model_shape", "tp", "phase", "tokens", "op", "us_p50"],  # research/overlap/measure_compute.py
+    "overlap-compute": ["model_shape", "tp", "phase", "tokens", "op", "us_p50"],  # removed once decided: research/overlap/measure_compute.py (2cc9bbc)
     "allreduce-tuning": ["variant", "bytes"],  # the project's own kinds: lab/tune.py,
     "decode-profile": ["config", "rank", "kernel_class", "count", "mean_us"],  # lab/decode_profile.py
     "decode-gemm": ["setup", "graph", "name", "tokens", "us_per_call"],  # archived: research/decode_gemm_bench.py (618a435)
