@@ -196,19 +196,20 @@ def _yali_fused_allreduce_rmsnorm_fake(
     return torch.empty_like(input), torch.empty_like(input)
 
 
-def register_op() -> None:
-    """Registers torch.ops.vllm.yali_fused_allreduce_rmsnorm (idempotent, also
-    across re-imports of this module), and its quantising sibling."""
-    register_quant_op()
-    if hasattr(torch.ops.vllm, OP_NAME):
+def _register_once(name: str, func, fake) -> None:
+    """Registers torch.ops.vllm.<name> unless it is there (idempotent, also across re-imports of
+    this module)."""
+    if hasattr(torch.ops.vllm, name):
         return
     from vllm.utils.torch_utils import direct_register_custom_op
 
-    direct_register_custom_op(
-        op_name=OP_NAME,
-        op_func=yali_fused_allreduce_rmsnorm,
-        fake_impl=_yali_fused_allreduce_rmsnorm_fake,
-    )
+    direct_register_custom_op(op_name=name, op_func=func, fake_impl=fake)
+
+
+def register_op() -> None:
+    """Registers torch.ops.vllm.yali_fused_allreduce_rmsnorm and its quantising sibling."""
+    register_quant_op()
+    _register_once(OP_NAME, yali_fused_allreduce_rmsnorm, _yali_fused_allreduce_rmsnorm_fake)
 
 
 def fused_op():
@@ -419,15 +420,7 @@ def _yali_fused_allreduce_rmsnorm_quant_fake(
 
 def register_quant_op() -> None:
     """Registers torch.ops.vllm.yali_fused_allreduce_rmsnorm_quant (idempotent)."""
-    if hasattr(torch.ops.vllm, QUANT_OP_NAME):
-        return
-    from vllm.utils.torch_utils import direct_register_custom_op
-
-    direct_register_custom_op(
-        op_name=QUANT_OP_NAME,
-        op_func=yali_fused_allreduce_rmsnorm_quant,
-        fake_impl=_yali_fused_allreduce_rmsnorm_quant_fake,
-    )
+    _register_once(QUANT_OP_NAME, yali_fused_allreduce_rmsnorm_quant, _yali_fused_allreduce_rmsnorm_quant_fake)
 
 
 def fused_quant_op():
