@@ -501,9 +501,11 @@ class YaliCommunicator:
     def can_fuse_quant(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, scheme: int,
                        group_size: int = 128) -> bool:
         """True when fused_allreduce_rmsnorm_quant(x, residual, weight, eps, scheme, ...) is served by YALI:
-        can_fuse's limits, x in bf16 or fp16, a known scheme, and for the group scheme a group size of
-        64 or 128 that divides the hidden size."""
+        can_fuse's limits, x a [rows, hidden] matrix in bf16 or fp16 (the scales are per row), a known
+        scheme, and for the group scheme a group size of 64 or 128 that divides the hidden size."""
         if scheme not in (ops.SCHEME_STATIC, ops.SCHEME_PER_TOKEN, ops.SCHEME_GROUP) or x.dtype not in ops.QUANT_DTYPES:
+            return False
+        if x.dim() != 2:
             return False
         if scheme == ops.SCHEME_GROUP and (group_size not in ops.QUANT_GROUP_SIZES or x.shape[-1] % group_size):
             return False

@@ -96,6 +96,29 @@ def _can_fuse_cases(comm) -> dict:
     }
 
 
+def _can_fuse_quant_cases(comm) -> dict:
+    from yali_vllm import ops
+
+    bf16 = torch.bfloat16
+
+    def fuse(shape, scheme, group=128, dtype=bf16):
+        x = torch.empty(*shape, dtype=dtype)
+        return comm.can_fuse_quant(x, torch.empty_like(x), torch.ones(shape[-1], dtype=dtype), scheme, group)
+
+    return {
+        "static bf16": fuse((4, 256), ops.SCHEME_STATIC),
+        "per-token fp16": fuse((4, 256), ops.SCHEME_PER_TOKEN, dtype=torch.float16),
+        "group 128": fuse((4, 256), ops.SCHEME_GROUP),
+        "group 64": fuse((4, 192), ops.SCHEME_GROUP, 64),
+        "group 128 not dividing the row": fuse((4, 192), ops.SCHEME_GROUP),
+        "group 32": fuse((4, 256), ops.SCHEME_GROUP, 32),
+        "fp32": fuse((4, 256), ops.SCHEME_STATIC, dtype=torch.float32),
+        "an unknown scheme": fuse((4, 256), 3),
+        "three dimensions": fuse((2, 2, 256), ops.SCHEME_PER_TOKEN),
+        "24-byte rows": fuse((4, 12), ops.SCHEME_STATIC),
+    }
+
+
 def _ep_serves_cases(comm) -> dict:
     """ep_serves_dispatch / ep_serves_combine at their boundaries (every rank has 4 tokens)."""
     w, r = comm.world_size, comm.rank
@@ -180,6 +203,7 @@ def _scenario(comm, name: str) -> dict:
                       if config.plan(s, "config", comm.world_size)[0] is None],
         "should_use": _should_use_boundaries(comm),
         "can_fuse": _can_fuse_cases(comm),
+        "can_fuse_quant": _can_fuse_quant_cases(comm),
         "ep": _ep_serves_cases(comm),
     }
     if name == "ep":
@@ -290,6 +314,17 @@ def test_can_fuse_at_its_boundaries(ranks, world):
     }
     for name in ("auto", "flash", "arg", "small"):
         assert _every_rank(ranks, world, name)[0]["can_fuse"] == expected, name
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_can_fuse_quant_at_its_boundaries(ranks, world):
+    expected = {
+        "static bf16": True, "per-token fp16": True, "group 128": True, "group 64": True,
+        "group 128 not dividing the row": False, "group 32": False, "fp32": False, "an unknown scheme": False,
+        "three dimensions": False, "24-byte rows": False,
+    }
+    for name in ("auto", "flash", "arg", "small"):
+        assert _every_rank(ranks, world, name)[0]["can_fuse_quant"] == expected, name
 
 
 @pytest.mark.parametrize("world", WORLDS)
