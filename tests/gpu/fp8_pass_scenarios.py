@@ -40,6 +40,19 @@ YALI_QUANT_OP = "vllm::yali_fused_allreduce_rmsnorm_quant"
 FLASHINFER_OP = "vllm::flashinfer_trtllm_fused_allreduce_norm"
 ALL_REDUCE_OP = "vllm::all_reduce"
 
+# The schemes as the test runs them: name -> (yali-vllm-model --quant, the ranks' environment).
+#   fp8-block: vLLM's own pick on an H200, FlashInfer's block-scaled FP8 GEMM op (DeepGEMM for 32
+#   rows and more), which takes the BF16 activations and quantises them inside: no quantisation
+#   node follows the norm. fp8-block-separate-quant: that kernel turned off, so vLLM's next pick
+#   (DeepGEMM or CUTLASS) quantises the activations with QuantFP8 (per group of 128, its custom op
+#   under +quant_fp8) before the GEMM, the form YALI_FUSE_QUANT=1 fuses.
+SCHEMES = {
+    "fp8-static": ("fp8-static", {}),
+    "fp8-dynamic": ("fp8-dynamic", {}),
+    "fp8-block": ("fp8-block", {}),
+    "fp8-block-separate-quant": ("fp8-block", {"VLLM_DISABLED_KERNELS": "FlashInferFp8DeepGEMMDynamicBlockScaledKernel"}),
+}
+
 BATCH_TOKENS = 8192  # the scheduler's batch (vllm serve's default on an H200)
 
 # The cases: (name, range, YALI_FUSION, YALI_FUSE_QUANT). YALI_FUSION=0 is vLLM's defaults.
@@ -77,6 +90,16 @@ def op_names(graph) -> list[str]:
         if name and name.split("::")[0] in ("vllm", "vllm_ir", "_C"):
             names.append(name)
     return names
+
+
+def norm_quantisations(graph) -> list[str | None]:
+    """Per RMSNorm of the graph, in graph order, the quantisation its output gets
+    (fusion_routing.norm_output_quant: "static FP8", "dynamic FP8", or None)."""
+    from yali_vllm import fusion_routing
+
+    norms = [n for n in graph.nodes
+             if n.op == "call_function" and fusion_routing._op_name(n.target) in fusion_routing._NORM_OUTPUT_INDEX]
+    return [fusion_routing.norm_output_quant(n) for n in norms]
 
 
 def vllm_config(model_dir: str, world_size: int):
@@ -241,6 +264,7 @@ def _compile(cfg, stretch, pm, compile_range, seen: dict):
     class Recorded(CustomGraphPass):
         def __call__(self, graph):
             seen["before"] = op_names(graph)
+            seen["norm_quant"] = norm_quantisations(graph)
             pm(graph)
             seen["after"] = op_names(graph)
 
@@ -292,7 +316,7 @@ def run_case(cfg, tp, stretch, fusion: str, fuse_quant: str, compile_range, x: t
                 h, res_out = compiled(x.clone())
             torch.cuda.synchronize()
             calls1 = (comm.device_calls(), comm.device_fused_calls()) if comm else (0, 0)
-        res.update(before=seen.get("before"), after=seen.get("after"),
+        res.update(before=seen.get("before"), after=seen.get("after"), norm_quant=seen.get("norm_quant"),
                    routes=dict(yali.route_counts) if yali else None,
                    quant_matched=getattr(yali, "quant_matched_count", None) if yali else None,
                    yali_calls=calls1[0] - calls0[0], yali_fused_calls=calls1[1] - calls0[1],
@@ -304,13 +328,14 @@ def run_case(cfg, tp, stretch, fusion: str, fuse_quant: str, compile_range, x: t
     return res
 
 
-def fp8_passes_rank(rank: int, group, world_size: int, quant: str, workdir: str) -> dict:
-    """The cases of CASES_BY_WORLD[world_size] for the FP8 scheme `quant`, in one rank of a TP group."""
+def fp8_passes_rank(rank: int, group, world_size: int, scheme: str, workdir: str) -> dict:
+    """The cases of CASES_BY_WORLD[world_size] for `scheme` (of SCHEMES), in one rank of a TP group."""
     from vllm.config import set_current_vllm_config
 
     from yali_vllm.models import write_model_dir
 
-    os.environ.update(VLLM_DISABLE_PYNCCL="1", VLLM_ALLREDUCE_USE_SYMM_MEM="0", VLLM_ALLREDUCE_USE_FLASHINFER="0")
+    quant, env = SCHEMES[scheme]
+    os.environ.update(VLLM_DISABLE_PYNCCL="1", VLLM_ALLREDUCE_USE_SYMM_MEM="0", VLLM_ALLREDUCE_USE_FLASHINFER="0", **env)
     lines: list[str] = []
 
     class Keep(logging.Handler):
@@ -319,9 +344,9 @@ def fp8_passes_rank(rank: int, group, world_size: int, quant: str, workdir: str)
 
     logging.getLogger("vllm").addHandler(Keep())  # vllm.yali's lines propagate to it
     logging.getLogger("vllm.yali").setLevel(logging.INFO)
-    out: dict = {"rank": rank, "quant": quant}
+    out: dict = {"rank": rank, "scheme": scheme}
     try:
-        model = write_model_dir(os.path.join(workdir, f"{quant}-rank{rank}"), "8b", quant=quant)
+        model = write_model_dir(os.path.join(workdir, f"{scheme}-rank{rank}"), "8b", quant=quant)
         cfg = vllm_config(str(model), world_size)
         tp = tp_setup(rank, world_size, cfg)
         out["yali"] = tp.device_communicator.yali_comm is not None
