@@ -25,7 +25,8 @@ dummy (random, seeded) weights and the Tekken tokenizer; TP=2.
   norm output is quantised goes where vLLM's defaults fuse its quantisation
   (yali_vllm/fusion_routing.py), so YALI's fused-kernel counter grows by the
   unquantised pairs only (the final norm) for static FP8, and by every pair for
-  the dynamic and block schemes, whose quantisation vLLM keeps apart.
+  the dynamic scheme, whose quantisation vLLM keeps apart, and for block FP8,
+  whose linears quantise inside vLLM's GEMM op on Hopper (test_vllm_fp8_passes.py).
 
 Every configuration runs in a fresh subprocess (tests/gpu/vllm_generate.py),
 bounded by a timeout, with NVLink multicast off, and each runs once per
@@ -366,8 +367,9 @@ def test_vllm_serve_selects_yali_and_answers(model_dir, plugin_path, tmp_path):
 def test_fp8_model_keeps_vllms_quant_fusions(quant, plugin_path, tmp_path_factory):
     """Decode steps lie within FlashInfer's compile range (TP=2): a static FP8 pair goes to
     FlashInfer's all-reduce + RMSNorm + FP8 kernel, so YALI's fused kernel serves the final norm
-    alone, about one call per step; a dynamic or block pair goes to YALI's op (vLLM's defaults
-    fuse only the all-reduce and the norm there), 1 + 2 x layers calls per step. The plain
+    alone, about one call per step; a dynamic pair goes to YALI's op (vLLM's defaults fuse only
+    the all-reduce and the norm there), and so does a block-FP8 pair (its quantisation is inside
+    vLLM's GEMM op on Hopper: a plain pair), 1 + 2 x layers calls per step. The plain
     all-reduces the FlashInfer kernel does not take stay with YALI."""
     from yali_vllm.models import write_model_dir
 
