@@ -336,7 +336,7 @@ def test_first_call_of_each_path_is_logged_once(caplog):
     """The op says once per group and path what it runs: the sign of YALI's fused op in a graph
     that vLLM loaded from its compile cache (no fusion pass is built then)."""
     x, peer, res, w = _tensors()
-    vllm_log._first_calls.clear()
+    vllm_log.forget_logged()
     group = StandInGroup(peer, StandInYali(fuse=True, group=StandInGroup(peer)))
     group.unique_name = "tp:7"
     with caplog.at_level("INFO", logger="vllm.yali"):
