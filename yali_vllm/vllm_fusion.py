@@ -50,7 +50,7 @@ from vllm.compilation.passes.vllm_inductor_pass import VllmInductorPass, VllmPat
 
 from yali_vllm import fusion_routing
 from yali_vllm.quant_schemes import SCHEME_GROUP, SCHEME_PER_TOKEN, SCHEME_STATIC
-from yali_vllm.vllm_log import LOGGER, log_first_call
+from yali_vllm.vllm_log import LOGGER, log_first_call, log_once
 
 logger = logging.getLogger(LOGGER)
 
@@ -620,10 +620,6 @@ def _scale_layout_as_graph(match: pm.Match, spec: QuantSpec) -> bool:
     return s.dtype == torch.float32 and all(statically_known_true(x) for x in same)
 
 
-_logged_patterns = False
-_logged_routes: set[str] = set()
-
-
 def fused_max_tokens(group, config) -> int | None:
     """The most tokens for which YALI's communicator on `group` serves the fused op of `config`'s
     model (its message limit over one row of the hidden size and dtype); None when unbounded
@@ -684,15 +680,12 @@ class YaliAllReduceFusionPass(VllmPatternMatcherPass):
             names += self.register_quant_patterns(tp.unique_name)
         self.disabled = False
         self.dump_patterns(config, self.patterns)
-        global _logged_patterns
-        if not _logged_patterns:
-            _logged_patterns = True
-            logger.info(
-                "YALI fusion pass: patterns %s registered for eps %s, %s, group '%s'; %s",
-                ", ".join(names), ", ".join(str(e) for e in EPSILONS), self.model_dtype, tp.unique_name,
-                "every token count" if self.max_token_num is None else
-                f"compile ranges up to {self.max_token_num} tokens (larger ones keep vLLM's all-reduce + RMSNorm)",
-            )
+        log_once(
+            logger, logging.INFO, "YALI fusion pass: patterns %s registered for eps %s, %s, group '%s'; %s",
+            ", ".join(names), ", ".join(str(e) for e in EPSILONS), self.model_dtype, tp.unique_name,
+            "every token count" if self.max_token_num is None else
+            f"compile ranges up to {self.max_token_num} tokens (larger ones keep vLLM's all-reduce + RMSNorm)",
+        )
 
     @enable_fake_mode
     def register_patterns(self, group_name: str) -> list[str]:
@@ -798,9 +791,7 @@ class YaliAllReduceFusionPass(VllmPatternMatcherPass):
         self.route_counts = counts
         if self.flashinfer is not None or self.fuse_quant:
             where = "" if compile_range is None else f" in compile range {compile_range}"
-            line = f"YALI fusion pass{where}: all-reduce + RMSNorm pairs {fusion_routing.summary(counts)}"
-            if line not in _logged_routes:
-                _logged_routes.add(line)
-                logger.info("%s", line)
+            log_once(logger, logging.INFO, "YALI fusion pass%s: all-reduce + RMSNorm pairs %s", where,
+                     fusion_routing.summary(counts))
         logger.debug("YaliAllReduceFusionPass replaced %s patterns (%s quantised)",
                      self.matched_count + self.quant_matched_count, self.quant_matched_count)

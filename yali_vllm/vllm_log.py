@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+from collections.abc import Hashable
+from typing import Any
 
 LOGGER = "vllm.yali"
 # Records kept at most while vLLM's logging is not configured (the plugin logs a few).
@@ -101,14 +103,28 @@ def hold_until_configured(module: str, name: str) -> bool:
     return True
 
 
-_first_calls: set[tuple] = set()
+# The keys of the lines log_once has logged in this process.
+_logged: set[Hashable] = set()
+
+
+def log_once(logger: logging.Logger, level: int, msg: str, *args: Any, key: Hashable = None) -> None:
+    """`logger`.log(`level`, `msg`, *`args`) the first time this process logs the line: a line is
+    known by `key`, or when that is None by its text (``msg % args``), so one with other text is a
+    new line. The line counts as logged also when `level` is below the logger's level."""
+    seen = (msg % args if args else msg) if key is None else key
+    if seen in _logged:
+        return
+    _logged.add(seen)
+    logger.log(level, msg, *args)
+
+
+def forget_logged() -> None:
+    """Forget every line log_once has logged in this process (tests use it to see lines again)."""
+    _logged.clear()
 
 
 def log_first_call(op: str, key: tuple, msg: str, *args) -> None:
     """One INFO line per process, op and key (its group and path) the first time `op` runs: the
     sign that the op is in the compiled graph also when vLLM loaded that graph from its compile
     cache, where the pass that put it there is never built and its line never appears."""
-    if (op, key) in _first_calls:
-        return
-    _first_calls.add((op, key))
-    logging.getLogger(LOGGER).info(msg, *args)
+    log_once(logging.getLogger(LOGGER), logging.INFO, msg, *args, key=("first call", op, key))

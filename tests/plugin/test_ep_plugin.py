@@ -88,12 +88,12 @@ def test_yali_manager_is_a_subclass_whose_overrides_keep_vllms_signatures():
         assert list(mine.parameters) == list(inspect.signature(base).parameters), name
 
 
-def test_first_calls_log_one_line_per_process_group_and_path(caplog, monkeypatch):
+def test_first_calls_log_one_line_per_process_group_and_path(caplog):
     """A line the first time a group's dispatch or combine is served by YALI and the first time it
     goes to vLLM's manager; never again in the process, also from a rebuilt manager."""
     from yali_vllm import vllm_log
 
-    monkeypatch.setattr(vllm_log, "_first_calls", set())
+    vllm_log.forget_logged()
     cls = ep_manager.manager_class(AgRsAll2AllManager)
     first, rebuilt = cls.__new__(cls), cls.__new__(cls)
     first.yali_group = rebuilt.yali_group = "ep:0"

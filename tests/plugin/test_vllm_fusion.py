@@ -184,7 +184,7 @@ def test_factory_off_without_tp_group(monkeypatch, caplog):
     """In a process without a TP group (no distributed set-up here) the factory
     builds vLLM's pass and says why."""
     monkeypatch.delenv("YALI_FUSION", raising=False)
-    fusion_patch._fusion_logged.clear()
+    vllm_log.forget_logged()
     factory = fusion_patch.fusion_pass_factory(StandInPass)
     cfg = object()
     with caplog.at_level(logging.INFO, logger="vllm.yali"):
@@ -336,7 +336,7 @@ def test_first_call_of_each_path_is_logged_once(caplog):
     """The op says once per group and path what it runs: the sign of YALI's fused op in a graph
     that vLLM loaded from its compile cache (no fusion pass is built then)."""
     x, peer, res, w = _tensors()
-    vllm_log._first_calls.clear()
+    vllm_log.forget_logged()
     group = StandInGroup(peer, StandInYali(fuse=True, group=StandInGroup(peer)))
     group.unique_name = "tp:7"
     with caplog.at_level("INFO", logger="vllm.yali"):
@@ -691,7 +691,7 @@ def _factory_choices(cfg, tp) -> dict:
     ranged_factory = fusion_patch.fusion_pass_factory(flashinfer)
     bf16 = ranged_factory(cfg)
     res["bf16_flashinfer"] = [bf16.flashinfer is None, len(built)]
-    fusion_patch._fusion_logged.clear()
+    vllm_log.forget_logged()
     del handler_lines[:]
     cfg.model_config.quantization = "fp8"
     try:
@@ -702,7 +702,7 @@ def _factory_choices(cfg, tp) -> dict:
     res["fp8_log"] = [ln for ln in handler_lines if ln.startswith("YALI fusion pass ON")]
 
     # YALI_FUSE_QUANT=1: the ON line of a quantised model says so, and the compile-cache factor differs.
-    fusion_patch._fusion_logged.clear()
+    vllm_log.forget_logged()
     del handler_lines[:]
     os.environ["YALI_FUSE_QUANT"] = "1"
     cfg.model_config.quantization = "fp8"

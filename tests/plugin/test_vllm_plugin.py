@@ -29,7 +29,7 @@ from vllm.distributed.device_communicators.cuda_communicator import (  # noqa: E
 )
 
 from benchmarks.common.processes import free_port  # noqa: E402
-from yali_vllm import config, plugin  # noqa: E402
+from yali_vllm import config, plugin, vllm_log  # noqa: E402
 from yali_vllm.plugin import fusion_patch, gate, group_setup, patch, stats, touch_points  # noqa: E402
 from yali_vllm.plugin.gate import yali_gate  # noqa: E402
 from .cpu_ranks import cpu_rank, run_cpu_ranks, same_on_every_rank  # noqa: E402
@@ -765,3 +765,25 @@ def test_plugin_line_reaches_vllms_log_on_every_supported_version():
     assert f"vLLM {vllm.__version__}" in lines[0] and "INFO" in lines[0]
     if "configured at import: False" in out:  # 0.31+: held, then emitted once vLLM configured logging
         assert out.index("PROBE registered") < out.index(lines[0]) < out.index("PROBE configured")
+
+
+def test_log_once_logs_each_line_once_per_process_until_forgotten(caplog):
+    """log_once knows a line by its text, or by the key it is given; forget_logged makes it new again.
+    A line below the logger's level counts as logged."""
+    log = logging.getLogger("yali_test.log_once")
+    vllm_log.forget_logged()
+    with caplog.at_level(logging.INFO, logger=log.name):
+        vllm_log.log_once(log, logging.DEBUG, "quiet %s", 1)
+        for _ in range(2):
+            vllm_log.log_once(log, logging.INFO, "group '%s' at %d%%", "tp:0", 50)
+            vllm_log.log_once(log, logging.INFO, "group '%s' at %d%%", "tp:1", 50)
+            vllm_log.log_once(log, logging.WARNING, "no args, 100%")
+            vllm_log.log_once(log, logging.INFO, "tokens %s", [1, 1], key=("first", "tp:0"))
+            vllm_log.log_once(log, logging.INFO, "tokens %s", [2, 2], key=("first", "tp:0"))
+        vllm_log.log_once(log, logging.INFO, "quiet %s", 1)
+        vllm_log.forget_logged()
+        vllm_log.log_once(log, logging.INFO, "group '%s' at %d%%", "tp:0", 50)
+    got = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == log.name]
+    assert got == [(logging.INFO, "group 'tp:0' at 50%"), (logging.INFO, "group 'tp:1' at 50%"),
+                   (logging.WARNING, "no args, 100%"), (logging.INFO, "tokens [1, 1]"),
+                   (logging.INFO, "group 'tp:0' at 50%")], got

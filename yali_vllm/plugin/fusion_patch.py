@@ -16,7 +16,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from yali_vllm.vllm_log import LOGGER
+from yali_vllm.vllm_log import LOGGER, log_once
 
 from .touch_points import ENVS, PASS_MANAGER, on
 
@@ -29,14 +29,6 @@ _PM_MODULE, _PM_SYMBOL = _PASS.module, _PASS.symbol
 _FACTORY_ORIGINAL = "_yali_original"
 # Compile-cache factor (see _register_cache_factor).
 CACHE_FACTOR = "YALI_FUSION_PASS"
-_fusion_logged: set[str] = set()
-
-
-def _log_fusion_once(level: int, msg: str, *args: Any) -> None:
-    text = msg % args
-    if text not in _fusion_logged:
-        _fusion_logged.add(text)
-        logger.log(level, "%s", text)
 
 
 def model_quantisation(config: Any) -> str | None:
@@ -59,8 +51,8 @@ def fusion_pass_factory(original: Any) -> Any:
 
         yali, why = vllm_fusion.fusion_decision()
         if not yali:
-            _log_fusion_once(
-                logging.INFO, "YALI fusion pass OFF: %s; using vLLM's FlashInfer all-reduce+RMSNorm fusion", why
+            log_once(
+                logger, logging.INFO, "YALI fusion pass OFF: %s; using vLLM's FlashInfer all-reduce+RMSNorm fusion", why
             )
             return original(config)
         quant = model_quantisation(config)
@@ -73,8 +65,8 @@ def fusion_pass_factory(original: Any) -> Any:
                 type(e).__name__, e, exc_info=True,
             )
             return flashinfer if flashinfer is not None else original(config)
-        _log_fusion_once(
-            logging.INFO,
+        log_once(
+            logger, logging.INFO,
             "YALI fusion pass ON (replaces vLLM's FlashInfer all-reduce+RMSNorm fusion): %s%s", why,
             "" if quant is None else "; " + quantised_routing_note(quant, flashinfer),
         )
