@@ -6,6 +6,8 @@
 //   fused_quant IN RESIDUAL WEIGHT QUANT_OUT RESIDUAL_OUT SCALE N ROW QUANT_BYTES SCALE_BYTES SCALE_IS_OUTPUT
 //                                                        -> ok, or why an output is refused (quant.h)
 //   quant_bits SCHEME GROUP_SIZE UE8M0                   -> the scheme's descriptor bits (quant_desc_bits)
+//   quant_scheme SCHEME ROWS HIDDEN GROUP_SIZE ROW_STRIDE GROUP_STRIDE
+//                                                        -> ok, or why the scheme or scale layout is refused
 //   call OP KERNEL NBYTES DTYPE CTAS W3                  -> the descriptor's four words (call_desc)
 //   abort RANK WORLD TIMEOUT_S KERNEL BLOCK WHAT EXPECTED SEEN PEER M0 M1 M2 M3 T0 T1 T2 T3
 //                                                        -> the abort message (abort_text)
@@ -49,6 +51,14 @@ std::string run(std::istringstream& q) {
         scale_is_output;
     return answer(yali::fused_quant_overlap_refusal(at(in), at(residual), at(weight), at(quant_out), at(residual_out),
                                                     at(scale), n, row, quant_bytes, scale_bytes, scale_is_output != 0));
+  }
+  if (op == "quant_scheme") {
+    int scheme, group_size;
+    uint64_t rows, hidden;
+    int64_t row_stride, group_stride;
+    q >> scheme >> rows >> hidden >> group_size >> row_stride >> group_stride;
+    return answer(yali::quant_scheme_refusal(yali::QuantScheme(scheme), rows, hidden, group_size, row_stride,
+                                             group_stride));
   }
   if (op == "quant_bits") {
     int scheme, group_size, ue8m0;

@@ -1,6 +1,7 @@
 """The quantising fused op's pure C++ rules (csrc/core/yali/common/quant.h) through the host-built
-query program (core_rules.py): which outputs may lie over which inputs, the scheme's bits of the
-call descriptor, and an abort record that names the schemes of two mismatched calls."""
+query program (core_rules.py): which outputs may lie over which inputs, which schemes and scale
+layouts are served (no two scales at one address), the scheme's bits of the call descriptor, and an
+abort record that names the schemes of two mismatched calls."""
 import pytest
 
 from .core_rules import query
@@ -64,3 +65,44 @@ def test_abort_names_the_schemes_of_both_calls():
     group = int(query("quant_bits 2 128 1")[0])
     text = query(f"abort 0 2 10 5 7 9 0 0 -1 {mine} 16384 0 {w2} {4096 | group << 16}")[0]
     assert "FP8 group-128 quant (ue8m0) of hidden 4096" in text, text
+
+
+def _scheme(scheme, rows, hidden, group, row_stride, group_stride) -> str:
+    return query(f"quant_scheme {scheme} {rows} {hidden} {group} {row_stride} {group_stride}")[0]
+
+
+SHARED = "scale's strides must give every (row, group) its own element (two scales would share an address)"
+
+
+@pytest.mark.parametrize("rows,hidden,group,strides", [
+    (5, 1024, 128, (8, 1)),     # row-major [rows, groups]
+    (5, 1024, 128, (1, 5)),     # column-major (vLLM's column_major_scales)
+    (5, 1024, 128, (1, 8)),     # column-major, rows padded to a multiple of 4 (TMA-aligned)
+    (5, 1024, 64, (16, 1)),     # group of 64
+    (1, 1024, 128, (0, 1)),     # one row: its stride is never used
+    (7, 128, 128, (1, 0)),      # one group per row
+    (3, 1024, 128, (100, 2)),   # sparse but distinct
+], ids=["row-major", "column-major", "tma-aligned", "group-64", "one-row", "one-group", "sparse"])
+def test_group_scale_layouts_whose_scales_are_distinct_are_served(rows, hidden, group, strides):
+    assert _scheme(2, rows, hidden, group, *strides) == "ok"
+
+
+@pytest.mark.parametrize("rows,hidden,group,strides", [
+    (4, 512, 128, (1, 1)),      # (0, 1) and (1, 0) share an element
+    (4, 512, 128, (1, 3)),      # column-major with a row too few: (3, 0) and (0, 1)
+    (4, 512, 128, (3, 1)),      # row-major with a group too few: (0, 3) and (1, 0)
+    (2, 1024, 128, (4, 1)),     # the second row starts inside the first
+], ids=["equal-strides", "columns-too-close", "rows-too-close", "rows-interleaved"])
+def test_group_scale_layouts_that_share_an_address_are_refused(rows, hidden, group, strides):
+    assert _scheme(2, rows, hidden, group, *strides) == SHARED
+
+
+def test_scheme_refusals_name_what_is_wrong():
+    assert _scheme(2, 4, 512, 128, 0, 1).startswith("scale's strides must be positive")
+    assert _scheme(2, 4, 512, 128, -4, 1).startswith("scale's strides must be positive")
+    assert _scheme(2, 4, 512, 96, 4, 1) == "group_size must be 64 or 128"
+    assert _scheme(2, 4, 576, 128, 5, 1) == "group_size must divide the hidden size"
+    assert _scheme(1, 4, 512, 0, 0, 0) == "scale must give every row its own element (stride(0) > 0)"
+    assert _scheme(1, 4, 512, 0, 1, 0) == "ok"
+    assert _scheme(0, 4, 512, 0, 0, 0) == "ok"  # static: one input scale
+    assert _scheme(3, 4, 512, 128, 4, 1).startswith("scheme must be 0")

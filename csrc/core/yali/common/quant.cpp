@@ -45,9 +45,17 @@ const char* quant_scheme_refusal(QuantScheme s, size_t rows, size_t hidden, int 
   for (int g : kQuantGroupSizes) known |= g == group_size;
   if (!known) return "group_size must be 64 or 128";
   if (hidden % size_t(group_size) != 0) return "group_size must divide the hidden size";
-  if (row_stride < 0 || group_stride < 0 || (rows > 1 && row_stride == 0) ||
-      (hidden / size_t(group_size) > 1 && group_stride == 0))
+  const size_t groups = hidden / size_t(group_size);
+  if (row_stride < 0 || group_stride < 0 || (rows > 1 && row_stride == 0) || (groups > 1 && group_stride == 0))
     return "scale's strides must be positive along every dimension longer than 1";
+  if (rows > 1 && groups > 1) {
+    // Each scale its own element: the larger stride steps past every element of the other dimension.
+    const bool rows_inner = row_stride <= group_stride;
+    const uint64_t inner = uint64_t(rows_inner ? row_stride : group_stride);
+    const uint64_t outer = uint64_t(rows_inner ? group_stride : row_stride);
+    if (outer < inner * (rows_inner ? rows : groups))
+      return "scale's strides must give every (row, group) its own element (two scales would share an address)";
+  }
   return nullptr;
 }
 

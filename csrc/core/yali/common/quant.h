@@ -50,7 +50,8 @@ const char* fused_quant_overlap_refusal(const void* in, const void* residual, co
 
 // Why a scheme, group size and scale layout are refused for rows of `hidden` elements, or nullptr:
 // group sizes kQuantGroupSizes dividing hidden; the group scales' strides (elements) non-negative,
-// and positive along every dimension longer than 1, so that no two scales share an address.
+// positive along every dimension longer than 1, and the larger one at least the smaller one times
+// its dimension's length, so that no two scales share an address.
 const char* quant_scheme_refusal(QuantScheme s, size_t rows, size_t hidden, int group_size, int64_t row_stride,
                                  int64_t group_stride);
 
