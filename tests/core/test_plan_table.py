@@ -143,6 +143,19 @@ def fused_shapes():
     return [(r, h, d) for d in DTYPES for h in hiddens for r in rows]
 
 
+@pytest.mark.parametrize("cluster,expected", [("0", 1), ("2", 2), ("8", 8)])
+def test_the_fused_bands_name_the_cluster_the_setting_gives(monkeypatch, cluster, expected):
+    """YALI_DEV_FUSED_CLUSTER replaces every band's cluster_max (0, never: a cluster of one), and each
+    call launches within it."""
+    monkeypatch.setenv("YALI_DEV_FUSED_CLUSTER", cluster)
+    table = config.plan_table(2)
+    assert {b["cluster_max"] for b in table["fused_band"]} == {expected}
+    for rows, hidden, dtype in fused_shapes():
+        if hidden * DTYPES[dtype] <= table["limits"]["fused_max_row_bytes"]:
+            l = config.fused_plan(rows, hidden, dtype, world_size=2)
+            assert not l["one_launch"] or l["cluster"] <= expected, (rows, hidden, dtype, l)
+
+
 @pytest.mark.parametrize("world", (2, 4, 8))
 def test_every_fused_call_launches_as_its_band_says(settings, world):
     table = config.plan_table(world)

@@ -65,6 +65,12 @@ const table::FusedBand& fused_band(size_t nbytes, size_t row_bytes) {
   return std::end(table::kFusedBands)[-1];
 }
 
+// The most CTAs of a cluster in `band` under the settings: YALI_DEV_FUSED_CLUSTER when set (0, never,
+// is a cluster of one), else the band's own.
+int cluster_max(const Config& c, const table::FusedBand& band) {
+  return c.fused_cluster >= 0 ? std::max(c.fused_cluster, 1) : band.cluster_max;
+}
+
 static_assert(std::end(table::kFusedBands)[-1].up_to == table::kAny &&
                   std::end(table::kFusedBands)[-1].row_bytes_max == table::kAny,
               "the last fused band holds every call");
@@ -139,7 +145,7 @@ FusedLaunch fused_launch_for(const Config& c, size_t rows, size_t hidden, DType 
   const table::FusedBand& band = fused_band(nbytes, row_bytes);
   l.cta_bytes = band.cta_bytes;
   l.row_loads_early = band.row_loads_early;
-  const int cluster = c.fused_cluster >= 0 ? std::max(c.fused_cluster, 1) : band.cluster_max;
+  const int cluster = cluster_max(c, band);
   // The sending is cut into cta_bytes per CTA (at most kMaxFlashCtas CTAs); every row needs a CTA too.
   // (Which CTA sends and owns what is the kernels' rule, fused.cuh fused_work: a launch without
   // clusters and with more CTAs than rows sends from all CTAs but its last.)
@@ -173,7 +179,7 @@ std::string plan_text(const Config& c, int world) {
   for (const table::FusedBand& f : table::kFusedBands)
     o << "fused_band up_to=" << bound_text(f.up_to) << " row_bytes_max=" << bound_text(f.row_bytes_max)
       << " cta_bytes=" << f.cta_bytes << " row_loads_early=" << int(f.row_loads_early)
-      << " cluster_max=" << f.cluster_max << "\n";
+      << " cluster_max=" << cluster_max(c, f) << "\n";
   const bool ranks = world > 2;
   o << "limits serve_max=" << serve_max(c, world) << " oneshot_max=" << (ranks ? ranks_oneshot_max(c, world) : 0)
     << " slot_bytes=" << (ranks ? ranks_slot_bytes(c, world) : 0)
