@@ -29,7 +29,11 @@ import logging
 import os
 import traceback
 
+from unittest import mock
+
 import torch
+
+from .scenarios import digest
 
 TOKENS = 37  # odd: rows that fill no tile
 INTERMEDIATE = 2048  # per-rank shards stay multiples of the block quantisation's 128 columns
@@ -225,17 +229,9 @@ def _pass_manager(cfg, fusion: str, fuse_quant: str):
     given (read when the passes are built)."""
     from vllm.compilation.passes.pass_manager import PostGradPassManager
 
-    saved = {k: os.environ.get(k) for k in ("YALI_FUSION", "YALI_FUSE_QUANT")}
-    os.environ.update(YALI_FUSION=fusion, YALI_FUSE_QUANT=fuse_quant)
-    try:
+    with mock.patch.dict(os.environ, YALI_FUSION=fusion, YALI_FUSE_QUANT=fuse_quant):
         pm = PostGradPassManager()
         pm.configure(cfg)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return pm
 
 
@@ -288,12 +284,6 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
 
-def _digest(t: torch.Tensor) -> int:
-    """A bit digest of `t`, the same on every rank when the bits are."""
-    w = t.contiguous().view(torch.int16).to(torch.int64)
-    return int(((w + 32768) * torch.arange(1, w.numel() + 1, device=w.device).view(w.shape)).sum().item())
-
-
 def run_case(cfg, tp, stretch, fusion: str, fuse_quant: str, compile_range, x: torch.Tensor, ref) -> dict:
     """One case: the passes built with YALI_FUSION=`fusion`, YALI_FUSE_QUANT=`fuse_quant`, the
     stretch compiled under `compile_range` and run on `x`; `ref` is the eager stretch's output."""
@@ -322,7 +312,7 @@ def run_case(cfg, tp, stretch, fusion: str, fuse_quant: str, compile_range, x: t
                    yali_calls=calls1[0] - calls0[0], yali_fused_calls=calls1[1] - calls0[1],
                    err_norm=_rel_err(h, ref[0]), err_residual=_rel_err(res_out, ref[1]),
                    finite=bool(torch.isfinite(h.float()).all() and torch.isfinite(res_out.float()).all()),
-                   digest=[_digest(h), _digest(res_out)])
+                   digest=[digest(h), digest(res_out)])
     except Exception as e:  # recorded: the other cases still run
         res["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-4000:]}"
     return res
@@ -363,7 +353,7 @@ def fp8_passes_rank(rank: int, group, world_size: int, scheme: str, workdir: str
         with set_current_vllm_config(cfg), torch.no_grad():
             ref = stretch(x.clone())
         torch.cuda.synchronize()
-        out["eager_digest"] = [_digest(ref[0]), _digest(ref[1])]
+        out["eager_digest"] = [digest(ref[0]), digest(ref[1])]
         out["cases"] = {}
         for name in CASES_BY_WORLD[world_size]:
             where, fusion, fuse_quant = CASES[name]
